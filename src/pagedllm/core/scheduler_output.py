@@ -1,0 +1,62 @@
+"""SchedulerOutput: what the Scheduler tells the ModelRunner to do this step.
+
+New requests (and requests resuming after preemption) arrive in full, once; requests that were already
+running arrive as diffs: the block ids appended this step and their num_computed_tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or dropped at preemption): everything it needs.
+
+    token_ids: prompt + output tokens so far (outputs are non-empty only when resuming).
+    block_ids: the request's whole block table.
+    num_computed_tokens: tokens whose KV is already in those blocks (prefix-cache hits).
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Diffs for requests that ran last step and still run, as parallel lists."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    """Block ids appended to each request's block table this step (often [])."""
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    """req_id -> tokens to compute this step. Order of keys = batch order."""
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)
+    """Requests finished or aborted since the last step: the runner drops their state."""
+    preempted_req_ids: set[str] = field(default_factory=set)
+    """Requests preempted this step: the runner drops their state; they come back as new requests."""
+
+    @classmethod
+    def empty(cls) -> SchedulerOutput:
+        return cls([], CachedRequestData(), {}, 0)

@@ -1,0 +1,103 @@
+"""SamplingParams: how one request is sampled and when it stops (vLLM's names and defaults)."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+# Caps that bound the work one request can ask for. The server exposes them as flags.
+MAX_LOGPROBS = 20
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Sampling parameters for text generation, with vLLM's field names and defaults.
+
+    `temperature == 0` means greedy. `validate()` raises `ValueError` with a message a user can act on.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first parameter that is out of range."""
+        _check(isinstance(self.n, int) and self.n >= 1, "n", f"n must be at least 1, got {self.n}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_finite(value) and -2.0 <= value <= 2.0, name, f"{name} must be in [-2, 2], got {value}.")
+        _check(_finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
+               "repetition_penalty", f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
+        _check(_finite(self.temperature) and 0.0 <= self.temperature <= 2.0, "temperature",
+               f"temperature must be in [0, 2], got {self.temperature}.")
+        _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
+               f"top_p must be in (0, 1], got {self.top_p}.")
+        _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= -1, "top_k",
+               f"top_k must be -1 or 0 (disable), or at least 1, got {self.top_k}.")
+        _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p",
+               f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 1, "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
+        _check(self.min_tokens >= 0, "min_tokens", f"min_tokens must be at least 0, got {self.min_tokens}.")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens",
+                   f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens}).")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(0 <= value <= MAX_LOGPROBS, name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty.")
+        if self.seed is not None:
+            _check(-(2**63) <= self.seed < 2**64, "seed", f"seed {self.seed} does not fit in 64 bits.")
+        if vocab_size is not None:
+            for tid in self.stop_token_ids:
+                _check(0 <= tid < vocab_size, "stop_token_ids", f"stop token id {tid} is outside the vocabulary.")
+        if self.logit_bias:
+            for tid, bias in self.logit_bias.items():
+                _check(vocab_size is None or 0 <= tid < vocab_size, "logit_bias",
+                       f"logit_bias token id {tid} is outside the vocabulary.")
+                _check(_finite(bias) and -100.0 <= bias <= 100.0, "logit_bias",
+                       f"logit_bias values must be in [-100, 100], got {bias}.")
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; `param` names it (the OpenAI error's `param`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _finite(value: float) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise SamplingParamsError(param, message)
