@@ -39,6 +39,7 @@ class CachedRequestData:
     new_block_ids: list[list[int]] = field(default_factory=list)
     """Block ids appended to each request's block table this step (often [])."""
     num_computed_tokens: list[int] = field(default_factory=list)
+    """Tokens computed BEFORE this step (the step computes num_scheduled_tokens more)."""
 
     @property
     def num_reqs(self) -> int:
