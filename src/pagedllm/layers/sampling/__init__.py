@@ -1,0 +1,1 @@
+"""Pieces of the sampler: per-step metadata, logits processors and logprobs. `layers.sampler` ties them up."""
