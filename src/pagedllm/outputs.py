@@ -40,3 +40,6 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    """arrival_time, first_scheduled_time, first_token_time, last_token_time (wall-clock seconds)."""
+    error: str | None = None
+    """Set when the engine failed this request (finish_reason "error"): a message safe to show."""

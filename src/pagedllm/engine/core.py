@@ -1,0 +1,149 @@
+"""EngineCore: the loop body every frontend drives: schedule -> execute -> update.
+
+It owns the Scheduler (and through it the KV cache manager) and the ModelRunner. Only the thread that
+calls `step()` touches scheduler or KV state. The offline LLM calls it in-process; the server runs it in
+its own process (engine/core_proc.py) behind ZMQ sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.input_processor import ModelLimits
+from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from pagedllm.layers.forward_context import kv_cache_bytes_per_block
+from pagedllm.models.loader import load_model, resolve_device, resolve_dtype, resolve_model
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
+
+
+class EngineCore:
+    """Loads the model, sizes the KV pool, and runs steps.
+
+    Raises ValueError at construction when the configuration cannot work (e.g. one request of
+    max_model_len tokens does not fit in the KV pool), with the figures in the message.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+        start = time.perf_counter()
+        self.resolved_model = resolve_model(mc.model)
+        self.device = resolve_device(mc.device)
+        self.dtype = resolve_dtype(mc.dtype, self.device)
+        torch.manual_seed(mc.seed)
+        model, info = load_model(self.resolved_model, self.device, self.dtype)
+        self.model_info = info
+        self.max_model_len = _resolve_max_model_len(mc.max_model_len, info.max_position_embeddings)
+        sc.max_model_len = self.max_model_len
+        self.num_blocks = self._determine_num_blocks()
+        self.runner = ModelRunner(config, model, info, self.device, self.dtype)
+        self.runner.initialize_kv_cache(self.num_blocks)
+        self.scheduler = Scheduler(sc, cc, self.num_blocks)
+        logger.info("EngineCore ready in %.1f s: %s on %s in %s", time.perf_counter() - start,
+                    self.resolved_model.path, self.device, str(self.dtype).removeprefix("torch."))
+
+    # ---- facts the frontend needs ----------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.model_info.vocab_size
+
+    def model_limits(self) -> ModelLimits:
+        eos_ids = list(self.model_info.eos_token_ids)
+        return ModelLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                           eos_token_id=eos_ids[0] if eos_ids else None, extra_stop_token_ids=eos_ids[1:],
+                           generation_defaults=self._generation_defaults())
+
+    def _generation_defaults(self) -> dict:
+        source = self.config.model_config.generation_config
+        if source == "vllm":
+            return {}
+        return dict(self.model_info.generation_config or {})
+
+    # ---- requests --------------------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a validated request. Raises QueueFullError when the waiting queue is at its cap."""
+        self.scheduler.add_request(Request.from_engine_core_request(request, self.config.cache_config.block_size))
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- one step --------------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        """Schedule, execute and update once. With nothing to run, returns outputs with stats only."""
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time())
+        scheduler_output = self.scheduler.schedule()
+        try:
+            runner_output = self.runner.execute_model(scheduler_output)
+        except Exception:
+            logger.exception("model execution failed; failing the %d requests of this step",
+                             len(scheduler_output.num_scheduled_tokens))
+            return self._fail_requests(list(scheduler_output.num_scheduled_tokens))
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs.timestamp = time.time()
+        return outputs
+
+    def _fail_requests(self, req_ids: list[str]) -> EngineCoreOutputs:
+        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ERROR)
+        outputs = [EngineCoreOutput(request_id=r, new_token_ids=[], finish_reason=FinishReason.ERROR,
+                                    error="The engine failed while running this request.") for r in req_ids]
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
+                                 timestamp=time.time())
+
+    def shutdown(self) -> None:
+        self.runner.kv_caches.clear()
+
+    # ---- sizing ----------------------------------------------------------------------------------
+    def _determine_num_blocks(self) -> int:
+        cc = self.config.cache_config
+        info = self.model_info
+        per_block = kv_cache_bytes_per_block(cc.block_size, info.num_kv_heads, info.head_dim, self.dtype,
+                                             info.num_layers)
+        if cc.num_gpu_blocks_override is not None:
+            num_blocks = cc.num_gpu_blocks_override
+        else:
+            num_blocks = self._kv_cache_budget() // per_block
+        blocks_per_max_request = -(-self.max_model_len // cc.block_size)
+        num_tokens = num_blocks * cc.block_size
+        if num_blocks < blocks_per_max_request:
+            raise ValueError(
+                f"The KV cache holds {num_blocks} blocks ({num_tokens} tokens, "
+                f"{num_blocks * per_block / (1 << 20):.1f} MiB), but one request of max_model_len="
+                f"{self.max_model_len} tokens needs {blocks_per_max_request} blocks "
+                f"({blocks_per_max_request * per_block / (1 << 20):.1f} MiB). Raise --kv-cache-memory "
+                f"or lower --max-model-len.")
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB); maximum concurrency at "
+                    "max_model_len %d: %.2fx", num_blocks, cc.block_size, num_tokens,
+                    num_blocks * per_block / (1 << 20), self.max_model_len, num_tokens / self.max_model_len)
+        return num_blocks
+
+    def _kv_cache_budget(self) -> int:
+        cc = self.config.cache_config
+        if self.device.type == "cuda" and cc.kv_cache_memory is None:
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            return max(0, int(total * cc.gpu_memory_utilization) - used - (1 << 30))
+        return cc.kv_cache_memory if cc.kv_cache_memory is not None else DEFAULT_CPU_KV_CACHE_BYTES
+
+
+def _resolve_max_model_len(requested: int | None, model_max: int) -> int:
+    if requested is None:
+        return model_max
+    if requested < 2:
+        raise ValueError(f"--max-model-len must be at least 2, got {requested}.")
+    if requested > model_max:
+        raise ValueError(f"--max-model-len {requested} is larger than the model's context length {model_max}.")
+    return requested

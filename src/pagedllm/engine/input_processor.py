@@ -1,0 +1,121 @@
+"""InputProcessor: turns a user's prompt and SamplingParams into a validated EngineCoreRequest.
+
+Runs in the frontend (the LLM class, or the API server process). Every check that can reject a request
+happens here, before the engine sees it, and raises InvalidRequestError with the OpenAI error's
+`param` and `code`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.sampling_params import SamplingParams, SamplingParamsError
+
+# SamplingParams fields that a model's generation_config.json may default (vLLM's list).
+GENERATION_CONFIG_FIELDS = {
+    "repetition_penalty": "repetition_penalty",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "max_new_tokens": "max_tokens",
+}
+
+MAX_CACHE_SALT_LEN = 256
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine will not run. `param` and `code` fill the OpenAI error body."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass
+class ModelLimits:
+    """What the frontend must know of the loaded model to validate requests."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_id: int | None
+    extra_stop_token_ids: list[int] = field(default_factory=list)
+    """Further EOS ids from generation_config.json; they stop a request like EOS."""
+    generation_defaults: dict = field(default_factory=dict)
+    """SamplingParams defaults from generation_config.json (vLLM's --generation-config auto)."""
+
+
+class InputProcessor:
+    def __init__(self, limits: ModelLimits):
+        self.limits = limits
+
+    def default_sampling_params(self) -> SamplingParams:
+        """The model's generation-config defaults, or vLLM's when it has none."""
+        return SamplingParams(**self.sampling_defaults())
+
+    def sampling_defaults(self) -> dict:
+        return {GENERATION_CONFIG_FIELDS[k]: v for k, v in self.limits.generation_defaults.items()
+                if k in GENERATION_CONFIG_FIELDS and v is not None}
+
+    def process(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                arrival_time: float | None = None, priority: int = 0,
+                cache_salt: str | None = None) -> EngineCoreRequest:
+        """Validate and build the engine request.
+
+        Raises:
+            InvalidRequestError: the prompt or a parameter is out of range (HTTP 400).
+        """
+        limits = self.limits
+        if not prompt_token_ids:
+            raise InvalidRequestError("The prompt must not be empty.", param="prompt")
+        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < limits.vocab_size)), None)
+        if bad is not None:
+            raise InvalidRequestError(f"Token id {bad} is out of vocabulary (size {limits.vocab_size}).",
+                                      param="prompt")
+        num_prompt = len(prompt_token_ids)
+        if num_prompt >= limits.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limits.max_model_len} tokens. However, your "
+                f"prompt has {num_prompt} tokens, leaving no room for output.",
+                param="prompt", code="context_length_exceeded")
+        try:
+            params.validate(limits.vocab_size)
+        except SamplingParamsError as e:
+            raise InvalidRequestError(str(e), param=e.param) from None
+        room = limits.max_model_len - num_prompt
+        if params.max_tokens is None:
+            params = _replace(params, max_tokens=room)
+        elif params.max_tokens > room:
+            raise InvalidRequestError(
+                f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context length is "
+                f"{limits.max_model_len} tokens and your request has {num_prompt} input tokens "
+                f"({params.max_tokens} > {limits.max_model_len} - {num_prompt}).",
+                param="max_tokens", code="context_length_exceeded")
+        if params.min_tokens > params.max_tokens:
+            raise InvalidRequestError(f"min_tokens ({params.min_tokens}) must be at most max_tokens "
+                                      f"({params.max_tokens}).", param="min_tokens")
+        if cache_salt is not None and not (isinstance(cache_salt, str) and 0 < len(cache_salt) <= MAX_CACHE_SALT_LEN):
+            raise InvalidRequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_LEN} "
+                                      "characters.", param="cache_salt")
+        if limits.extra_stop_token_ids and not params.ignore_eos:
+            extra = [t for t in limits.extra_stop_token_ids if t not in params.stop_token_ids]
+            if extra:
+                params = _replace(params, stop_token_ids=params.stop_token_ids + extra)
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            eos_token_id=limits.eos_token_id,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+
+
+def _replace(params: SamplingParams, **changes) -> SamplingParams:
+    import msgspec
+
+    return msgspec.structs.replace(params, **changes)

@@ -1,0 +1,77 @@
+"""LLMEngine: the synchronous frontend over an in-process EngineCore (used by the offline LLM class).
+
+Tokenize and validate -> EngineCore.step() -> detokenize and stop strings, with n > 1 fanned out to
+sibling requests that share the prompt's blocks through the prefix cache.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.core import EngineCore
+from pagedllm.engine.input_processor import InputProcessor
+from pagedllm.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import get_tokenizer
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.engine_core = EngineCore(config)
+        self.tokenizer = get_tokenizer(self.engine_core.resolved_model, config.model_config.tokenizer)
+        self.input_processor = InputProcessor(self.engine_core.model_limits())
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, cache_salt: str | None = None,
+                    output_kind: OutputKind = "cumulative") -> None:
+        """Validate, tokenize and queue one request (n > 1: n child requests).
+
+        Raises:
+            InvalidRequestError: a bad prompt or parameter. QueueFullError: the waiting queue is full.
+        """
+        params = params or self.input_processor.default_sampling_params()
+        prompt_text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if params.n == 1:
+            request = self.input_processor.process(request_id, token_ids, params, priority=priority,
+                                                   cache_salt=cache_salt)
+            self.output_processor.add_request(request, prompt_text, output_kind=output_kind)
+            self.engine_core.add_request(request)
+            return
+        parent = ParentRequest(request_id, params.n)
+        children = []
+        for index in range(params.n):
+            seed = None if params.seed is None else params.seed + index
+            child_params = msgspec.structs.replace(params, n=1, seed=seed)
+            children.append((index, self.input_processor.process(parent.child_id(index), token_ids, child_params,
+                                                                 priority=priority, cache_salt=cache_salt)))
+        for index, request in children:
+            self.output_processor.add_request(request, prompt_text, parent, index, output_kind)
+        self.engine_core.add_request(children[0][1])
+        parent.pending = [request for _, request in children[1:]]
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine_core.step()
+        processed = self.output_processor.process_outputs(outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        for request in processed.reqs_to_add:
+            self.engine_core.add_request(request)
+        return processed.request_outputs
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.engine_core.scheduler.num_preemptions_total

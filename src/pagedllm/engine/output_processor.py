@@ -1,0 +1,199 @@
+"""OutputProcessor: the one frontend loop per step that turns EngineCoreOutputs into RequestOutputs.
+
+It detokenizes incrementally, checks stop strings (a hit finishes the request here and asks the engine
+to abort it, the same step), converts logprobs, keeps per-request timings for metrics, and aggregates
+the n sibling requests of a parent request.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pagedllm.engine.detokenizer import IncrementalDetokenizer, decode_token
+from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsEntry
+from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+
+OutputKind = Literal["cumulative", "delta", "final_only"]
+
+
+@dataclass
+class ParentRequest:
+    """A request with n > 1, run as n child requests `f"{i}_{request_id}"` sharing the prompt's blocks.
+
+    Child 0 goes to the engine first; the others wait in `pending` until child 0 has computed the whole
+    prompt (its first token arrives), so their prompts hit the prefix cache instead of being recomputed.
+    """
+
+    request_id: str
+    n: int
+    pending: list[EngineCoreRequest] = field(default_factory=list)
+    outputs: dict[int, CompletionOutput] = field(default_factory=dict)
+    num_finished: int = 0
+
+    def child_id(self, index: int) -> str:
+        return f"{index}_{self.request_id}"
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    detokenizer: IncrementalDetokenizer | None
+    max_logprobs: int | None
+    parent: ParentRequest | None
+    index: int
+    output_kind: OutputKind
+    arrival_time: float
+    token_ids: list[int] = field(default_factory=list)
+    num_sent_tokens: int = 0
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+
+@dataclass
+class OutputProcessorOutput:
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]
+    """Requests finished here by a stop string: the engine must abort them."""
+    reqs_to_add: list[EngineCoreRequest] = field(default_factory=list)
+    """Sibling requests released now that their first sibling has cached the prompt."""
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def add_request(self, request: EngineCoreRequest, prompt: str | None, parent: ParentRequest | None = None,
+                    index: int = 0, output_kind: OutputKind = "cumulative") -> None:
+        params = request.sampling_params
+        detokenizer = (IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
+                       if params.detokenize and self.tokenizer is not None else None)
+        self.request_states[request.request_id] = RequestState(
+            request_id=request.request_id, prompt=prompt, prompt_token_ids=request.prompt_token_ids,
+            detokenizer=detokenizer, max_logprobs=params.logprobs, parent=parent, index=index,
+            output_kind=output_kind, arrival_time=request.arrival_time,
+            logprobs=[] if params.logprobs is not None else None,
+            cumulative_logprob=0.0 if params.logprobs is not None else None,
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None)
+
+    def abort_requests(self, req_ids: list[str]) -> list[str]:
+        """Forget requests (and a parent's children); returns the engine-side ids to abort."""
+        aborted = []
+        for req_id in req_ids:
+            for rid, state in list(self.request_states.items()):
+                if rid == req_id or (state.parent is not None and state.parent.request_id == req_id):
+                    del self.request_states[rid]
+                    aborted.append(rid)
+        return aborted
+
+    def process_outputs(self, outputs: EngineCoreOutputs) -> OutputProcessorOutput:
+        request_outputs: list[RequestOutput] = []
+        reqs_to_abort: list[str] = []
+        reqs_to_add: list[EngineCoreRequest] = []
+        now = time.time()
+        for out in outputs.outputs:
+            state = self.request_states.get(out.request_id)
+            if state is None:  # aborted in the frontend already
+                continue
+            if self._update(state, out, now):
+                reqs_to_abort.append(out.request_id)
+            if state.parent is not None and state.parent.pending and (out.new_token_ids or out.finished):
+                reqs_to_add.extend(state.parent.pending)
+                state.parent.pending.clear()
+            request_output = self._make_request_output(state)
+            if state.finish_reason is not None:
+                del self.request_states[out.request_id]
+            if request_output is not None:
+                request_outputs.append(request_output)
+        return OutputProcessorOutput(request_outputs, reqs_to_abort, reqs_to_add)
+
+    # ---- per request ----------------------------------------------------------------------------
+    def _update(self, state: RequestState, out: EngineCoreOutput, now: float) -> bool:
+        """Apply one engine output. Returns True when a stop string finished the request here."""
+        if out.first_scheduled_time is not None:
+            state.first_scheduled_time = out.first_scheduled_time
+            state.num_cached_tokens = out.num_cached_tokens
+        if out.new_prompt_logprobs and state.prompt_logprobs is not None:
+            state.prompt_logprobs.extend(self._convert(e) if e is not None else None
+                                         for e in out.new_prompt_logprobs)
+        if out.new_token_ids:
+            state.first_token_time = state.first_token_time or now
+            state.last_token_time = now
+            state.token_ids.extend(out.new_token_ids)
+            if out.new_logprobs and state.logprobs is not None:
+                for entry in out.new_logprobs:
+                    state.logprobs.append(self._convert(entry))
+                    state.cumulative_logprob += entry.logprobs[0]
+        stopped_here = False
+        if state.detokenizer is not None and out.new_token_ids:
+            stop_str = state.detokenizer.update(out.new_token_ids)
+            if stop_str is not None and out.finish_reason is None:
+                state.finish_reason, state.stop_reason = "stop", stop_str
+                stopped_here = True
+            elif stop_str is not None:
+                state.finish_reason, state.stop_reason = "stop", stop_str
+        if out.finish_reason is not None and state.finish_reason is None:
+            state.finish_reason = str(out.finish_reason)
+            state.stop_reason = out.stop_reason
+            state.error = out.error
+        return stopped_here
+
+    def _convert(self, entry: LogprobsEntry) -> PositionLogprobs:
+        result: PositionLogprobs = {}
+        for i, (token_id, logprob) in enumerate(zip(entry.token_ids, entry.logprobs, strict=True)):
+            if token_id not in result:
+                rank = entry.rank if i == 0 else i
+                result[token_id] = Logprob(logprob, rank, decode_token(self.tokenizer, token_id))
+        return result
+
+    def _completion_output(self, state: RequestState) -> CompletionOutput:
+        finished = state.finish_reason is not None
+        delta = state.output_kind == "delta"
+        text = state.detokenizer.get_next_output_text(finished, delta) if state.detokenizer else ""
+        start = state.num_sent_tokens if delta else 0
+        token_ids = state.token_ids[start:]
+        logprobs = state.logprobs[start:] if state.logprobs is not None else None
+        state.num_sent_tokens = len(state.token_ids)
+        return CompletionOutput(index=state.index, text=text, token_ids=token_ids,
+                                cumulative_logprob=state.cumulative_logprob, logprobs=logprobs,
+                                finish_reason=state.finish_reason, stop_reason=state.stop_reason)
+
+    def _make_request_output(self, state: RequestState) -> RequestOutput | None:
+        finished = state.finish_reason is not None
+        if state.output_kind == "final_only" and not finished:
+            return None
+        completion = self._completion_output(state)
+        parent = state.parent
+        request_id = state.request_id
+        outputs = [completion]
+        if parent is not None:
+            request_id = parent.request_id
+            parent.outputs[state.index] = completion
+            parent.num_finished += finished
+            finished = parent.num_finished == parent.n
+            if state.output_kind == "final_only" and not finished:
+                return None
+            if state.output_kind != "delta":
+                outputs = [parent.outputs[i] for i in sorted(parent.outputs)]
+        metrics = {"arrival_time": state.arrival_time}
+        for name in ("first_scheduled_time", "first_token_time", "last_token_time"):
+            if getattr(state, name) is not None:
+                metrics[name] = getattr(state, name)
+        return RequestOutput(request_id=request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+                             outputs=outputs, finished=finished, prompt_logprobs=state.prompt_logprobs,
+                             num_cached_tokens=state.num_cached_tokens, metrics=metrics, error=state.error)

@@ -1,0 +1,106 @@
+"""The offline API: `LLM(model).generate(prompts, SamplingParams(...))`, batched by the scheduler."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    Args:
+        model: a Hugging Face folder, a GGUF file, or None for the embedded SmolLM2-135M-Instruct.
+        **engine_args: any field of ModelConfig, CacheConfig or SchedulerConfig (vLLM's names), e.g.
+            max_num_seqs=64, max_num_batched_tokens=512, enable_prefix_caching=False, dtype="float32".
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; returns one RequestOutput per prompt, in input order.
+
+        Prompts may be strings, token-id lists, or {"prompt_token_ids": [...]} dicts.
+        """
+        prompts = _as_prompt_list(prompts)
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params] * len(prompts)
+        request_ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                request_id = str(next(self._counter))
+                self.llm_engine.add_request(request_id, prompt, params,
+                                            priority=priority[i] if priority is not None else 0,
+                                            output_kind="final_only")
+                request_ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(request_ids)
+            raise
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts = [tokenizer.apply_chat_template(conv, tokenize=False, chat_template=chat_template,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message)
+                   for conv in conversations]
+        token_prompts = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        outputs = self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
+        for output, prompt in zip(outputs, prompts, strict=True):
+            output.prompt = prompt
+        return outputs
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+                    if progress is not None:
+                        progress.update(1)
+        if progress is not None:
+            progress.close()
+        return [finished[r] for r in request_ids]
+
+
+def _as_prompt_list(prompts) -> list[str | list[int]]:
+    if isinstance(prompts, str) or isinstance(prompts, dict):
+        prompts = [prompts]
+    elif prompts and isinstance(prompts[0], int):
+        prompts = [prompts]
+    result = []
+    for p in prompts:
+        if isinstance(p, dict):
+            p = p["prompt_token_ids"] if "prompt_token_ids" in p else p["prompt"]
+        result.append(p if isinstance(p, str) else list(p))
+    return result

@@ -1,0 +1,97 @@
+"""The persistent batch: per-request state the ModelRunner keeps across steps.
+
+Rows are packed in [0, num_reqs). The scheduler's diffs update rows in place; a removed row is filled by
+moving the last row into it, so per-step inputs are built with numpy over contiguous rows and no
+per-token Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestState:
+    """What the runner knows of one request (its tokens live in InputBatch.token_ids)."""
+
+    req_id: str
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    num_prompt_tokens: int
+    generator: torch.Generator | None
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int):
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        max_blocks = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.states: list[RequestState] = []  # row -> state
+        self.req_id_to_row: dict[str, int] = {}
+        # Bumped whenever rows are added, removed or moved, so per-batch caches know to rebuild.
+        self.version = 0
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.states)
+
+    def add(self, state: RequestState, token_ids: list[int], block_ids: list[int],
+            num_computed_tokens: int) -> None:
+        if self.num_reqs >= self.max_num_reqs:
+            raise RuntimeError(f"persistent batch is full ({self.max_num_reqs} rows)")
+        row = self.num_reqs
+        self.states.append(state)
+        self.req_id_to_row[state.req_id] = row
+        n = len(token_ids)
+        self.token_ids[row, :n] = token_ids
+        self.num_tokens[row] = n
+        self.num_computed_tokens[row] = num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_blocks(row, block_ids)
+        self.version += 1
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        if block_ids:
+            start = self.num_blocks[row]
+            self.block_table[row, start:start + len(block_ids)] = block_ids
+            self.num_blocks[row] = start + len(block_ids)
+
+    def remove(self, req_id: str) -> None:
+        row = self.req_id_to_row.pop(req_id, None)
+        if row is None:
+            return
+        last = self.num_reqs - 1
+        if row != last:  # move the last row into the hole
+            moved = self.states[last]
+            self.states[row] = moved
+            self.req_id_to_row[moved.req_id] = row
+            n = self.num_tokens[last]
+            self.token_ids[row, :n] = self.token_ids[last, :n]
+            nb = self.num_blocks[last]
+            self.block_table[row, :nb] = self.block_table[last, :nb]
+            for arr in (self.num_tokens, self.num_computed_tokens, self.num_blocks):
+                arr[row] = arr[last]
+        self.states.pop()
+        self.version += 1
+
+    def append_token(self, row: int, token_id: int) -> None:
+        n = self.num_tokens[row]
+        self.token_ids[row, n] = token_id
+        self.num_tokens[row] = n + 1
+
+    def output_token_ids(self, row: int) -> list[int]:
+        return self.token_ids[row, self.states[row].num_prompt_tokens:self.num_tokens[row]].tolist()
+
+    def prompt_token_ids(self, row: int) -> list[int]:
+        return self.token_ids[row, :self.states[row].num_prompt_tokens].tolist()

@@ -1,0 +1,184 @@
+"""ModelRunner: applies the scheduler's diffs to the persistent batch, runs one flattened forward pass
+over every scheduled token (prefill chunks and decodes together), and samples.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.engine.messages import LogprobsEntry
+from pagedllm.layers.forward_context import AttentionMetadata, kv_cache_shape, set_forward_context
+from pagedllm.layers.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs, logprobs_to_entries
+from pagedllm.worker.input_batch import InputBatch, RequestState
+from pagedllm.worker.runner_output import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, model_info, device: torch.device,
+                 dtype: torch.dtype):
+        self.config = config
+        self.model = model
+        self.info = model_info
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.cache_config.block_size
+        sched = config.scheduler_config
+        self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.block_size)
+        self.sampler = Sampler()
+        self.kv_caches: list[torch.Tensor] = []
+        # Generators of seeded requests survive preemption: sampling resumes where it stopped.
+        self.generators: dict[str, torch.Generator] = {}
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        shape = kv_cache_shape(num_blocks, self.block_size, self.info.num_kv_heads, self.info.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(self.info.num_layers)]
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step.
+
+        Returns:
+            sampled token ids for every scheduled request, in the order of so.num_scheduled_tokens
+            ([] for a request whose prefill chunk does not reach the end of its tokens).
+        """
+        self._update_states(so)
+        req_ids = list(so.num_scheduled_tokens)
+        if not req_ids:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        batch = self.input_batch
+        rows = np.fromiter((batch.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        input_ids, positions, attn_metadata = self._prepare_inputs(rows, num_sched)
+        with set_forward_context(attn_metadata, self.kv_caches):
+            hidden_states = self.model(input_ids, positions)  # [T, hidden]
+
+        # A request samples when this step's tokens reach the end of the tokens it has.
+        seq_lens = batch.num_computed_tokens[rows] + num_sched
+        sampling = np.flatnonzero(seq_lens >= batch.num_tokens[rows])  # indices into req_ids
+        sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
+        logprobs: dict[str, list[LogprobsEntry]] = {}
+        if len(sampling):
+            last_idx = attn_metadata.query_start_loc_cpu[1:][sampling] - 1
+            logits = self.model.compute_logits(hidden_states[torch.from_numpy(last_idx).to(self.device)])
+            sample_rows = rows[sampling]
+            tokens, entries = self._sample(logits, sample_rows)
+            for i, row, token, entry in zip(sampling.tolist(), sample_rows.tolist(), tokens, entries,
+                                            strict=True):
+                sampled_token_ids[i] = [token]
+                batch.append_token(row, token)
+                if entry is not None:
+                    logprobs[req_ids[i]] = [entry]
+        prompt_logprobs = self._prompt_logprobs(req_ids, rows, num_sched, attn_metadata, hidden_states)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs,
+                                 prompt_logprobs=prompt_logprobs)
+
+    # ---- state ----------------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in so.finished_req_ids:
+            batch.remove(req_id)
+            self.generators.pop(req_id, None)
+        for req_id in so.preempted_req_ids:
+            batch.remove(req_id)
+        for new in so.scheduled_new_reqs:
+            batch.remove(new.req_id)  # a resumed request replaces any stale row
+            params = new.sampling_params
+            generator = self.generators.get(new.req_id)
+            if generator is None and params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed % (1 << 63))
+                self.generators[new.req_id] = generator
+            state = RequestState(new.req_id, params, new.eos_token_id, len(new.prompt_token_ids), generator)
+            batch.add(state, new.prompt_token_ids + new.output_token_ids, new.block_ids, new.num_computed_tokens)
+        cached = so.scheduled_cached_reqs
+        for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                                   cached.num_computed_tokens, strict=True):
+            row = batch.req_id_to_row[req_id]
+            batch.append_blocks(row, block_ids)
+            batch.num_computed_tokens[row] = num_computed
+
+    # ---- inputs ---------------------------------------------------------------------------------
+    def _prepare_inputs(self, rows: np.ndarray, num_sched: np.ndarray):
+        """Flatten every scheduled token into one batch.
+
+        Example: two requests, computed [0, 5], scheduled [3, 1] ->
+            query_start_loc [0, 3, 4], positions [0, 1, 2, 5], seq_lens [3, 6].
+        """
+        batch = self.input_batch
+        bs = self.block_size
+        num_computed = batch.num_computed_tokens[rows]
+        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(num_sched, out=query_start_loc[1:])
+        total = int(query_start_loc[-1])
+        row_of_token = np.repeat(rows, num_sched)  # [T]
+        offsets = np.arange(total) - np.repeat(query_start_loc[:-1], num_sched)
+        positions = np.repeat(num_computed, num_sched) + offsets  # [T]
+        input_ids = batch.token_ids[row_of_token, positions]  # [T]
+        slot_mapping = batch.block_table[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = num_computed + num_sched
+        max_blocks = int(-(-seq_lens.max() // bs))
+        block_table = batch.block_table[rows, :max_blocks]  # [num_reqs, max_blocks]
+        dev = self.device
+        metadata = AttentionMetadata(
+            num_actual_tokens=total,
+            max_query_len=int(num_sched.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_table=torch.from_numpy(np.ascontiguousarray(block_table)).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+        )
+        return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), metadata
+
+    # ---- sampling -------------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> tuple[list[int], list[LogprobsEntry | None]]:
+        batch = self.input_batch
+        states = [batch.states[r] for r in rows.tolist()]
+        params = [s.sampling_params for s in states]
+        needs_tokens = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                           or p.min_tokens for p in params)
+        metadata = build_sampling_metadata(
+            params,
+            [batch.prompt_token_ids(r) for r in rows.tolist()] if needs_tokens else [[] for _ in states],
+            [batch.output_token_ids(r) for r in rows.tolist()] if needs_tokens else [[] for _ in states],
+            [s.generator for s in states],
+            [s.eos_token_id for s in states],
+            self.info.vocab_size,
+            self.device,
+        )
+        out = self.sampler(logits, metadata)
+        tokens = out.sampled_token_ids.tolist()
+        if out.logprobs is None:
+            return tokens, [None] * len(tokens)
+        return tokens, logprobs_to_entries(out.logprobs, [p.logprobs for p in params])
+
+    def _prompt_logprobs(self, req_ids, rows, num_sched, attn_metadata, hidden_states):
+        """Logprobs of each prompt token given the tokens before it, for requests that ask."""
+        batch = self.input_batch
+        result: dict[str, list[LogprobsEntry | None]] = {}
+        for i, row in enumerate(rows.tolist()):
+            state = batch.states[row]
+            k = state.sampling_params.prompt_logprobs
+            start = int(batch.num_computed_tokens[row])
+            if k is None or start >= state.num_prompt_tokens:
+                continue
+            # positions p in this chunk predict prompt token p + 1
+            end = min(start + int(num_sched[i]), state.num_prompt_tokens - 1)
+            entries: list[LogprobsEntry | None] = [None] if start == 0 else []
+            if end > start:
+                first = int(attn_metadata.query_start_loc_cpu[i])
+                logits = self.model.compute_logits(hidden_states[first:first + end - start])
+                targets = torch.from_numpy(batch.token_ids[row, start + 1:end + 1]).to(self.device)
+                entries.extend(compute_prompt_logprobs(logits, targets, k))
+            result[req_ids[i]] = entries
+        return result
