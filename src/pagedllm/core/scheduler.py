@@ -1,0 +1,411 @@
+"""Scheduler: vLLM V1 semantics. No prefill or decode phase, a token budget per step.
+
+Each request has num_computed_tokens and num_tokens (prompt + outputs so far); a step decides how
+many tokens each request advances. One step (see DESIGN section 4):
+  1. running requests, in order, get min(needed, budget left); a failed allocation preempts the
+     lowest-priority, latest-arrived running request (recompute) and retries;
+  2. only if nothing was preempted, waiting requests in policy order, after a prefix-cache lookup;
+  3. update_from_output appends sampled tokens, checks stops, frees finished requests and registers
+     newly full blocks in the prefix cache.
+num_computed_tokens advances when a step is scheduled (as in vLLM), so the next schedule() may run
+before the previous step's update and still see the right positions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request_queue import create_request_queue
+from pagedllm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs
+from pagedllm.metrics.stats import SchedulerStats
+
+if TYPE_CHECKING:
+    from pagedllm.core.block_pool import KVCacheBlock
+    from pagedllm.worker.runner_output import ModelRunnerOutput
+
+
+class QueueFullError(Exception):
+    """The waiting queue holds max_num_queued_reqs requests; the new one is rejected (HTTP 503)."""
+
+
+@dataclass
+class _Step:
+    """Scratch state of one schedule() call."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_blocks: dict[str, list[KVCacheBlock]] = field(default_factory=dict)
+    running_reqs: list[Request] = field(default_factory=list)
+    new_reqs: list[Request] = field(default_factory=list)
+    preempted_reqs: list[Request] = field(default_factory=list)
+
+    def add(self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock]) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.new_blocks[request.request_id] = new_blocks
+        self.token_budget -= num_tokens
+
+    def unschedule(self, request: Request) -> None:
+        """Give back a running request's tokens (it was preempted later in the same step)."""
+        self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
+        del self.new_blocks[request.request_id]
+        self.running_reqs.remove(request)
+
+
+class Scheduler:
+    """Decides, every step, which requests advance by how many tokens, and owns their KV blocks.
+
+    Args:
+        scheduler_config: budgets and policy (max_num_seqs, max_num_batched_tokens, ...,
+            max_model_len).
+        cache_config: block_size and enable_prefix_caching.
+        num_blocks: KV-cache blocks in the pool.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int):
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+        max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        if num_blocks < max_blocks_per_req:
+            raise ValueError(
+                f"{num_blocks} KV blocks of {self.block_size} tokens cannot hold one request of "
+                f"max_model_len={self.max_model_len} tokens ({max_blocks_per_req} blocks); lower "
+                "--max-model-len or give the KV cache more memory.")
+        if (not scheduler_config.enable_chunked_prefill
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(
+                f"without chunked prefill, --max-num-batched-tokens ({self.max_num_batched_tokens}) "
+                f"must be at least --max-model-len ({self.max_model_len}) so every prompt fits a step.")
+        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size,
+                                               cache_config.enable_prefix_caching, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(scheduler_config.scheduling_policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        """Finished or aborted since the last schedule(); sent in the next SchedulerOutput."""
+        self.num_preemptions = 0
+        self._last_stats = (0, 0, 0)  # (queries, hits, preemptions) at the last make_stats()
+
+    # ---- requests in and out ----
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request.
+
+        Raises:
+            QueueFullError: max_num_queued_reqs requests are already waiting.
+            ValueError: duplicate id, prompt longer than max_model_len, or a different block size.
+        """
+        cap = self.scheduler_config.max_num_queued_reqs
+        if cap is not None and len(self.waiting) >= cap:
+            raise QueueFullError(f"{len(self.waiting)} requests are waiting (--max-num-queued-reqs={cap}).")
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use.")
+        if request.num_tokens > self.max_model_len:
+            raise ValueError(f"request {request.request_id!r} has {request.num_tokens} prompt tokens, "
+                             f"more than max_model_len={self.max_model_len}.")
+        if request.block_size != self.block_size:
+            raise ValueError(f"request hashed with block_size={request.block_size}, the cache uses "
+                             f"{self.block_size}.")
+        self.waiting.add(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(self, req_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string, error), whatever state they are in.
+
+        Their blocks are freed now; unknown or already finished ids are ignored.
+
+        Args:
+            req_ids: one id or several.
+            finished_status: a finished status, e.g. RequestStatus.FINISHED_ABORTED.
+        """
+        if not finished_status.is_finished:
+            raise ValueError(f"{finished_status} is not a finished status.")
+        if isinstance(req_ids, str):
+            req_ids = (req_ids,)
+        removed_running = False
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                removed_running = True
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_request(request)
+        if removed_running:
+            self.running = [r for r in self.running if not r.is_finished]
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    # ---- one step ----
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's batch. See the module docstring for the order.
+
+        Returns:
+            The SchedulerOutput for the model runner; num_computed_tokens already counts this step.
+        """
+        step = _Step(token_budget=self.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted_reqs:
+            self._schedule_waiting(step)
+        output = self._make_output(step)
+        for request in step.running_reqs:
+            request.num_computed_tokens += step.num_scheduled_tokens[request.request_id]
+        for request in step.new_reqs:
+            request.num_computed_tokens += step.num_scheduled_tokens[request.request_id]
+        return output
+
+    def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
+        num_new_tokens = len(request.all_token_ids) - num_computed_tokens
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        if 0 < threshold < num_new_tokens:
+            num_new_tokens = threshold
+        return min(num_new_tokens, token_budget)
+
+    def _schedule_running(self, step: _Step) -> None:
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        running = self.running
+        i = 0
+        while i < len(running) and step.token_budget > 0:
+            request = running[i]
+            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, step.token_budget)
+            if num_new_tokens <= 0:
+                i += 1
+                continue
+            new_blocks = allocate_slots(request, num_new_tokens)
+            while new_blocks is None:
+                victim_index = self._select_victim()
+                victim = running.pop(victim_index)
+                if victim.request_id in step.num_scheduled_tokens:
+                    step.unschedule(victim)
+                if victim_index < i:
+                    i -= 1
+                self._preempt(victim)
+                step.preempted_reqs.append(victim)
+                if victim is request:
+                    break  # it preempted itself; running[i] is now the next request
+                new_blocks = allocate_slots(request, num_new_tokens)
+            if new_blocks is not None:
+                step.running_reqs.append(request)
+                step.add(request, num_new_tokens, new_blocks)
+                i += 1
+
+    def _select_victim(self) -> int:
+        """Index in self.running of the lowest-priority, latest-arrived request (fcfs: latest-arrived).
+
+        Ties go to the later position in the running list.
+        """
+        if self.scheduler_config.scheduling_policy == "priority":
+            key = lambda r: (r.priority, r.arrival_time)
+        else:
+            key = lambda r: r.arrival_time
+        best = 0
+        best_key = key(self.running[0])
+        for index in range(1, len(self.running)):
+            k = key(self.running[index])
+            if k >= best_key:
+                best, best_key = index, k
+        return best
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute mode: drop all KV, start over from the front of the waiting queue."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        kv = self.kv_cache_manager
+        chunked = self.scheduler_config.enable_chunked_prefill
+        while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
+            num_new_tokens = self._num_new_tokens(request, num_computed_tokens, self.max_num_batched_tokens)
+            if not chunked and num_new_tokens > step.token_budget:
+                break  # the prompt waits until it fits a step whole
+            num_new_tokens = min(num_new_tokens, step.token_budget)
+            new_blocks = kv.allocate_slots(request, num_new_tokens, num_computed_tokens, computed_blocks)
+            if new_blocks is None:
+                break  # not enough free blocks: wait for running requests to finish
+            self.waiting.pop()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
+                request.num_cached_tokens = num_computed_tokens
+            step.new_reqs.append(request)
+            step.add(request, num_new_tokens, new_blocks)
+
+    def _make_output(self, step: _Step) -> SchedulerOutput:
+        get_block_ids = self.kv_cache_manager.get_block_ids
+        new_reqs = [
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=list(r.output_token_ids),
+                sampling_params=r.sampling_params,
+                eos_token_id=r.eos_token_id,
+                block_ids=get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in step.new_reqs
+        ]
+        new_blocks = step.new_blocks
+        req_ids = [r.request_id for r in step.running_reqs]
+        cached = CachedRequestData(
+            req_ids=req_ids,
+            new_block_ids=[[b.block_id for b in new_blocks[req_id]] for req_id in req_ids],
+            num_computed_tokens=[r.num_computed_tokens for r in step.running_reqs],
+        )
+        finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=step.num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - step.token_budget,
+            finished_req_ids=finished_req_ids,
+            preempted_req_ids={r.request_id for r in step.preempted_reqs},
+        )
+
+    # ---- after the step ran ----
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Apply a step's sampled tokens: append, check stops, free finished requests, cache blocks.
+
+        Args:
+            scheduler_output: what schedule() returned for this step.
+            model_runner_output: the runner's result for it.
+
+        Returns:
+            One EngineCoreOutput per request that got tokens, prompt logprobs, or finished.
+            scheduler_stats is left unset: the engine core attaches make_stats() when it logs.
+        """
+        cache_blocks = self.kv_cache_manager.cache_blocks
+        sampled_token_ids = model_runner_output.sampled_token_ids
+        req_id_to_index = model_runner_output.req_id_to_index
+        logprobs = model_runner_output.logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs
+        outputs = []
+        any_finished = False
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished (aborted) since schedule()
+            cache_blocks(request, request.num_computed_tokens)
+            index = req_id_to_index.get(req_id)
+            new_token_ids = sampled_token_ids[index] if index is not None else []
+            if new_token_ids and request.num_computed_tokens >= len(request.all_token_ids):
+                new_token_ids = self._append_and_check_stop(request, new_token_ids)
+            else:
+                new_token_ids = []  # a prefill chunk that did not reach the end samples nothing
+            new_prompt_logprobs = prompt_logprobs.get(req_id) if prompt_logprobs else None
+            finished = request.is_finished
+            if not (new_token_ids or finished or new_prompt_logprobs):
+                continue
+            new_logprobs = logprobs.get(req_id) if logprobs and new_token_ids else None
+            if new_logprobs is not None and len(new_logprobs) > len(new_token_ids):
+                new_logprobs = new_logprobs[:len(new_token_ids)]
+            outputs.append(EngineCoreOutput(
+                request_id=req_id,
+                new_token_ids=new_token_ids,
+                finish_reason=request.status.finish_reason if finished else None,
+                stop_reason=request.stop_reason,
+                new_logprobs=new_logprobs,
+                new_prompt_logprobs=new_prompt_logprobs,
+                num_cached_tokens=request.num_cached_tokens,
+                first_scheduled_time=None if request.first_output_sent else request.first_scheduled_time,
+            ))
+            request.first_output_sent = True
+            if finished:
+                any_finished = True
+                self._free_request(request)
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
+
+    def _append_and_check_stop(self, request: Request, new_token_ids: list[int]) -> list[int]:
+        """Append tokens one by one; return those kept (up to and including a stopping one)."""
+        for i, token_id in enumerate(new_token_ids):
+            request.append_output_token_ids(token_id)
+            if self._check_stop(request, token_id):
+                return new_token_ids[:i + 1]
+        return new_token_ids
+
+    def _check_stop(self, request: Request, last_token_id: int) -> bool:
+        """Set a finished status if the request must stop after `last_token_id`.
+
+        EOS (unless ignore_eos) and stop_token_ids count only once min_tokens outputs exist; then
+        max_tokens and max_model_len cap the length.
+        """
+        params = request.sampling_params
+        num_output_tokens = len(request.output_token_ids)
+        if num_output_tokens >= params.min_tokens:
+            if last_token_id == request.eos_token_id and not params.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if request.is_stop_token(last_token_id):
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last_token_id
+                return True
+        if (len(request.all_token_ids) >= self.max_model_len
+                or (request.max_tokens is not None and num_output_tokens >= request.max_tokens)):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    # ---- introspection ----
+
+    def make_stats(self) -> SchedulerStats:
+        """A snapshot; the *_delta counters count since the previous call."""
+        kv = self.kv_cache_manager
+        totals = (kv.prefix_cache_queries, kv.prefix_cache_hits, self.num_preemptions)
+        deltas = [now - before for now, before in zip(totals, self._last_stats, strict=True)]
+        self._last_stats = totals
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.block_pool.num_blocks,
+            prefix_cache_queries_delta=deltas[0],
+            prefix_cache_hits_delta=deltas[1],
+            num_preemptions_delta=deltas[2],
+        )
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_cache_manager.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.kv_cache_manager.block_pool.num_blocks
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes (only when no request holds blocks). Returns success."""
+        return self.kv_cache_manager.reset_prefix_cache()
