@@ -1,0 +1,195 @@
+"""One streaming request to an OpenAI-compatible server, timed the way `vllm bench serve` times it.
+
+TTFT is the time from sending the request to the first server-sent event that carries a choice; each later
+choice event adds one inter-token latency (ITL), the gap since the previous one; the latency (E2EL) ends at
+the last choice event. A trailing usage event supplies the server's own token counts.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+
+@dataclass
+class RequestFuncInput:
+    prompt: str | list[int]
+    api_url: str
+    prompt_len: int
+    output_len: int
+    model: str
+    model_name: str | None = None
+    logprobs: int | None = None
+    extra_body: dict | None = None
+    ignore_eos: bool = False
+    request_id: str | None = None
+
+
+@dataclass
+class RequestFuncOutput:
+    generated_text: str = ""
+    success: bool = False
+    latency: float = 0.0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    tpot: float = 0.0
+    prompt_len: int = 0
+    error: str = ""
+    start_time: float = 0.0
+    # Seconds the request waited for a --max-concurrency slot before it was sent.
+    client_queue_time: float = 0.0
+
+
+class SSEParser:
+    """Splits a byte stream into server-sent-event payloads ("data: ..."), across chunk boundaries."""
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._decoder = codecs.getincrementaldecoder("utf-8")()
+
+    def feed(self, chunk: bytes) -> list[str]:
+        """Return the payloads of the events completed by `chunk`, without the "data: " prefix.
+        SSE comments (lines starting with ":", used as keep-alive pings) are dropped."""
+        self._buffer += self._decoder.decode(chunk)
+        events = []
+        while "\n\n" in self._buffer:
+            event, self._buffer = self._buffer.split("\n\n", 1)
+            events.append(event)
+        payloads = []
+        for event in events:
+            for line in event.strip().splitlines():
+                if line.startswith("data:"):
+                    payloads.append(line[len("data:"):].strip())
+        return payloads
+
+
+def _headers(request_id: str | None) -> dict[str, str]:
+    headers = {"Content-Type": "application/json"}
+    if api_key := os.environ.get("OPENAI_API_KEY"):
+        headers["Authorization"] = f"Bearer {api_key}"
+    if request_id:
+        headers["x-request-id"] = request_id
+    return headers
+
+
+def completions_payload(inp: RequestFuncInput) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "model": inp.model_name or inp.model,
+        "prompt": inp.prompt,
+        "repetition_penalty": 1.0,
+        "max_tokens": inp.output_len,
+        "logprobs": inp.logprobs,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    return _with_common(payload, inp)
+
+
+def chat_payload(inp: RequestFuncInput) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "model": inp.model_name or inp.model,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": inp.prompt}]}],
+        "max_completion_tokens": inp.output_len,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    return _with_common(payload, inp)
+
+
+def _with_common(payload: dict[str, Any], inp: RequestFuncInput) -> dict[str, Any]:
+    if inp.ignore_eos:
+        payload["ignore_eos"] = True
+    if inp.extra_body:
+        payload.update(inp.extra_body)
+    return payload
+
+
+def _completion_text(choice: dict) -> str | None:
+    return choice.get("text")
+
+
+def _chat_text(choice: dict) -> str | None:
+    return (choice.get("delta") or {}).get("content")
+
+
+async def _stream(
+    inp: RequestFuncInput,
+    session: aiohttp.ClientSession,
+    payload: dict[str, Any],
+    choice_text: Callable[[dict], str | None],
+    pbar=None,
+) -> RequestFuncOutput:
+    output = RequestFuncOutput(prompt_len=inp.prompt_len)
+    text_parts: list[str] = []
+    start = time.perf_counter()
+    output.start_time = start
+    last_token_time = start
+    try:
+        async with session.post(inp.api_url, json=payload, headers=_headers(inp.request_id)) as response:
+            if response.status != 200:
+                body = await response.text()
+                output.error = f"HTTP {response.status} {response.reason or ''}: {body[:500]}".strip()
+            else:
+                parser = SSEParser()
+                first_token_seen = False
+                async for chunk in response.content.iter_any():
+                    for data in parser.feed(chunk):
+                        if data == "[DONE]":
+                            continue
+                        message = json.loads(data)
+                        if choices := message.get("choices"):
+                            now = time.perf_counter()
+                            if not first_token_seen:
+                                first_token_seen = True
+                                output.ttft = now - start
+                            else:
+                                output.itl.append(now - last_token_time)
+                            last_token_time = now
+                            text_parts.append(choice_text(choices[0]) or "")
+                        elif usage := message.get("usage"):
+                            output.output_tokens = usage.get("completion_tokens") or 0
+                            if (prompt_tokens := usage.get("prompt_tokens")) is not None:
+                                output.prompt_len = prompt_tokens
+                output.generated_text = "".join(text_parts)
+                output.latency = last_token_time - start
+                output.success = first_token_seen
+                if not first_token_seen:
+                    output.error = "Never received a valid chunk to calculate TTFT."
+    except Exception:
+        output.success = False
+        output.error = "".join(traceback.format_exception(*sys.exc_info()))
+    if pbar is not None:
+        pbar.update(1)
+    return output
+
+
+async def request_openai_completions(inp: RequestFuncInput, session: aiohttp.ClientSession,
+                                     pbar=None) -> RequestFuncOutput:
+    """POST a streaming /v1/completions request and time it."""
+    return await _stream(inp, session, completions_payload(inp), _completion_text, pbar)
+
+
+async def request_openai_chat(inp: RequestFuncInput, session: aiohttp.ClientSession,
+                              pbar=None) -> RequestFuncOutput:
+    """POST a streaming /v1/chat/completions request and time it."""
+    return await _stream(inp, session, chat_payload(inp), _chat_text, pbar)
+
+
+RequestFunc = Callable[..., Awaitable[RequestFuncOutput]]
+
+# --backend -> request function
+REQUEST_FUNCS: dict[str, RequestFunc] = {
+    "vllm": request_openai_completions,
+    "openai": request_openai_completions,
+    "openai-chat": request_openai_chat,
+}
