@@ -100,13 +100,14 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be at least 0, got {num_new_tokens}.")
         req_id = request.request_id
         req_blocks = self.req_to_blocks.get(req_id)
-        num_held = 0 if req_blocks is None else len(req_blocks)
         num_tokens_needed = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        if (req_blocks is not None and not new_computed_blocks
+                and num_tokens_needed <= len(req_blocks) * self.block_size):
+            return []  # decode fast path: the last block still has room
+        num_held = 0 if req_blocks is None else len(req_blocks)
         num_required_blocks = -(-num_tokens_needed // self.block_size)
         if not new_computed_blocks:
             num_new_blocks = num_required_blocks - num_held
-            if num_new_blocks <= 0 and req_blocks is not None:
-                return []  # decode fast path: the last block still has room
             if num_new_blocks > self.block_pool.free_block_queue.num_free_blocks:
                 return None
             new_computed_blocks = []

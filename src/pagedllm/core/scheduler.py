@@ -51,11 +51,15 @@ class _Step:
         self.new_blocks[request.request_id] = new_blocks
         self.token_budget -= num_tokens
 
-    def unschedule(self, request: Request) -> None:
-        """Give back a running request's tokens (it was preempted later in the same step)."""
-        self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
+    def unschedule(self, request: Request) -> int:
+        """Drop a running request scheduled earlier this step (it was just preempted).
+
+        Returns:
+            The tokens it had been given, for the caller to put back in its budget.
+        """
         del self.new_blocks[request.request_id]
         self.running_reqs.remove(request)
+        return self.num_scheduled_tokens.pop(request.request_id)
 
 
 class Scheduler:
@@ -170,20 +174,30 @@ class Scheduler:
             request.num_computed_tokens += step.num_scheduled_tokens[request.request_id]
         return output
 
-    def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
+    def _num_new_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens the request still needs, capped by long_prefill_token_threshold (not by budget)."""
         num_new_tokens = len(request.all_token_ids) - num_computed_tokens
         threshold = self.scheduler_config.long_prefill_token_threshold
         if 0 < threshold < num_new_tokens:
-            num_new_tokens = threshold
-        return min(num_new_tokens, token_budget)
+            return threshold
+        return num_new_tokens
 
     def _schedule_running(self, step: _Step) -> None:
         allocate_slots = self.kv_cache_manager.allocate_slots
+        threshold = self.scheduler_config.long_prefill_token_threshold
         running = self.running
+        scheduled_running = step.running_reqs
+        num_scheduled_tokens = step.num_scheduled_tokens
+        new_blocks_by_req = step.new_blocks
+        token_budget = step.token_budget
         i = 0
-        while i < len(running) and step.token_budget > 0:
+        while i < len(running) and token_budget > 0:
             request = running[i]
-            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, step.token_budget)
+            num_new_tokens = len(request.all_token_ids) - request.num_computed_tokens
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            if num_new_tokens > token_budget:
+                num_new_tokens = token_budget
             if num_new_tokens <= 0:
                 i += 1
                 continue
@@ -191,8 +205,8 @@ class Scheduler:
             while new_blocks is None:
                 victim_index = self._select_victim()
                 victim = running.pop(victim_index)
-                if victim.request_id in step.num_scheduled_tokens:
-                    step.unschedule(victim)
+                if victim.request_id in num_scheduled_tokens:
+                    token_budget += step.unschedule(victim)
                 if victim_index < i:
                     i -= 1
                 self._preempt(victim)
@@ -201,9 +215,12 @@ class Scheduler:
                     break  # it preempted itself; running[i] is now the next request
                 new_blocks = allocate_slots(request, num_new_tokens)
             if new_blocks is not None:
-                step.running_reqs.append(request)
-                step.add(request, num_new_tokens, new_blocks)
+                scheduled_running.append(request)
+                num_scheduled_tokens[request.request_id] = num_new_tokens
+                new_blocks_by_req[request.request_id] = new_blocks
+                token_budget -= num_new_tokens
                 i += 1
+        step.token_budget = token_budget
 
     def _select_victim(self) -> int:
         """Index in self.running of the lowest-priority, latest-arrived request (fcfs: latest-arrived).
@@ -237,7 +254,7 @@ class Scheduler:
         while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
-            num_new_tokens = self._num_new_tokens(request, num_computed_tokens, self.max_num_batched_tokens)
+            num_new_tokens = self._num_new_tokens(request, num_computed_tokens)
             if not chunked and num_new_tokens > step.token_budget:
                 break  # the prompt waits until it fits a step whole
             num_new_tokens = min(num_new_tokens, step.token_budget)
@@ -301,25 +318,35 @@ class Scheduler:
             scheduler_stats is left unset: the engine core attaches make_stats() when it logs.
         """
         cache_blocks = self.kv_cache_manager.cache_blocks
+        block_size = self.block_size
+        requests = self.requests
         sampled_token_ids = model_runner_output.sampled_token_ids
         req_id_to_index = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs
+        check_stop = self._check_stop
+        running_status = RequestStatus.RUNNING
         outputs = []
         any_finished = False
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            request = requests.get(req_id)
+            if request is None or request.status is not running_status:
                 continue  # finished (aborted) since schedule()
-            cache_blocks(request, request.num_computed_tokens)
+            num_computed_tokens = request.num_computed_tokens
+            if num_computed_tokens // block_size != (num_computed_tokens - num_scheduled) // block_size:
+                cache_blocks(request, num_computed_tokens)  # this step filled at least one block
             index = req_id_to_index.get(req_id)
-            new_token_ids = sampled_token_ids[index] if index is not None else []
-            if new_token_ids and request.num_computed_tokens >= len(request.all_token_ids):
-                new_token_ids = self._append_and_check_stop(request, new_token_ids)
-            else:
+            new_token_ids = sampled_token_ids[index] if index is not None else None
+            finished = False
+            if not new_token_ids or num_computed_tokens < len(request.all_token_ids):
                 new_token_ids = []  # a prefill chunk that did not reach the end samples nothing
+            elif len(new_token_ids) == 1:
+                request.append_output_token_ids(new_token_ids[0])
+                finished = check_stop(request, new_token_ids[0])
+            else:
+                new_token_ids = self._append_and_check_stop(request, new_token_ids)
+                finished = request.status is not running_status
             new_prompt_logprobs = prompt_logprobs.get(req_id) if prompt_logprobs else None
-            finished = request.is_finished
             if not (new_token_ids or finished or new_prompt_logprobs):
                 continue
             new_logprobs = logprobs.get(req_id) if logprobs and new_token_ids else None
@@ -357,8 +384,8 @@ class Scheduler:
         EOS (unless ignore_eos) and stop_token_ids count only once min_tokens outputs exist; then
         max_tokens and max_model_len cap the length.
         """
-        params = request.sampling_params
         num_output_tokens = len(request.output_token_ids)
+        params = request.sampling_params
         if num_output_tokens >= params.min_tokens:
             if last_token_id == request.eos_token_id and not params.ignore_eos:
                 request.status = RequestStatus.FINISHED_STOPPED
@@ -367,8 +394,9 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = last_token_id
                 return True
-        if (len(request.all_token_ids) >= self.max_model_len
-                or (request.max_tokens is not None and num_output_tokens >= request.max_tokens)):
+        max_tokens = request.max_tokens
+        if ((max_tokens is not None and num_output_tokens >= max_tokens)
+                or len(request.all_token_ids) >= self.max_model_len):
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
