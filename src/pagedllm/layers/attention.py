@@ -1,0 +1,144 @@
+"""Paged attention over a flattened batch that mixes prefill chunks and decodes.
+
+Per call: (1) write this step's K/V into the cache at `slot_mapping`; (2) each query attends to its
+request's cached tokens, read through the block table, plus the causal part of its own chunk.
+
+Plan, built once per step (`AttentionMetadata.plan`) and reused by every layer:
+- decode rows (query length 1) are batched: only the blocks each one needs are gathered with one
+  `index_select` over whole blocks (contiguous 16-token rows, a memcpy each), then grouped matmuls
+  [B, kv_heads, group, D] x [B, kv_heads, D, L] with a length mask for the partly used last block;
+- prefill chunks run one request at a time through SDPA (enable_gqa); a chunk with no cached prefix
+  reads its own K/V directly (no cache read at all).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.forward_context import AttentionMetadata, get_forward_context
+
+
+@dataclass
+class _Prefill:
+    start: int  # first row of the chunk in the flattened batch
+    end: int
+    seq_len: int  # context after this step; the chunk is the last end - start tokens
+    block_ids: torch.Tensor | None  # [ceil(seq_len / block_size)] int64; None: no cached prefix
+
+
+@dataclass
+class _AttentionPlan:
+    decode_rows: torch.Tensor | None  # [B] int64 rows of single-token queries
+    decode_block_ids: torch.Tensor | None  # [B * nb] int64, row-major over (request, block)
+    decode_num_blocks: int  # nb: blocks gathered per decode request
+    decode_mask: torch.Tensor | None  # [B, 1, 1, nb * block_size] bool, True = attend
+    prefills: list[_Prefill]
+
+
+def build_plan(md: AttentionMetadata, block_size: int) -> _AttentionPlan:
+    """Split the batch into decode rows and prefill chunks (host-side numpy, once per step)."""
+    qsl = np.asarray(md.query_start_loc_cpu, dtype=np.int64)  # [R + 1]
+    seq_lens = np.asarray(md.seq_lens_cpu, dtype=np.int64)  # [R]
+    query_lens = qsl[1:] - qsl[:-1]  # [R]
+    device = md.block_table.device
+    decode_reqs = np.nonzero(query_lens == 1)[0]
+    decode_rows = decode_block_ids = decode_mask = None
+    nb = 0
+    if len(decode_reqs):
+        req_idx = torch.from_numpy(decode_reqs).to(device)
+        decode_rows = torch.from_numpy(qsl[decode_reqs]).to(device)
+        nb = int(-(-seq_lens[decode_reqs].max() // block_size))
+        decode_block_ids = md.block_table[req_idx, :nb].reshape(-1).long()  # [B * nb]
+        lens = torch.from_numpy(seq_lens[decode_reqs]).to(device)  # [B]
+        key_pos = torch.arange(nb * block_size, device=device)  # [L]
+        decode_mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    prefills = []
+    for r in np.nonzero(query_lens > 1)[0]:
+        start, end, seq_len = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
+        block_ids = None
+        if seq_len > end - start:
+            block_ids = md.block_table[r, : -(-seq_len // block_size)].long()
+        prefills.append(_Prefill(start, end, seq_len, block_ids))
+    return _AttentionPlan(decode_rows, decode_block_ids, nb, decode_mask, prefills)
+
+
+class PagedAttention(nn.Module):
+    """Attention for one layer; its KV cache is `get_forward_context().kv_caches[layer_idx]`."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.layer_idx = layer_idx
+        self.scale = head_dim**-0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [T, H, D]; k, v: [T, Hkv, D] -> out [T, H * D]
+        ctx = get_forward_context()
+        md = ctx.attn_metadata
+        kv_cache = ctx.kv_caches[self.layer_idx]  # [2, num_blocks, block_size, Hkv, D]
+        num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+        num_padded, n = q.shape[0], md.num_actual_tokens
+        q, k, v = q[:n], k[:n], v[:n]
+        key_cache = kv_cache[0].view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        value_cache = kv_cache[1].view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        slots = md.slot_mapping[:n]
+        key_cache.index_copy_(0, slots, k.to(key_cache.dtype))
+        value_cache.index_copy_(0, slots, v.to(value_cache.dtype))
+
+        if md.plan is None:
+            md.plan = build_plan(md, block_size)
+        plan: _AttentionPlan = md.plan
+        out = q.new_empty(q.shape[0], self.num_heads, self.head_dim)  # [n, H, D]
+        if plan.decode_rows is not None:
+            out[plan.decode_rows] = self._decode(q.index_select(0, plan.decode_rows), kv_cache, plan)
+        for p in plan.prefills:
+            out[p.start : p.end] = self._prefill(q[p.start : p.end], k[p.start : p.end],
+                                                 v[p.start : p.end], kv_cache, p)
+        out = out.view(n, self.num_heads * self.head_dim)
+        if num_padded > n:  # rows past num_actual_tokens (padding) get zeros
+            out = torch.cat([out, out.new_zeros(num_padded - n, out.shape[1])])
+        return out
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
+        # q: [B, H, D] -> [B, H, D]
+        b = q.shape[0]
+        hkv, d = self.num_kv_heads, self.head_dim
+        group = self.num_heads // hkv
+        blocks = kv_cache.view(2, kv_cache.shape[1], -1)  # [2, num_blocks, block_size * Hkv * D]
+        length = plan.decode_num_blocks * kv_cache.shape[2]
+        keys = blocks[0].index_select(0, plan.decode_block_ids).view(b, length, hkv, d)
+        values = blocks[1].index_select(0, plan.decode_block_ids).view(b, length, hkv, d)
+        qg = q.view(b, hkv, group, d)  # [B, Hkv, G, D]
+        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * self.scale  # [B, Hkv, G, L]
+        scores = scores.float().masked_fill_(~plan.decode_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [B, Hkv, G, L]
+        out = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [B, Hkv, G, D]
+        return out.reshape(b, self.num_heads, d)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 p: _Prefill) -> torch.Tensor:
+        # q: [Tq, H, D]; k, v: [Tq, Hkv, D] (this chunk) -> [Tq, H, D]
+        tq = q.shape[0]
+        if p.block_ids is None:  # no cached prefix: the chunk attends to itself, causally
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
+                is_causal=True, scale=self.scale, enable_gqa=True)  # [H, Tq, D]
+            return out.transpose(0, 1)
+        blocks = kv_cache.view(2, kv_cache.shape[1], -1)
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        keys = blocks[0].index_select(0, p.block_ids).view(shape)[: p.seq_len]  # [L, Hkv, D]
+        values = blocks[1].index_select(0, p.block_ids).view(shape)[: p.seq_len]
+        # Query i sits at position seq_len - tq + i and sees keys 0 ..= that position.
+        query_pos = torch.arange(p.seq_len - tq, p.seq_len, device=q.device)  # [Tq]
+        mask = torch.arange(p.seq_len, device=q.device)[None, :] <= query_pos[:, None]  # [Tq, L]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype),
+            attn_mask=mask, scale=self.scale, enable_gqa=True)  # [H, Tq, D]
+        return out.transpose(0, 1)

@@ -1,0 +1,83 @@
+"""Rotary position embedding (Hugging Face's rotate-half layout) with Llama rope scaling.
+
+Supported `rope_scaling` types: none/default, linear, llama3; GGUF files may instead carry explicit
+per-frequency divisors (llama.cpp's `rope_freqs` tensor), passed as `freq_factors`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None,
+                  freq_factors: Sequence[float] | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] float32, as transformers computes them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    elif rope_type != "default":
+        raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: {SUPPORTED_ROPE_TYPES})")
+    if freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(list(freq_factors), dtype=torch.float32)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin table indexed by position; one lookup per forward, shared by all layers.
+
+    The model is built on the meta device, so the table is computed by `materialize(device)` after
+    the weights are loaded, not at init.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict[str, Any] | None = None, freq_factors: Sequence[float] | None = None):
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.theta = theta
+        self.scaling = scaling
+        self.freq_factors = freq_factors
+        self.register_buffer("cos_sin", torch.empty(0), persistent=False)  # [max_positions, 2, D / 2]
+
+    def materialize(self, device: torch.device) -> None:
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, self.freq_factors)
+            positions = torch.arange(self.max_positions, dtype=torch.float32)  # [P]
+            freqs = positions[:, None] * inv_freq[None, :]  # [P, D / 2]
+            self.cos_sin = torch.stack([freqs.cos(), freqs.sin()], dim=1).to(device)  # [P, 2, D / 2]
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T] -> cos, sin: [T, 1, D / 2] in `dtype`
+        cos_sin = self.cos_sin.index_select(0, positions).to(dtype)  # [T, 2, D / 2]
+        return cos_sin[:, 0:1], cos_sin[:, 1:2]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]; cos, sin: [T, 1, D / 2] -> [T, heads, D]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -1,0 +1,105 @@
+"""Llama for causal LM (SmolLM2, Llama 2/3, Mistral-style): GQA, rope scaling, tied embeddings.
+
+Parameter names are Hugging Face's, with q/k/v fused into `qkv_proj` and gate/up into `gate_up_proj`
+(the loader concatenates them, in that order). Built on the meta device, then loaded with assign=True.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.attention import PagedAttention
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
+from pagedllm.models.model_info import ModelInfo
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, info: ModelInfo, layer_idx: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = info.num_heads, info.num_kv_heads, info.head_dim
+        self.q_size = info.num_heads * info.head_dim
+        self.kv_size = info.num_kv_heads * info.head_dim
+        self.qkv_proj = nn.Linear(info.hidden_size, self.q_size + 2 * self.kv_size, bias=info.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, info.hidden_size, bias=info.attention_bias)
+        self.attn = PagedAttention(info.num_heads, info.num_kv_heads, info.head_dim, layer_idx)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, info: ModelInfo):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(info.hidden_size, 2 * info.intermediate_size, bias=info.mlp_bias)
+        self.down_proj = nn.Linear(info.intermediate_size, info.hidden_size, bias=info.mlp_bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, hidden]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, info: ModelInfo, layer_idx: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(info, layer_idx)
+        self.mlp = LlamaMLP(info)
+        self.input_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))  # [T, hidden]
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, info: ModelInfo):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(info.vocab_size, info.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(info, i) for i in range(info.num_layers))
+        self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(info.head_dim, info.max_position_embeddings, info.rope_theta,
+                                          info.rope_scaling, info.rope_freq_factors)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [T] int64 -> hidden_states [T, hidden]
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, x.dtype)  # [T, 1, D / 2] each
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (fused parameter fragment, shard index in the fused order)
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, info: ModelInfo):
+        super().__init__()
+        self.info = info
+        self.model = LlamaModel(info)
+        self.lm_head = nn.Linear(info.hidden_size, info.vocab_size, bias=False)
+
+    def tie_weights(self) -> None:
+        if self.info.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def materialize(self, device: torch.device) -> None:
+        """Compute the buffers that are not weights (rotary table) on `device`, after loading."""
+        self.model.rotary_emb.materialize(device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)  # [T, hidden]
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states).float()  # [N, hidden] -> [N, vocab] float32

