@@ -1,0 +1,158 @@
+"""Incremental detokenization and stop strings, one instance per request (vLLM's algorithm).
+
+Each new token is decoded together with a few tokens before it: `prefix_offset..read_offset` is text
+already emitted, `read_offset..` is new. The new text is the difference between the two decodes, and is
+held back while it ends in U+FFFD (a multi-byte UTF-8 character split across tokens is not complete yet).
+
+Example: "é" is two bytes that a byte-level BPE may split over tokens t1, t2. After t1 the decode of
+[..., t1] ends in U+FFFD, so nothing is emitted and the offsets stay; after t2 the decode of [..., t1, t2]
+ends in "é", which is emitted, and both offsets move forward.
+
+Decoding follows the tokenizer's own `convert_tokens_to_string`, so the text equals
+`tokenizer.decode(ids, skip_special_tokens=...)`. `spaces_between_special_tokens` is passed to the
+tokenizer's decode; Hugging Face fast tokenizers ignore it (as in vLLM with a fast tokenizer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.sampling_params import SamplingParams
+
+# Prompt tokens decoded before the first output token, so that it is decoded in context
+# (e.g. a SentencePiece leading space).
+_INITIAL_OFFSET = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+def decode_token(tokenizer: Any, token_id: int) -> str:
+    """The text of one token alone (for logprobs); a partial UTF-8 byte decodes to U+FFFD."""
+    return tokenizer.decode([token_id])
+
+
+class IncrementalDetokenizer:
+    """Turns a request's output tokens into text as they arrive and checks its stop strings.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (`convert_ids_to_tokens` + `convert_tokens_to_string`).
+        prompt_token_ids: the prompt; its last few tokens give the first output token its context.
+        params: the request's SamplingParams (stop, include_stop_str_in_output, min_tokens,
+            skip_special_tokens, detokenize).
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = params.skip_special_tokens
+        self.detokenize = params.detokenize
+        self.stop = list(params.stop)
+        self.include_stop_str_in_output = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
+        # Characters a stream holds back so that it never shows the start of a stop string it will cut.
+        if self.stop and not self.include_stop_str_in_output:
+            self.stop_buffer_length = max(len(s) for s in self.stop) - 1
+        else:
+            self.stop_buffer_length = 0
+        self.max_stop_len = max((len(s) for s in self.stop), default=0)
+
+        self.output_token_ids: list[int] = []
+        self.output_text = ""
+        self._last_output_text_offset = 0
+        self.stopped = False
+        prompt_tail = prompt_token_ids[-_INITIAL_OFFSET - 2:]
+        self._tokens: list[str] = self._to_tokens(prompt_tail)
+        self._read_offset = len(self._tokens)
+        self._prefix_offset = max(self._read_offset - _INITIAL_OFFSET, 0)
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Decode new tokens and check stop strings.
+
+        Returns: the stop string that matched, else None. On a match `output_text` is truncated just
+        before the stop string (or just after it with include_stop_str_in_output); the caller finishes
+        the request. Stop strings do not fire while the output has at most min_tokens tokens.
+        """
+        if self.stopped:
+            return None
+        stop_check_offset = len(self.output_text)
+        for token_id in new_token_ids:
+            self.output_token_ids.append(token_id)
+            if self.detokenize:
+                self.output_text += self._decode_next(token_id)
+            if self.min_tokens and len(self.output_token_ids) <= self.min_tokens:
+                stop_check_offset = len(self.output_text)
+        if not self.stop:
+            return None
+        match = self._find_stop(len(self.output_text) - stop_check_offset)
+        if match is None:
+            return None
+        stop_str, truncate_to = match
+        self.output_text = self.output_text[:truncate_to]
+        self.stopped = True
+        return stop_str
+
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        """The text to send now: all of it (delta=False) or what is new since the last call (delta=True).
+
+        Until finished, the last `stop_buffer_length` characters are held back: they may be the start
+        of a stop string that will be cut. Once finished, bytes of a character that never completed are
+        flushed as U+FFFD, so the final text equals `tokenizer.decode(output_token_ids)`.
+        """
+        if finished and not self.stopped:
+            self._flush()
+        buffer_length = 0 if finished else self.stop_buffer_length
+        length = len(self.output_text) - buffer_length
+        if not delta:
+            return self.output_text[:max(length, 0)]
+        last = self._last_output_text_offset
+        if last >= length:
+            return ""
+        self._last_output_text_offset = length
+        return self.output_text[last:length]
+
+    def _decode_next(self, token_id: int) -> str:
+        """Append one token and return the text it completes ("" while a character is incomplete)."""
+        self._tokens.extend(self._to_tokens([token_id]))
+        window = self._tokens[self._prefix_offset:]
+        prefix_text = self._to_string(self._tokens[self._prefix_offset:self._read_offset])
+        new_text = self._to_string(window)
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        return new_text[len(prefix_text):]
+
+    def _flush(self) -> None:
+        """Emit what the held tokens decode to even though it ends in U+FFFD (the output is over)."""
+        if self._read_offset == len(self._tokens):
+            return
+        prefix_text = self._to_string(self._tokens[self._prefix_offset:self._read_offset])
+        new_text = self._to_string(self._tokens[self._prefix_offset:])
+        self.output_text += new_text[len(prefix_text):]
+        self._prefix_offset = self._read_offset = len(self._tokens)
+
+    def _find_stop(self, num_new_chars: int) -> tuple[str, int] | None:
+        """The earliest stop string that overlaps the new characters, and where to cut the text.
+
+        Only the new characters plus (len(stop) - 1) before them are searched, so the cost per step
+        does not grow with the output.
+        """
+        if num_new_chars <= 0:
+            return None
+        text = self.output_text
+        best: tuple[int, str] | None = None
+        for stop_str in self.stop:
+            start = max(len(text) - num_new_chars - len(stop_str) + 1, 0)
+            index = text.find(stop_str, start)
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop_str)
+        if best is None:
+            return None
+        index, stop_str = best
+        return stop_str, index + len(stop_str) if self.include_stop_str_in_output else index
+
+    def _to_tokens(self, token_ids: list[int]) -> list[str]:
+        if not self.detokenize or not token_ids:
+            return []
+        return self.tokenizer.convert_ids_to_tokens(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _to_string(self, tokens: list[str]) -> str:
+        return self.tokenizer.convert_tokens_to_string(tokens) if tokens else ""
