@@ -1,0 +1,263 @@
+"""AsyncLLM: the API server's engine frontend, over an engine-core process.
+
+`add_request` validates, sends the request and returns an async iterator of RequestOutputs fed by one
+output handler per engine step (detokenize, stop strings, n > 1 aggregation, stats). Leaving the iterator
+early (client disconnect, cancellation) aborts the request in the engine at once. When the engine dies,
+every open iterator raises EngineDeadError.
+
+Admission control happens before tokenization: `check_admission` estimates the engine's waiting queue
+from the latest scheduler stats plus the requests sent since those stats were taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+
+from pagedllm.core.scheduler import QueueFullError
+from pagedllm.engine.core_client import EngineCoreClient, EngineDeadError
+from pagedllm.engine.core_proc import FromEngine, Outputs, Rejected, UtilityResult
+from pagedllm.engine.input_processor import InputProcessor, InvalidRequestError
+from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
+from pagedllm.metrics.loggers import IterationStats, LoggingStatLogger, RequestStatsTracker
+from pagedllm.metrics.prometheus import PrometheusStatLogger
+from pagedllm.metrics.stats import SchedulerStats
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestFailedError(RuntimeError):
+    """The engine finished a request with an error (finish_reason "error")."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The server aborted the request (e.g. the drain timeout passed at shutdown)."""
+
+
+class AsyncLLM:
+    def __init__(self, client: EngineCoreClient, tokenizer, model_name: str,
+                 max_num_queued_reqs: int | None = None, log_stats: bool = True):
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_num_queued_reqs = max_num_queued_reqs
+        self.input_processor = InputProcessor(client.ready.limits)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.stats_tracker = RequestStatsTracker()
+        self.prometheus = PrometheusStatLogger(model_name)
+        self.log_logger = LoggingStatLogger() if log_stats else None
+        self.scheduler_stats = SchedulerStats(num_total_blocks=client.ready.num_blocks,
+                                              num_free_blocks=client.ready.num_blocks)
+        self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._engine_to_request: dict[str, str] = {}
+        self._num_sent = 0
+        self._num_added_at_stats = 0
+        self.last_progress_time = time.monotonic()
+        self.on_death: Callable[[str], None] = lambda reason: None
+        self._pending_sends: set[asyncio.Future] = set()
+        client.on_message = self._on_message
+        client.on_death = self._on_death
+        self._log_task = asyncio.create_task(self._log_loop()) if log_stats else None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.client.ready.max_model_len
+
+    @property
+    def is_dead(self) -> bool:
+        return self.client.is_dead
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self.queues)
+
+    # ---- admission and requests ---------------------------------------------------------------------
+
+    def estimated_num_waiting(self) -> int:
+        return self.scheduler_stats.num_waiting_reqs + self._num_sent - self._num_added_at_stats
+
+    def check_admission(self) -> None:
+        """Raise QueueFullError (counted in vllm:admission_rejections) if the waiting queue is full."""
+        if self.is_dead:
+            raise EngineDeadError(self.client.dead_reason)
+        cap = self.max_num_queued_reqs
+        if cap is not None and self.estimated_num_waiting() >= cap:
+            self.prometheus.record_admission_rejection()
+            raise QueueFullError(f"The server is at capacity: {self.estimated_num_waiting()} requests are "
+                                 f"waiting (--max-num-queued-reqs={cap}). Retry later.")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, output_kind: OutputKind = "delta", priority: int = 0,
+                    cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Validate and send one request (n > 1: its first child); returns its output stream.
+
+        Raises:
+            InvalidRequestError: bad prompt or parameters. EngineDeadError: the engine is gone.
+        """
+        if self.is_dead:
+            raise EngineDeadError(self.client.dead_reason)
+        if request_id in self.queues:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use.", param="request_id")
+        arrival_time = time.time()
+        if params.n == 1:
+            requests = [self.input_processor.process(request_id, prompt_token_ids, params, arrival_time,
+                                                     priority, cache_salt)]
+            self.output_processor.add_request(requests[0], prompt, None, 0, output_kind)
+        else:
+            parent = ParentRequest(request_id, params.n)
+            requests = []
+            for index in range(params.n):
+                seed = None if params.seed is None else params.seed + index
+                child = msgspec.structs.replace(params, n=1, seed=seed)
+                requests.append(self.input_processor.process(parent.child_id(index), prompt_token_ids, child,
+                                                             arrival_time, priority, cache_salt))
+            for index, request in enumerate(requests):
+                self.output_processor.add_request(request, prompt, parent, index, output_kind)
+            parent.pending = requests[1:]
+        for request in requests:
+            self._engine_to_request[request.request_id] = request_id
+        if not self.queues:
+            self.last_progress_time = time.monotonic()
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.queues[request_id] = queue
+        self._send_add(requests[0])
+        return self._stream(request_id, queue)
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
+                yield item
+        finally:
+            self.queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str, error: BaseException | None = None) -> None:
+        """Forget a request in the frontend and abort it (all its children) in the engine, now.
+
+        A consumer still waiting on its stream gets `error` (default RequestAbortedError)."""
+        queue = self.queues.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(error or RequestAbortedError("The request was aborted by the server."))
+        engine_ids = self.output_processor.abort_requests([request_id])
+        stats = IterationStats()
+        for engine_id in engine_ids:
+            self._engine_to_request.pop(engine_id, None)
+            self.stats_tracker.finish(engine_id, "abort", stats)
+        self._record(None, stats)
+        self._send_abort(engine_ids)
+
+    # ---- sends that never wait (safe in finally blocks of cancelled tasks) ---------------------------
+
+    def _send_add(self, request: EngineCoreRequest) -> None:
+        self._num_sent += 1
+        self.stats_tracker.add(request.request_id, request.arrival_time, len(request.prompt_token_ids))
+        self._track(self.client.add_request(request))
+
+    def _send_abort(self, engine_ids: list[str]) -> None:
+        if engine_ids and not self.is_dead:
+            self._track(self.client.abort_requests(engine_ids))
+
+    def _track(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._pending_sends.add(task)
+        task.add_done_callback(self._send_done)
+
+    def _send_done(self, task: asyncio.Future) -> None:
+        self._pending_sends.discard(task)
+        if not task.cancelled() and task.exception() is not None and not self.is_dead:
+            logger.error("could not send to the engine core: %s", task.exception())
+
+    # ---- engine messages ------------------------------------------------------------------------------
+
+    def _on_message(self, message: FromEngine) -> None:
+        if isinstance(message, Outputs):
+            self._on_outputs(message)
+        elif isinstance(message, Rejected):
+            self._on_rejected(message)
+        elif isinstance(message, UtilityResult) and message.stats is not None:
+            self.scheduler_stats = message.stats
+            self._record(message.stats, None)
+
+    def _on_outputs(self, message: Outputs) -> None:
+        outputs = message.outputs
+        self.last_progress_time = time.monotonic()
+        if outputs.scheduler_stats is not None:
+            self.scheduler_stats = outputs.scheduler_stats
+            self._num_added_at_stats = message.num_added
+        stats = self.stats_tracker.update(outputs)
+        processed = self.output_processor.process_outputs(outputs)
+        for engine_id in processed.reqs_to_abort:
+            self.stats_tracker.finish(engine_id, "stop", stats)
+        self._send_abort(processed.reqs_to_abort)
+        for request in processed.reqs_to_add:
+            self._send_add(request)
+        for output in outputs.outputs:
+            if output.finished:
+                self._engine_to_request.pop(output.request_id, None)
+        for request_output in processed.request_outputs:
+            queue = self.queues.get(request_output.request_id)
+            if queue is not None:
+                queue.put_nowait(request_output)
+        self._record(outputs.scheduler_stats, stats)
+
+    def _on_rejected(self, message: Rejected) -> None:
+        request_id = self._engine_to_request.pop(message.request_id, None)
+        self.stats_tracker.finish(message.request_id, "abort")
+        if request_id is None:
+            return
+        if message.code == "queue_full":
+            self.prometheus.record_admission_rejection()
+            error: Exception = QueueFullError(message.message)
+        else:
+            error = InvalidRequestError(message.message)
+        self.abort(request_id, error)
+
+    def _on_death(self, reason: str) -> None:
+        for queue in self.queues.values():
+            queue.put_nowait(EngineDeadError(reason))
+        self.on_death(reason)
+
+    def _record(self, scheduler_stats: SchedulerStats | None, stats: IterationStats | None) -> None:
+        self.prometheus.record(scheduler_stats, stats)
+        if self.log_logger is not None:
+            self.log_logger.record(scheduler_stats, stats)
+
+    async def _log_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.log_logger.interval_s)
+            self.log_logger.log()
+
+    # ---- health -----------------------------------------------------------------------------------------
+
+    async def check_health(self, timeout_s: float) -> None:
+        """Raise if the engine is dead, does not answer within timeout_s, or has open requests but has not
+        finished a step for timeout_s."""
+        if self.is_dead:
+            raise EngineDeadError(self.client.dead_reason)
+        await self.client.call_utility("ping", timeout_s)
+        if self.queues and time.monotonic() - self.last_progress_time > timeout_s:
+            raise TimeoutError(f"the engine core has made no progress for {timeout_s:.0f} s")
+
+    async def debug_stats(self, timeout_s: float = 5.0) -> SchedulerStats | None:
+        return await self.client.call_utility("stats", timeout_s)
+
+    def shutdown(self) -> None:
+        if self._log_task is not None:
+            self._log_task.cancel()
+        self.client.shutdown()

@@ -1,0 +1,222 @@
+"""The API server's side of the engine-core process: start it, talk to it over ZMQ, notice its death.
+
+`EngineCoreClient.start(config)` makes a private 0700 directory for the `ipc://` sockets, binds them, starts
+`python -m pagedllm.engine.core_proc` (a fresh interpreter: forking a process that holds torch is unsafe),
+hands it the configuration as JSON on stdin and waits for READY, or raises `EngineStartupError` with the
+engine's own message. The stdin pipe stays open: when this process dies, the engine sees EOF and exits.
+
+Engine death is noticed at once: a thread waits on the child's pid and calls `on_death` on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pagedllm.engine.core_proc import (
+    MAX_MESSAGE_BYTES,
+    AbortRequests,
+    AddRequest,
+    EngineFailed,
+    FromEngine,
+    Ready,
+    StartupFailed,
+    UtilityCall,
+    UtilityResult,
+)
+from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.metrics.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStartupError(RuntimeError):
+    """The engine core could not start; the message is the engine's own reason."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core died (or failed) while the server was running."""
+
+
+class EngineCoreClient:
+    """Sends requests, aborts and utility calls; delivers engine messages to `on_message`."""
+
+    def __init__(self, proc: subprocess.Popen, ctx: zmq.asyncio.Context, input_socket: zmq.asyncio.Socket,
+                 output_socket: zmq.asyncio.Socket, socket_dir: str, ready: Ready):
+        self.proc = proc
+        self.ctx = ctx
+        self.input_socket = input_socket
+        self.output_socket = output_socket
+        self.socket_dir = socket_dir
+        self.ready = ready
+        self.dead_reason: str | None = None
+        self.on_message: Callable[[FromEngine], None] = lambda message: None
+        self.on_death: Callable[[str], None] = lambda reason: None
+        self.last_message_time = time.monotonic()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._call_ids = itertools.count()
+        self._calls: dict[int, asyncio.Future[SchedulerStats | None]] = {}
+        self._closing = False
+        self._loop = asyncio.get_running_loop()
+        self._output_task = asyncio.create_task(self._output_loop(), name="engine-output")
+        threading.Thread(target=self._watch_process, name="engine-watch", daemon=True).start()
+
+    # ---- start -------------------------------------------------------------------------------------------
+
+    @classmethod
+    async def start(cls, config, startup_timeout_s: float = 600.0, log_level: str = "INFO") -> EngineCoreClient:
+        socket_dir = tempfile.mkdtemp(prefix="pagedllm-")  # mode 0700, only this user can connect
+        ctx = zmq.asyncio.Context()
+        proc = None
+        try:
+            input_socket = _bind(ctx, zmq.PUSH, f"ipc://{socket_dir}/input")
+            output_socket = _bind(ctx, zmq.PULL, f"ipc://{socket_dir}/output")
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pagedllm.engine.core_proc", "--input-addr", f"ipc://{socket_dir}/input",
+                 "--output-addr", f"ipc://{socket_dir}/output", "--log-level", log_level],
+                stdin=subprocess.PIPE, close_fds=True)
+            proc.stdin.write(msgspec.json.encode(config) + b"\n")
+            proc.stdin.flush()
+            ready = await _wait_ready(proc, output_socket, startup_timeout_s)
+        except BaseException:
+            if proc is not None:
+                _stop_process(proc, timeout_s=5.0)
+            ctx.destroy(linger=0)
+            shutil.rmtree(socket_dir, ignore_errors=True)
+            raise
+        logger.info("engine core ready (pid %d): %d KV blocks of %d tokens, max_model_len %d",
+                    ready.pid, ready.num_blocks, ready.block_size, ready.max_model_len)
+        return cls(proc, ctx, input_socket, output_socket, socket_dir, ready)
+
+    # ---- requests ----------------------------------------------------------------------------------------
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    async def add_request(self, request: EngineCoreRequest) -> None:
+        await self._send(AddRequest(request))
+
+    async def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and not self.is_dead:
+            await self._send(AbortRequests(request_ids))
+
+    async def call_utility(self, method: str, timeout_s: float) -> SchedulerStats | None:
+        """Ask the busy loop; raises TimeoutError if it does not answer in time, EngineDeadError if dead."""
+        call_id = next(self._call_ids)
+        future: asyncio.Future[SchedulerStats | None] = self._loop.create_future()
+        self._calls[call_id] = future
+        try:
+            await self._send(UtilityCall(call_id, method))
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._calls.pop(call_id, None)
+
+    async def _send(self, message) -> None:
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason)
+        await self.input_socket.send(self._encoder.encode(message), copy=False)
+
+    # ---- engine messages and death -----------------------------------------------------------------------
+
+    async def _output_loop(self) -> None:
+        decoder = msgspec.msgpack.Decoder(FromEngine)
+        while True:
+            frame = await self.output_socket.recv(copy=False)
+            self.last_message_time = time.monotonic()
+            try:
+                message = decoder.decode(frame.buffer)
+            except msgspec.DecodeError as e:
+                logger.error("dropped an undecodable message from the engine core: %s", e)
+                continue
+            if isinstance(message, UtilityResult):
+                future = self._calls.get(message.call_id)
+                if future is not None and not future.done():
+                    future.set_result(message.stats)
+            elif isinstance(message, EngineFailed):
+                self._mark_dead(f"engine core failed: {message.message}")
+            else:
+                try:
+                    self.on_message(message)
+                except Exception:
+                    logger.exception("error while handling engine outputs")
+
+    def _watch_process(self) -> None:
+        code = self.proc.wait()
+        if not self._closing:
+            reason = f"engine core process exited unexpectedly (exit code {code})"
+            self._loop.call_soon_threadsafe(self._mark_dead, reason)
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.is_dead or self._closing:
+            return
+        self.dead_reason = reason
+        logger.error("%s", reason)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
+        self.on_death(reason)
+
+    # ---- stop --------------------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the engine core (SIGTERM, then SIGKILL), close the sockets, remove the socket directory."""
+        self._closing = True
+        self._output_task.cancel()
+        _stop_process(self.proc, timeout_s=5.0)
+        self.ctx.destroy(linger=0)
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+def _bind(ctx: zmq.asyncio.Context, kind: int, addr: str) -> zmq.asyncio.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.SNDHWM if kind == zmq.PUSH else zmq.RCVHWM, 0)
+    sock.bind(addr)
+    return sock
+
+
+async def _wait_ready(proc: subprocess.Popen, output_socket: zmq.asyncio.Socket, timeout_s: float) -> Ready:
+    deadline = time.monotonic() + timeout_s
+    decoder = msgspec.msgpack.Decoder(FromEngine)
+    while time.monotonic() < deadline:
+        if await output_socket.poll(timeout=100):
+            message = decoder.decode(await output_socket.recv())
+            if isinstance(message, Ready):
+                return message
+            if isinstance(message, StartupFailed):
+                raise EngineStartupError(message.message)
+            logger.warning("unexpected %s before READY", type(message).__name__)
+        elif proc.poll() is not None:
+            raise EngineStartupError(f"engine core exited with code {proc.returncode} while starting "
+                                     "(see its log above)")
+    raise EngineStartupError(f"engine core did not become ready within {timeout_s:.0f} s")
+
+
+def _stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    if proc.poll() is None:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("engine core did not exit within %.0f s; killing it", timeout_s)
+            proc.kill()
+            proc.wait()

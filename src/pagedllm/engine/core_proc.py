@@ -1,0 +1,288 @@
+"""The engine-core process: EngineCore's busy loop behind two ZMQ sockets.
+
+    API server ──PUSH ipc://…/input──▶ input thread ──queue──▶ main thread: busy loop
+    API server ◀─PULL ipc://…/output── output thread ◀──queue── (schedule ▸ execute ▸ update)
+
+Only the main thread touches the scheduler and the KV cache. The IO threads decode and encode msgspec
+msgpack, so serialization overlaps the model's forward pass (zmq and msgspec release the GIL). Nothing is
+pickled: the configuration arrives as JSON on stdin, every socket message is one of the typed envelopes
+below.
+
+Lifetime: the process exits when the API server dies (stdin reaches EOF: the kernel closes the pipe when
+the parent exits, however it exits), on SIGTERM, or when a step raises (after reporting the error).
+
+Run as `python -m pagedllm.engine.core_proc --input-addr ADDR --output-addr ADDR` with the EngineConfig
+as one JSON line on stdin; `EngineCoreClient` does this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from typing import Literal
+
+import msgspec
+import zmq
+
+from pagedllm.engine.input_processor import ModelLimits
+from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.metrics.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 << 20
+"""Receive cap on every socket (zmq.MAXMSGSIZE): a bigger message drops the connection, not the process."""
+
+# ---- envelopes: API server → engine core ---------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request: EngineCoreRequest
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
+    """A call answered by the busy loop between steps, so an answer proves the loop is alive."""
+
+    call_id: int
+    method: Literal["ping", "stats"]
+
+
+ToEngine = AddRequest | AbortRequests | UtilityCall
+
+# ---- envelopes: engine core → API server ---------------------------------------------------------------
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    limits: ModelLimits
+    """What the frontend validates requests against (vocabulary, context length, EOS, defaults)."""
+    model_name: str
+    """The model's default served name."""
+    pid: int
+
+
+class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):
+    message: str
+
+
+class Outputs(msgspec.Struct, tag="outputs", array_like=True):
+    outputs: EngineCoreOutputs
+    num_added: int
+    """Requests the engine has taken in so far; with the stats it tells the server how many are waiting."""
+
+
+class Rejected(msgspec.Struct, tag="rejected", array_like=True):
+    request_id: str
+    code: Literal["queue_full", "invalid"]
+    message: str
+
+
+class UtilityResult(msgspec.Struct, tag="utility_result", array_like=True):
+    call_id: int
+    stats: SchedulerStats | None = None
+
+
+class EngineFailed(msgspec.Struct, tag="engine_failed", array_like=True):
+    message: str
+
+
+FromEngine = Ready | StartupFailed | Outputs | Rejected | UtilityResult | EngineFailed
+
+
+class EngineCoreProc:
+    """Owns an EngineCore and its sockets; `run_busy_loop` runs until shutdown."""
+
+    def __init__(self, engine_core, input_addr: str, output_addr: str):
+        self.engine_core = engine_core
+        self.input_queue: queue.Queue[ToEngine] = queue.Queue()
+        self.output_queue: queue.Queue[FromEngine | None] = queue.Queue()
+        self.num_added = 0
+        self.ctx = zmq.Context()
+        self.input_socket = _connect(self.ctx, zmq.PULL, input_addr)
+        self.output_socket = _connect(self.ctx, zmq.PUSH, output_addr)
+        threading.Thread(target=self._input_thread, name="engine-input", daemon=True).start()
+        self.output_thread = threading.Thread(target=self._output_thread, name="engine-output", daemon=True)
+        self.output_thread.start()
+
+    def send(self, message: FromEngine) -> None:
+        self.output_queue.put(message)
+
+    def run_busy_loop(self) -> None:
+        """schedule ▸ execute ▸ update while there is work; block on the input queue when idle."""
+        while True:
+            self._process_input_queue(block=not self.engine_core.has_unfinished_requests())
+            if self.engine_core.has_unfinished_requests():
+                outputs = self.engine_core.step()
+                self.send(Outputs(outputs, self.num_added))
+
+    def close(self) -> None:
+        self.output_queue.put(None)
+        self.output_thread.join(timeout=2.0)
+        self.ctx.destroy(linger=0)
+
+    # ---- main thread -------------------------------------------------------------------------------
+
+    def _process_input_queue(self, block: bool) -> None:
+        changed = False
+        try:
+            message = self.input_queue.get(timeout=1.0) if block else self.input_queue.get_nowait()
+            while True:
+                changed |= self._handle(message)
+                message = self.input_queue.get_nowait()
+        except queue.Empty:
+            pass
+        if changed and not self.engine_core.has_unfinished_requests():
+            # Idle after aborts: no step will report the freed blocks, so report them now.
+            self.send(Outputs(EngineCoreOutputs(scheduler_stats=self._stats(), timestamp=time.time()),
+                              self.num_added))
+
+    def _handle(self, message: ToEngine) -> bool:
+        if isinstance(message, AddRequest):
+            return self._add(message.request)
+        if isinstance(message, AbortRequests):
+            self.engine_core.abort_requests(message.request_ids)
+            return True
+        self.send(UtilityResult(message.call_id, self._stats()))
+        return False
+
+    def _add(self, request: EngineCoreRequest) -> bool:
+        from pagedllm.core.scheduler import QueueFullError
+
+        self.num_added += 1
+        try:
+            self.engine_core.add_request(request)
+        except QueueFullError as e:
+            self.send(Rejected(request.request_id, "queue_full", str(e) or "The waiting queue is full."))
+        except ValueError as e:
+            self.send(Rejected(request.request_id, "invalid", str(e)))
+        return False
+
+    def _stats(self) -> SchedulerStats | None:
+        scheduler = getattr(self.engine_core, "scheduler", None)
+        return scheduler.make_stats() if scheduler is not None else None
+
+    # ---- IO threads ----------------------------------------------------------------------------------
+
+    def _input_thread(self) -> None:
+        decoder = msgspec.msgpack.Decoder(ToEngine)
+        while True:
+            try:
+                frame = self.input_socket.recv(copy=False)
+            except zmq.ContextTerminated:
+                return
+            try:
+                self.input_queue.put(decoder.decode(frame.buffer))
+            except msgspec.DecodeError as e:
+                logger.error("dropped an undecodable message from the API server: %s", e)
+
+    def _output_thread(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        while (message := self.output_queue.get()) is not None:
+            self.output_socket.send(encoder.encode(message), copy=False)
+
+
+def _connect(ctx: zmq.Context, kind: int, addr: str) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    if kind == zmq.PUSH:
+        sock.setsockopt(zmq.SNDHWM, 0)
+    else:
+        sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(addr)
+    return sock
+
+
+def _exit_when_parent_dies() -> None:
+    """stdin is a pipe from the API server: EOF means it exited (or closed it to stop us)."""
+    try:
+        while sys.stdin.buffer.read(4096):
+            pass
+    except OSError:
+        pass
+    logger.info("API server is gone; engine core exiting.")
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5.0)
+    os._exit(1)  # the main thread did not get out of its step in time
+
+
+def _raise_system_exit(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def run_engine_core(config, input_addr: str, output_addr: str) -> int:
+    """Load the engine, report READY (or why not), run until shutdown. Returns the exit code."""
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server decides
+    threading.Thread(target=_exit_when_parent_dies, name="parent-watch", daemon=True).start()
+    from pagedllm.engine.core import EngineCore
+
+    proc = None
+    ready = False
+    try:
+        engine_core = EngineCore(config)
+        proc = EngineCoreProc(engine_core, input_addr, output_addr)
+        resolved = engine_core.resolved_model
+        proc.send(Ready(num_blocks=engine_core.num_blocks, block_size=config.cache_config.block_size,
+                        max_model_len=engine_core.max_model_len, limits=engine_core.model_limits(),
+                        model_name=getattr(resolved, "name", None) or str(config.model_config.model),
+                        pid=os.getpid()))
+        ready = True
+        proc.run_busy_loop()
+    except SystemExit:
+        return 0
+    except Exception as e:
+        logger.exception("engine core failed")
+        message = f"{type(e).__name__}: {e}"
+        if proc is None:
+            _report_startup_failure(output_addr, message)
+        else:
+            proc.send(EngineFailed(message) if ready else StartupFailed(message))
+        return 1
+    finally:
+        if proc is not None:
+            proc.close()
+    return 0
+
+
+def _report_startup_failure(output_addr: str, message: str) -> None:
+    ctx = zmq.Context()
+    sock = _connect(ctx, zmq.PUSH, output_addr)
+    sock.send(msgspec.msgpack.encode(StartupFailed(message)))
+    time.sleep(0.2)  # let the message leave before the context is destroyed
+    ctx.destroy(linger=1000)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pagedllm.config import EngineConfig
+
+    parser = argparse.ArgumentParser(description="pagedllm engine-core process (started by the API server)")
+    parser.add_argument("--input-addr", required=True)
+    parser.add_argument("--output-addr", required=True)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(asctime)s [engine] %(message)s",
+                        datefmt="%m-%d %H:%M:%S")
+    config_line = sys.stdin.buffer.readline()
+    try:
+        config = msgspec.json.decode(config_line, type=EngineConfig)
+    except (msgspec.DecodeError, ValueError) as e:
+        _report_startup_failure(args.output_addr, f"invalid engine configuration: {e}")
+        return 1
+    return run_engine_core(config, args.input_addr, args.output_addr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

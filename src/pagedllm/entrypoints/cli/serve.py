@@ -1,0 +1,133 @@
+"""`pagedllm serve [MODEL] [flags]`: the OpenAI-compatible server.
+
+Engine flags are generated from the config dataclasses (ModelConfig, CacheConfig, SchedulerConfig) and
+server flags from `ServerConfig` below, each documented by its field docstring, with vLLM's names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import typing
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, field_docs
+
+logger = logging.getLogger("pagedllm.serve")
+
+# Set elsewhere: the positional MODEL, and SchedulerConfig.max_model_len (copied from ModelConfig's).
+_SKIPPED = {"model"}
+
+
+@dataclass
+class ServerConfig:
+    host: str | None = None
+    """Host name or address to listen on; default: all interfaces."""
+    port: int = 8000
+    """Port to listen on."""
+    api_key: str | None = None
+    """Require `Authorization: Bearer KEY` on every route except /health (and /metrics unless
+    --protect-metrics)."""
+    protect_metrics: bool = False
+    """Make --api-key guard /metrics too."""
+    disable_log_requests: bool = False
+    """Do not log each request's id, prompt length and sampling parameters."""
+    disable_log_stats: bool = False
+    """Do not log throughput, queue and KV-cache statistics every 10 seconds."""
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
+    """Log level of uvicorn (access log, server events)."""
+    health_check_timeout: float = 10.0
+    """Seconds the engine core may take to answer /health, or go without finishing a step while requests
+    are open, before /health answers 503."""
+    drain_timeout: float = 30.0
+    """Seconds SIGTERM waits for open requests to finish before aborting them and exiting."""
+    engine_startup_timeout: float = 600.0
+    """Seconds to wait for the engine core to load the model and report ready."""
+    engine_death_exit_delay: float = 3.0
+    """Seconds the server keeps answering 503 after the engine core dies, before it exits."""
+    max_n: int = 64
+    """Largest `n` (choices per request) accepted."""
+    max_request_bytes: int = 16 << 20
+    """Largest request body accepted, in bytes (HTTP 413 beyond)."""
+    enable_debug_routes: bool = False
+    """Serve GET /debug/kv_cache (free and total KV blocks, running and waiting requests) for tests."""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "serve", help="Start the OpenAI-compatible API server.",
+        description="Start the OpenAI-compatible API server (an API-server process and an engine-core "
+                    "process).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help=field_docs(ModelConfig)["model"])
+    parser.add_argument("--model", dest="model", default=None, help="Same as the positional MODEL.")
+    add_dataclass_flags(parser.add_argument_group("server"), ServerConfig, "server_")
+    group = parser.add_argument_group("engine")
+    seen: set[str] = set(_SKIPPED)
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig):
+        skip = seen | ({"max_model_len"} if cls is SchedulerConfig else set())
+        add_dataclass_flags(group, cls, "engine_", skip)
+        seen |= {f.name for f in fields(cls)}
+    parser.set_defaults(dispatch_function=cmd)
+    return parser
+
+
+def add_dataclass_flags(group, cls: type, prefix: str, skip: set[str] = frozenset()) -> None:
+    """One flag per field: `--field-name`, its docstring as help, bools as --x/--no-x, Literals as choices."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kwargs: dict[str, Any] = {"dest": prefix + f.name, "default": f.default, "help": docs.get(f.name, "")}
+        kind = hints[f.name]
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+        elif typing.get_origin(kind) is Literal:
+            group.add_argument(flag, choices=typing.get_args(kind), **kwargs)
+        else:
+            base = args[0] if args else kind
+            if f.name.endswith("_memory") or f.name.endswith("_bytes"):
+                base = parse_bytes
+            group.add_argument(flag, type=base if base in (int, float, parse_bytes) else str,
+                               metavar=f.name.upper(), **kwargs)
+
+
+def parse_bytes(text: str) -> int:
+    """`4GiB`, `512M`, `1e9` or a plain number of bytes."""
+    match = re.fullmatch(r"\s*([0-9.e+]+)\s*([kmgt]?)(i?b?)\s*", text.lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}")
+    number, unit, binary = match.groups()
+    base = 1024 if binary.startswith("i") else 1000
+    try:
+        return int(float(number) * base ** " kmgt".index(unit or " "))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from None
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    """Raises ValueError (a message for the user) when the flags do not make a valid configuration."""
+    engine_kwargs = {k[len("engine_"):]: v for k, v in vars(args).items() if k.startswith("engine_")}
+    server_kwargs = {k[len("server_"):]: v for k, v in vars(args).items() if k.startswith("server_")}
+    model = args.model or args.model_tag
+    if args.model and args.model_tag and args.model != args.model_tag:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}.")
+    return EngineConfig.from_kwargs(model=model, **engine_kwargs), ServerConfig(**server_kwargs)
+
+
+def cmd(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+                        datefmt="%m-%d %H:%M:%S")
+    try:
+        engine_config, server_config = configs_from_args(args)
+    except ValueError as e:
+        logger.error("%s", e)
+        return 2
+    from pagedllm.entrypoints.openai.run import run
+
+    return run(engine_config, server_config)

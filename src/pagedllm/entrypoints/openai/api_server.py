@@ -1,0 +1,291 @@
+"""The API-server process: FastAPI routes over AsyncLLM, run by uvicorn next to an engine-core process.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /version,
+POST /tokenize, POST /detokenize, GET /metrics (and GET /debug/kv_cache with --enable-debug-routes).
+
+Lifetime: SIGTERM stops accepting (503 + Retry-After), waits up to --drain-timeout for open requests, then
+exits; a second SIGTERM or SIGINT exits at once. When the engine core dies, open requests fail at once,
+every route answers 503, and the server exits after --engine-death-exit-delay seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagedllm
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai import errors
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pagedllm.entrypoints.openai.serving_base import to_api_error
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger(__name__)
+
+UNGUARDED_PATHS = {"/health", "/metrics"}
+
+
+@dataclass
+class ServerSettings:
+    """What the routes need to know beyond the engine (filled from the serve flags)."""
+
+    served_model_names: list[str]
+    api_key: str | None = None
+    protect_metrics: bool = False
+    health_check_timeout: float = 10.0
+    enable_debug_routes: bool = False
+    log_requests: bool = True
+    max_n: int = 64
+    max_request_bytes: int = 16 << 20
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLM
+    settings: ServerSettings
+    draining: bool = False
+    started: float = field(default_factory=time.time)
+
+
+class GuardMiddleware:
+    """Pure ASGI (streams and disconnects pass straight through): API key, drain, engine death, body cap."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+        key = state.settings.api_key
+        self.expected = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        error = self._check(scope)
+        if error is not None:
+            return await error.to_response()(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    def _check(self, scope) -> errors.APIError | None:
+        path = scope["path"]
+        headers = dict(scope["headers"])
+        settings = self.state.settings
+        if self.expected is not None and (path not in UNGUARDED_PATHS
+                                          or (path == "/metrics" and settings.protect_metrics)):
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                return errors.unauthorized()
+        if path == "/metrics":
+            return None
+        if self.state.draining:
+            return errors.unavailable("The server is shutting down.", "shutting_down", retry_after_s=5)
+        if self.state.engine.is_dead:
+            return errors.unavailable(f"The engine is not available: {self.state.engine.client.dead_reason}",
+                                      "engine_dead")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > settings.max_request_bytes:
+            return errors.APIError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "The request body is too large.",
+                                   "invalid_request_error", code="request_too_large")
+        return None
+
+
+async def _run_until_disconnect(request: Request, coro):
+    """Await coro, cancelling it if the client disconnects first (cancellation aborts the request)."""
+    task = asyncio.ensure_future(coro)
+
+    async def wait_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        try:
+            await task
+        except BaseException:
+            pass
+        return None
+    return task.result()
+
+
+def _respond(result) -> Response:
+    if result is None:  # the client went away
+        return Response(status_code=499)
+    if hasattr(result, "__aiter__"):
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return JSONResponse(result.model_dump())
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    engine = state.engine
+    settings = state.settings
+    completions = OpenAIServingCompletion(engine, settings.served_model_names, settings)
+    chat = OpenAIServingChat(engine, settings.served_model_names, settings)
+    app.add_middleware(GuardMiddleware, state=state)
+
+    @app.exception_handler(errors.APIError)
+    async def api_error(request: Request, e: errors.APIError):
+        return e.to_response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        message = "; ".join(f"{'.'.join(str(p) for p in err.get('loc', ()) if p != 'body') or 'body'}: "
+                            f"{err.get('msg', 'invalid')}" for err in e.errors()) or "Invalid request."
+        return errors.bad_request(message, param=loc[0] if loc else None).to_response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        if e.status_code == HTTPStatus.NOT_FOUND:
+            return errors.not_found(request.url.path).to_response()
+        return errors.APIError(e.status_code, str(e.detail), "invalid_request_error").to_response()
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, e: Exception):
+        logger.exception("unexpected error serving %s", request.url.path)
+        return to_api_error(e).to_response()
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request):
+        return _respond(await _run_until_disconnect(request, _guard(completions.create_completion(body))))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        return _respond(await _run_until_disconnect(request, _guard(chat.create_chat_completion(body))))
+
+    @app.get("/v1/models")
+    async def show_models():
+        cards = [ModelCard(id=name, root=engine.client.ready.model_name, max_model_len=engine.max_model_len)
+                 for name in settings.served_model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.get("/health")
+    async def health():
+        try:
+            await engine.check_health(settings.health_check_timeout)
+        except Exception as e:
+            reason = str(e) or type(e).__name__
+            return errors.unavailable(f"unhealthy: {reason}", "unhealthy").to_response()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return JSONResponse({"version": pagedllm.__version__})
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.prometheus.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        completions.check_model(body.model)
+        tokenizer = engine.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise errors.bad_request("Give exactly one of prompt and messages.", param="prompt")
+        if body.messages is not None:
+            text = render_chat(tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message)
+            token_ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        else:
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            token_ids = tokenizer.encode(body.prompt, add_special_tokens=add_special)
+        token_strs = tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
+        return JSONResponse(TokenizeResponse(count=len(token_ids), max_model_len=engine.max_model_len,
+                                             tokens=token_ids, token_strs=token_strs).model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        completions.check_model(body.model)
+        vocab_size = engine.input_processor.limits.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise errors.bad_request(f"Token id {bad} is out of vocabulary (size {vocab_size}).", param="tokens")
+        return JSONResponse(DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens)).model_dump())
+
+    if settings.enable_debug_routes:
+        @app.get("/debug/kv_cache")
+        async def debug_kv_cache():
+            stats = await engine.debug_stats()
+            return JSONResponse({} if stats is None else {
+                "num_free_blocks": stats.num_free_blocks, "num_total_blocks": stats.num_total_blocks,
+                "num_running_reqs": stats.num_running_reqs, "num_waiting_reqs": stats.num_waiting_reqs,
+                "num_open_requests": engine.num_open_requests, "engine_pid": engine.client.ready.pid})
+
+    return app
+
+
+async def _guard(coro):
+    """Turn an exception raised while serving into its APIError, so the handler never 500s a bad request."""
+    try:
+        return await coro
+    except errors.APIError:
+        raise
+    except Exception as e:
+        raise to_api_error(e) from e
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM drains instead of closing the listening socket."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float):
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout = drain_timeout
+        self._drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if sig == signal.SIGTERM and not self.state.draining:
+            self.state.draining = True
+            loop = asyncio.get_event_loop()
+            loop.call_soon_threadsafe(self._start_drain)
+            return
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()  # exit through our own cleanup, not by re-raising the signal
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        engine = self.state.engine
+        logger.info("SIGTERM: not accepting new requests; waiting up to %.0f s for %d open requests",
+                    self.drain_timeout, engine.num_open_requests)
+        deadline = time.monotonic() + self.drain_timeout
+        while engine.num_open_requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if engine.num_open_requests:
+            logger.warning("drain timeout: aborting %d open requests", engine.num_open_requests)
+            for request_id in list(engine.queues):
+                engine.abort(request_id)
+            await asyncio.sleep(0.1)
+        self.should_exit = True
+
+    def exit_later(self, delay_s: float) -> None:
+        asyncio.get_event_loop().call_later(delay_s, setattr, self, "should_exit", True)

@@ -1,0 +1,64 @@
+"""Run the server: start the engine core (and load the tokenizer meanwhile), then uvicorn until exit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import uvicorn
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.core_client import EngineCoreClient, EngineStartupError
+from pagedllm.entrypoints.openai.api_server import DrainingServer, ServerSettings, ServerState, build_app
+
+logger = logging.getLogger(__name__)
+
+
+def run(engine_config: EngineConfig, server_config) -> int:
+    """Serve until SIGTERM/SIGINT or engine death. Returns the process exit code."""
+    try:
+        return asyncio.run(run_server(engine_config, server_config))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def run_server(engine_config: EngineConfig, sc) -> int:
+    from pagedllm.tokenizer import get_tokenizer
+
+    mc = engine_config.model_config
+    tokenizer_task = asyncio.ensure_future(asyncio.to_thread(get_tokenizer, mc.tokenizer or mc.model))
+    try:
+        client = await EngineCoreClient.start(engine_config, sc.engine_startup_timeout)
+    except EngineStartupError as e:
+        logger.error("The engine core failed to start: %s", e)
+        tokenizer_task.cancel()
+        return 1
+    try:
+        tokenizer = await tokenizer_task
+    except Exception as e:
+        logger.error("Cannot load the tokenizer: %s", e)
+        client.shutdown()
+        return 1
+    names = [mc.served_model_name or client.ready.model_name]
+    engine = AsyncLLM(client, tokenizer, names[0], engine_config.scheduler_config.max_num_queued_reqs,
+                      log_stats=not sc.disable_log_stats)
+    settings = ServerSettings(served_model_names=names, api_key=sc.api_key, protect_metrics=sc.protect_metrics,
+                              health_check_timeout=sc.health_check_timeout,
+                              enable_debug_routes=sc.enable_debug_routes,
+                              log_requests=not sc.disable_log_requests, max_n=sc.max_n,
+                              max_request_bytes=sc.max_request_bytes)
+    state = ServerState(engine, settings)
+    config = uvicorn.Config(build_app(state), host=sc.host or "0.0.0.0", port=sc.port,
+                            log_level=sc.uvicorn_log_level, timeout_graceful_shutdown=5,
+                            timeout_keep_alive=5)
+    server = DrainingServer(config, state, sc.drain_timeout)
+    engine.on_death = lambda reason: server.exit_later(sc.engine_death_exit_delay)
+    logger.info("Serving %s on http://%s:%d", names[0], sc.host or "0.0.0.0", sc.port)
+    try:
+        await server.serve()
+    finally:
+        engine.shutdown()
+    if engine.is_dead:
+        return 1
+    return 0 if server.started else 1

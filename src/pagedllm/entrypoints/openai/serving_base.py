@@ -1,0 +1,180 @@
+"""What /v1/completions and /v1/chat/completions share: model check, SamplingParams from a request,
+engine errors to HTTP errors, logprobs and usage, merged output streams, and SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel
+
+from pagedllm.core.scheduler import QueueFullError
+from pagedllm.engine.async_llm import AsyncLLM, RequestAbortedError, RequestFailedError
+from pagedllm.engine.core_client import EngineDeadError
+from pagedllm.engine.input_processor import InvalidRequestError
+from pagedllm.entrypoints.openai import errors
+from pagedllm.entrypoints.openai.protocol import (
+    PromptTokensDetails,
+    SamplingFields,
+    UsageInfo,
+    random_uuid,
+)
+from pagedllm.outputs import PositionLogprobs, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Request fields that a model's generation_config.json may default when the request leaves them out.
+_DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], settings=None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.served_model_names = served_model_names
+        self.log_requests = getattr(settings, "log_requests", False)
+        self.max_n = getattr(settings, "max_n", 64)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model and model not in self.served_model_names:
+            raise errors.model_not_found(model)
+
+    @staticmethod
+    def request_id(prefix: str, request: SamplingFields) -> str:
+        return f"{prefix}-{request.request_id or random_uuid()}"
+
+    def sampling_params(self, request: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        defaults = self.engine.input_processor.sampling_defaults()
+        values = {name: getattr(request, name) if getattr(request, name) is not None else defaults.get(name)
+                  for name in _DEFAULTABLE}
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens")
+        stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+        logit_bias = None
+        if request.logit_bias:
+            try:
+                logit_bias = {int(k): float(v) for k, v in request.logit_bias.items()}
+            except ValueError:
+                raise errors.bad_request("logit_bias keys must be token ids.", param="logit_bias") from None
+        kwargs: dict[str, Any] = {k: v for k, v in values.items() if v is not None}
+        return SamplingParams(
+            n=request.n, presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0, seed=request.seed, stop=stop,
+            stop_token_ids=list(request.stop_token_ids or []), ignore_eos=request.ignore_eos,
+            max_tokens=max_tokens, min_tokens=request.min_tokens, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=logit_bias, **kwargs)
+
+    def add_requests(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
+                     params: SamplingParams, request: SamplingFields,
+                     output_kind: str) -> list[AsyncIterator[RequestOutput]]:
+        """Send every prompt as `{request_id}-{i}` (one prompt: `request_id`); all or none."""
+        if not 1 <= params.n <= self.max_n:
+            raise errors.bad_request(f"n must be in [1, {self.max_n}], got {params.n}.", param="n")
+        if self.log_requests:
+            logger.info("Received request %s: %d prompt(s), %s prompt tokens, params %s", request_id,
+                        len(prompts), "+".join(str(len(ids)) for _, ids in prompts), params)
+        streams = []
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        try:
+            for sub_id, (text, token_ids) in zip(ids, prompts, strict=True):
+                streams.append(self.engine.add_request(sub_id, token_ids, params, text, output_kind,
+                                                       request.priority, request.cache_salt))
+        except BaseException:
+            for sub_id in ids[:len(streams)]:
+                self.engine.abort(sub_id)
+            raise
+        return streams
+
+
+def to_api_error(e: BaseException) -> errors.APIError:
+    """The HTTP error for an exception raised while serving a request."""
+    if isinstance(e, errors.APIError):
+        return e
+    if isinstance(e, InvalidRequestError):
+        return errors.bad_request(str(e), e.param, e.code)
+    if isinstance(e, QueueFullError):
+        return errors.unavailable(str(e), "queue_full", retry_after_s=1)
+    if isinstance(e, EngineDeadError):
+        return errors.unavailable(f"The engine is not available: {e}", "engine_dead")
+    if isinstance(e, RequestAbortedError):
+        return errors.unavailable(str(e), "aborted", retry_after_s=1)
+    if isinstance(e, RequestFailedError):
+        return errors.internal(str(e))
+    if isinstance(e, ValueError):
+        return errors.bad_request(str(e))
+    return errors.internal(f"{type(e).__name__}: {e}")
+
+
+async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as (stream index, output); closing this closes them all."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                await queue.put((i, output))
+            await queue.put((i, None))
+        except Exception as e:
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                     total_tokens=num_prompt_tokens + num_completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
+
+
+def top_entries(position: PositionLogprobs, num: int) -> list[tuple[int, float, str]]:
+    """The `num` most likely (token id, logprob, text) at one position, best first."""
+    ranked = sorted(position.items(), key=lambda item: item[1].rank if item[1].rank is not None else 1 << 30)
+    return [(tid, lp.logprob, lp.decoded_token or "") for tid, lp in ranked[:num]]
+
+
+def chosen_entry(position: PositionLogprobs, token_id: int) -> tuple[float, str]:
+    lp = position.get(token_id)
+    if lp is None:  # should not happen: the chosen token is always first
+        return float("-inf"), ""
+    return lp.logprob, lp.decoded_token or ""
+
+
+def sse(chunk: BaseModel | dict) -> str:
+    body = chunk.model_dump_json(exclude_unset=False) if isinstance(chunk, BaseModel) else json.dumps(chunk)
+    return f"data: {body}\n\n"
+
+
+def sse_error(e: BaseException) -> str:
+    return sse({"error": to_api_error(e).to_info().model_dump()})
+
+
+SSE_DONE = "data: [DONE]\n\n"

@@ -1,0 +1,171 @@
+"""POST /v1/chat/completions: messages through the model's chat template, then generation."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagedllm.entrypoints.openai import errors
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatLogprobs,
+    ChatLogprobToken,
+    ChatMessage,
+    DeltaMessage,
+    TopLogprob,
+)
+from pagedllm.entrypoints.openai.serving_base import (
+    SSE_DONE,
+    OpenAIServing,
+    chosen_entry,
+    merge_streams,
+    sse,
+    sse_error,
+    top_entries,
+    usage,
+)
+from pagedllm.outputs import PositionLogprobs
+
+
+def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                continue_final_message: bool, chat_template: str | None = None,
+                chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text for a conversation; raises APIError(400) for messages the template rejects."""
+    if add_generation_prompt and continue_final_message:
+        raise errors.bad_request("add_generation_prompt and continue_final_message cannot both be true.",
+                                 param="continue_final_message")
+    if not messages:
+        raise errors.bad_request("messages must not be empty.", param="messages")
+    if continue_final_message and messages[-1].get("role") != "assistant":
+        raise errors.bad_request("continue_final_message needs an assistant message last.",
+                                 param="continue_final_message")
+    conversation = [_normalize_message(m, i) for i, m in enumerate(messages)]
+    try:
+        return tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
+                                             **(chat_template_kwargs or {}))
+    except Exception as e:  # jinja2 TemplateError, ValueError from transformers, ...
+        raise errors.bad_request(f"The chat template could not render these messages: {e}",
+                                 param="messages") from None
+
+
+def _normalize_message(message: dict[str, Any], index: int) -> dict[str, Any]:
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise errors.bad_request(f"messages[{index}] has no role.", param="messages")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: only text is supported
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise errors.bad_request(f"messages[{index}]: only text content parts are supported.",
+                                         param="messages")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise errors.bad_request(f"messages[{index}].content must be a string or a list of parts.",
+                                 param="messages")
+    return {**message, "role": role, "content": content}
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(self, request: ChatCompletionRequest
+                                     ) -> ChatCompletionResponse | AsyncIterator[str]:
+        self.check_model(request.model)
+        if request.top_logprobs is not None and not request.logprobs:
+            raise errors.bad_request("top_logprobs needs logprobs to be true.", param="top_logprobs")
+        self.engine.check_admission()
+        prompt = render_chat(self.tokenizer, request.messages, request.add_generation_prompt,
+                             request.continue_final_message, request.chat_template, request.chat_template_kwargs)
+        add_special = bool(request.add_special_tokens)
+        token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special)
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        params = self.sampling_params(request, max_tokens, logprobs)
+        request_id = self.request_id("chatcmpl", request)
+        streams = self.add_requests(request_id, [(prompt, token_ids)], params, request,
+                                    "delta" if request.stream else "final_only")
+        merged = merge_streams(streams)
+        if request.stream:
+            return self._stream(request, request_id, token_ids, merged)
+        final = None
+        try:
+            async for _, output in merged:
+                final = output
+        finally:
+            await merged.aclose()
+        choices = []
+        num_completion = 0
+        for output in sorted(final.outputs, key=lambda o: o.index):
+            num_completion += len(output.token_ids)
+            choices.append(ChatCompletionResponseChoice(
+                index=output.index, message=ChatMessage(role="assistant", content=output.text),
+                logprobs=self._logprobs(output.token_ids, output.logprobs, request),
+                finish_reason=output.finish_reason, stop_reason=output.stop_reason,
+                token_ids=list(output.token_ids) if request.return_token_ids else None))
+        return ChatCompletionResponse(
+            id=request_id, model=self.model_name, choices=choices,
+            usage=usage(len(token_ids), num_completion, final.num_cached_tokens),
+            prompt_token_ids=list(token_ids) if request.return_token_ids else None)
+
+    def _logprobs(self, token_ids: list[int], positions: list[PositionLogprobs] | None,
+                  request: ChatCompletionRequest) -> ChatLogprobs | None:
+        if not request.logprobs or positions is None:
+            return None
+        num = request.top_logprobs or 0
+        content = []
+        for token_id, position in zip(token_ids, positions, strict=False):
+            logprob, text = chosen_entry(position, token_id)
+            top = [TopLogprob(token=t, logprob=max(lp, -9999.0), bytes=list(t.encode()))
+                   for _, lp, t in top_entries(position, num)]
+            content.append(ChatLogprobToken(token=text, logprob=max(logprob, -9999.0), bytes=list(text.encode()),
+                                            top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    async def _stream(self, request: ChatCompletionRequest, request_id: str, prompt_token_ids: list[int],
+                      merged) -> AsyncIterator[str]:
+        created = int(time.time())
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        started: set[int] = set()
+        num_completion = num_cached = 0
+
+        def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
+            return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+                                                    choices=choices))
+
+        try:
+            async for _, output in merged:
+                num_cached = max(num_cached, output.num_cached_tokens)
+                choices = []
+                for completion in output.outputs:
+                    if completion.index not in started:
+                        started.add(completion.index)
+                        yield chunk([ChatCompletionStreamChoice(
+                            index=completion.index, delta=DeltaMessage(role="assistant", content=""))])
+                    num_completion += len(completion.token_ids)
+                    if not completion.text and not completion.token_ids and completion.finish_reason is None:
+                        continue
+                    choices.append(ChatCompletionStreamChoice(
+                        index=completion.index, delta=DeltaMessage(content=completion.text),
+                        logprobs=self._logprobs(completion.token_ids, completion.logprobs, request),
+                        finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                        token_ids=list(completion.token_ids) if request.return_token_ids else None))
+                if choices:
+                    yield chunk(choices)
+            if include_usage:
+                yield sse(ChatCompletionStreamResponse(
+                    id=request_id, created=created, model=self.model_name, choices=[],
+                    usage=usage(len(prompt_token_ids), num_completion, num_cached)))
+        except Exception as e:
+            yield sse_error(e)
+        finally:
+            await merged.aclose()
+        yield SSE_DONE

@@ -1,0 +1,192 @@
+"""POST /v1/completions: prompts as text, lists of text, token ids or lists of token ids; echo; logprobs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from pagedllm.entrypoints.openai import errors
+from pagedllm.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+)
+from pagedllm.entrypoints.openai.serving_base import (
+    SSE_DONE,
+    OpenAIServing,
+    chosen_entry,
+    merge_streams,
+    sse,
+    sse_error,
+    top_entries,
+    usage,
+)
+from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+
+Prompt = tuple[str | None, list[int]]
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+        """Validate, send, and return the response (or, with stream, the first SSE chunk already awaited).
+
+        Raises APIError for every rejection (before any byte of a stream is sent)."""
+        self.check_model(request.model)
+        if request.suffix is not None:
+            raise errors.bad_request("suffix is not supported.", param="suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise errors.bad_request("best_of is not supported.", param="best_of")
+        self.engine.check_admission()
+        prompts = self._prompts(request)
+        want_prompt_logprobs = request.echo and request.logprobs is not None
+        params = self.sampling_params(request, request.max_tokens, request.logprobs,
+                                      request.logprobs if want_prompt_logprobs else request.prompt_logprobs)
+        request_id = self.request_id("cmpl", request)
+        streams = self.add_requests(request_id, prompts, params, request,
+                                    "delta" if request.stream else "final_only")
+        merged = merge_streams(streams)
+        if request.stream:
+            return self._stream(request, request_id, prompts, merged)
+        try:
+            finals: dict[int, RequestOutput] = {}
+            async for i, output in merged:
+                finals[i] = output
+        finally:
+            await merged.aclose()
+        return self._response(request, request_id, prompts, [finals[i] for i in range(len(prompts))])
+
+    def _prompts(self, request: CompletionRequest) -> list[Prompt]:
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            items: list = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise errors.bad_request("prompt must not be empty.", param="prompt")
+        add_special = True if request.add_special_tokens is None else request.add_special_tokens
+        result: list[Prompt] = []
+        for item in items:
+            if isinstance(item, str):
+                result.append((item, self.tokenizer.encode(item, add_special_tokens=add_special)))
+            else:
+                result.append((None, list(item)))
+        return result
+
+    def _prompt_text(self, prompt: Prompt) -> str:
+        text, token_ids = prompt
+        return text if text is not None else self.tokenizer.decode(token_ids)
+
+    # ---- one response -------------------------------------------------------------------------------
+
+    def _response(self, request: CompletionRequest, request_id: str, prompts: list[Prompt],
+                  finals: list[RequestOutput]) -> CompletionResponse:
+        choices = []
+        num_prompt = num_completion = num_cached = 0
+        for prompt_index, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
+            num_prompt += len(final.prompt_token_ids)
+            num_cached += final.num_cached_tokens
+            for output in sorted(final.outputs, key=lambda o: o.index):
+                num_completion += len(output.token_ids)
+                choices.append(self._choice(request, prompt_index * request.n + output.index, prompt, final,
+                                            output, echo=bool(request.echo)))
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                  usage=usage(num_prompt, num_completion, num_cached))
+
+    def _choice(self, request: CompletionRequest, index: int, prompt: Prompt, final: RequestOutput,
+                output: CompletionOutput, echo: bool) -> CompletionResponseChoice:
+        text = output.text
+        token_ids = list(output.token_ids)
+        positions = output.logprobs
+        if echo:
+            text = self._prompt_text(prompt) + text
+            if positions is not None:
+                token_ids = list(final.prompt_token_ids) + token_ids
+                positions = list(final.prompt_logprobs or [None] * len(final.prompt_token_ids)) + positions
+        logprobs = None
+        if request.logprobs is not None and positions is not None:
+            logprobs = self._logprobs(token_ids, positions, request.logprobs)
+        return CompletionResponseChoice(
+            index=index, text=text, logprobs=logprobs, finish_reason=output.finish_reason,
+            stop_reason=output.stop_reason,
+            prompt_token_ids=list(final.prompt_token_ids) if request.return_token_ids else None,
+            token_ids=list(output.token_ids) if request.return_token_ids else None)
+
+    def _logprobs(self, token_ids: list[int], positions: list[PositionLogprobs | None], num: int,
+                  text_offset: int = 0) -> CompletionLogProbs:
+        result = CompletionLogProbs()
+        for token_id, position in zip(token_ids, positions, strict=False):
+            if position is None:
+                token_text = self.tokenizer.decode([token_id])
+                result.tokens.append(token_text)
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+            else:
+                logprob, token_text = chosen_entry(position, token_id)
+                result.tokens.append(token_text)
+                result.token_logprobs.append(max(logprob, -9999.0))
+                top = {text: max(lp, -9999.0) for _, lp, text in top_entries(position, num)}
+                top.setdefault(token_text, max(logprob, -9999.0))
+                result.top_logprobs.append(top)
+            result.text_offset.append(text_offset)
+            text_offset += len(token_text)
+        return result
+
+    # ---- stream -----------------------------------------------------------------------------------------
+
+    async def _stream(self, request: CompletionRequest, request_id: str, prompts: list[Prompt],
+                      merged) -> AsyncIterator[str]:
+        created = int(time.time())
+        n = request.n
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        num_completion = 0
+        num_cached = [0] * len(prompts)
+        echoed: set[int] = set()
+        text_offsets: dict[int, int] = {}
+        try:
+            async for prompt_index, output in merged:
+                num_cached[prompt_index] = max(num_cached[prompt_index], output.num_cached_tokens)
+                choices = []
+                for completion in output.outputs:
+                    index = prompt_index * n + completion.index
+                    text = completion.text
+                    token_ids = list(completion.token_ids)
+                    positions = completion.logprobs
+                    num_completion += len(completion.token_ids)
+                    if request.echo and index not in echoed:
+                        echoed.add(index)
+                        text = self._prompt_text(prompts[prompt_index]) + text
+                        if positions is not None:
+                            token_ids = list(output.prompt_token_ids) + token_ids
+                            positions = (list(output.prompt_logprobs or [None] * len(output.prompt_token_ids))
+                                         + list(positions))
+                    logprobs = None
+                    if request.logprobs is not None and positions is not None:
+                        logprobs = self._logprobs(token_ids, positions, request.logprobs,
+                                                  text_offsets.get(index, 0))
+                    first = index not in text_offsets
+                    text_offsets[index] = text_offsets.get(index, 0) + len(text)
+                    if not text and completion.finish_reason is None and not token_ids:
+                        continue
+                    choices.append(CompletionResponseChoice(
+                        index=index, text=text, logprobs=logprobs, finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                        prompt_token_ids=(list(output.prompt_token_ids)
+                                          if request.return_token_ids and first else None),
+                        token_ids=list(completion.token_ids) if request.return_token_ids else None))
+                if choices:
+                    yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+                                                       choices=choices))
+            if include_usage:
+                num_prompt = sum(len(ids) for _, ids in prompts)
+                yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+                                                   choices=[], usage=usage(num_prompt, num_completion,
+                                                                           sum(num_cached))))
+        except Exception as e:
+            yield sse_error(e)
+        finally:
+            await merged.aclose()
+        yield SSE_DONE

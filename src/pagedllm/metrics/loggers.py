@@ -1,0 +1,146 @@
+"""Frontend request statistics and the periodic log line.
+
+`RequestStatsTracker` turns each step's EngineCoreOutputs into `IterationStats` (tokens, time to first
+token, inter-token latencies, finished requests with their queue/prefill/decode times). `LoggingStatLogger`
+prints vLLM's 10-second summary: prompt and generation throughput, running, waiting, KV usage and
+prefix-cache hit rate. The Prometheus logger (metrics/prometheus.py) consumes the same stats.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from pagedllm.engine.messages import EngineCoreOutputs
+from pagedllm.metrics.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+LOG_INTERVAL_S = 10.0
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    queue_time: float
+    prefill_time: float
+    decode_time: float
+
+
+@dataclass
+class IterationStats:
+    """What one engine step produced, as seen by the frontend."""
+
+    num_prompt_tokens: int = 0
+    """Prompt tokens of requests that produced their first token this step."""
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+
+
+@dataclass
+class _RequestTimes:
+    arrival_time: float
+    num_prompt_tokens: int
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_generation_tokens: int = 0
+
+
+class RequestStatsTracker:
+    """Per-request timing, keyed by engine request id (each of n children counts as a request)."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, _RequestTimes] = {}
+
+    def add(self, request_id: str, arrival_time: float, num_prompt_tokens: int) -> None:
+        self._requests[request_id] = _RequestTimes(arrival_time, num_prompt_tokens)
+
+    def finish(self, request_id: str, finish_reason: str, stats: IterationStats | None = None,
+               now: float | None = None) -> None:
+        """End a request the frontend finished (abort, stop string, error)."""
+        times = self._requests.pop(request_id, None)
+        if times is not None and stats is not None:
+            stats.finished_requests.append(_finished(times, finish_reason, now or time.time()))
+
+    def update(self, outputs: EngineCoreOutputs, now: float | None = None) -> IterationStats:
+        now = now or time.time()
+        stats = IterationStats()
+        for output in outputs.outputs:
+            times = self._requests.get(output.request_id)
+            if times is None:
+                continue
+            if output.first_scheduled_time is not None and times.first_scheduled_time is None:
+                times.first_scheduled_time = output.first_scheduled_time
+            num_new = len(output.new_token_ids)
+            if num_new:
+                if times.first_token_time is None:
+                    times.first_token_time = now
+                    stats.num_prompt_tokens += times.num_prompt_tokens
+                    stats.time_to_first_tokens.append(now - times.arrival_time)
+                else:
+                    stats.inter_token_latencies.append((now - times.last_token_time) / num_new)
+                times.last_token_time = now
+                times.num_generation_tokens += num_new
+                stats.num_generation_tokens += num_new
+            if output.finish_reason is not None:
+                self.finish(output.request_id, str(output.finish_reason), stats, now)
+        return stats
+
+
+def _finished(times: _RequestTimes, finish_reason: str, now: float) -> FinishedRequestStats:
+    scheduled = times.first_scheduled_time or times.arrival_time
+    first_token = times.first_token_time or now
+    return FinishedRequestStats(
+        finish_reason=finish_reason, e2e_latency=now - times.arrival_time,
+        num_prompt_tokens=times.num_prompt_tokens, num_generation_tokens=times.num_generation_tokens,
+        queue_time=max(0.0, scheduled - times.arrival_time), prefill_time=max(0.0, first_token - scheduled),
+        decode_time=max(0.0, (times.last_token_time or first_token) - first_token))
+
+
+class LoggingStatLogger:
+    """Accumulates stats and logs one summary line per interval (and one more once it goes idle)."""
+
+    def __init__(self, interval_s: float = LOG_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self.scheduler_stats = SchedulerStats()
+        self._reset(time.monotonic())
+        self._was_active = False
+
+    def _reset(self, now: float) -> None:
+        self.last_log_time = now
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
+        if scheduler_stats is not None:
+            self.scheduler_stats = scheduler_stats
+            self.prefix_queries += scheduler_stats.prefix_cache_queries_delta
+            self.prefix_hits += scheduler_stats.prefix_cache_hits_delta
+        if iteration_stats is not None:
+            self.num_prompt_tokens += iteration_stats.num_prompt_tokens
+            self.num_generation_tokens += iteration_stats.num_generation_tokens
+
+    def log(self) -> None:
+        now = time.monotonic()
+        elapsed = max(now - self.last_log_time, 1e-9)
+        s = self.scheduler_stats
+        active = bool(self.num_prompt_tokens or self.num_generation_tokens or s.num_running_reqs
+                      or s.num_waiting_reqs)
+        if active or self._was_active:
+            hit_rate = self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+            logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                        "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+                        "Prefix cache hit rate: %.1f%%",
+                        self.num_prompt_tokens / elapsed, self.num_generation_tokens / elapsed,
+                        s.num_running_reqs, s.num_waiting_reqs, s.kv_cache_usage * 100, hit_rate * 100)
+        self._was_active = active
+        self._reset(now)

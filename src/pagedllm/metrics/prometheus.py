@@ -1,0 +1,113 @@
+"""Prometheus metrics with vLLM's names and a `model_name` label, on a private CollectorRegistry.
+
+Dashboards and autoscalers written for `vllm serve` read these unchanged.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagedllm.metrics.loggers import IterationStats
+from pagedllm.metrics.stats import SchedulerStats
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0]
+_TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
+_ITERATION_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+class PrometheusStatLogger:
+    """Owns the metrics; `record` applies one step's stats, `render` is the /metrics body."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        label = {"model_name": model_name}
+        names = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, names, registry=self.registry).labels(**label)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=self.registry).labels(**label)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(name, doc, names, buckets=buckets, registry=self.registry).labels(**label)
+
+        self.num_requests_running = gauge("vllm:num_requests_running", "Requests in model execution batches.")
+        self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be processed.")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.num_free_blocks = gauge("pagedllm:kv_cache_free_blocks", "Free KV-cache blocks.")
+        self.num_total_blocks = gauge("pagedllm:kv_cache_total_blocks", "KV-cache blocks in the pool.")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prefix-cache queries, in tokens.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.")
+        self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.admission_rejections = counter("vllm:admission_rejections",
+                                            "Requests rejected because the waiting queue was full.")
+        request_success = Counter("vllm:request_success", "Count of finished requests by finish reason.",
+                                  ["model_name", "finished_reason"], registry=self.registry)
+        self.request_success = {reason: request_success.labels(model_name=model_name, finished_reason=reason)
+                                for reason in FINISH_REASONS}
+        self.time_to_first_token = histogram("vllm:time_to_first_token_seconds",
+                                             "Histogram of time to first token in seconds.", _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("vllm:inter_token_latency_seconds",
+                                             "Histogram of inter-token latency in seconds.", _ITL_BUCKETS)
+        self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds",
+                                             "Histogram of end-to-end request latency in seconds.",
+                                             _REQUEST_BUCKETS)
+        self.request_queue_time = histogram("vllm:request_queue_time_seconds",
+                                            "Histogram of time spent waiting in the queue.", _REQUEST_BUCKETS)
+        self.request_prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                              "Histogram of time spent in prefill.", _REQUEST_BUCKETS)
+        self.request_decode_time = histogram("vllm:request_decode_time_seconds",
+                                             "Histogram of time spent in decode.", _REQUEST_BUCKETS)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
+                                               "Number of prefill tokens processed.", _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Number of generation tokens processed.", _TOKEN_BUCKETS)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total",
+                                          "Histogram of tokens per engine step.", _ITERATION_BUCKETS)
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
+        if scheduler_stats is not None:
+            self.num_requests_running.set(scheduler_stats.num_running_reqs)
+            self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
+            self.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
+            self.num_free_blocks.set(scheduler_stats.num_free_blocks)
+            self.num_total_blocks.set(scheduler_stats.num_total_blocks)
+            self.prefix_cache_queries.inc(scheduler_stats.prefix_cache_queries_delta)
+            self.prefix_cache_hits.inc(scheduler_stats.prefix_cache_hits_delta)
+            self.num_preemptions.inc(scheduler_stats.num_preemptions_delta)
+        if iteration_stats is None:
+            return
+        s = iteration_stats
+        self.prompt_tokens.inc(s.num_prompt_tokens)
+        self.generation_tokens.inc(s.num_generation_tokens)
+        if s.num_prompt_tokens or s.num_generation_tokens:
+            self.iteration_tokens.observe(s.num_prompt_tokens + s.num_generation_tokens)
+        for ttft in s.time_to_first_tokens:
+            self.time_to_first_token.observe(ttft)
+        for itl in s.inter_token_latencies:
+            self.inter_token_latency.observe(itl)
+        for finished in s.finished_requests:
+            self.request_success[finished.finish_reason].inc()
+            self.e2e_request_latency.observe(finished.e2e_latency)
+            self.request_queue_time.observe(finished.queue_time)
+            self.request_prefill_time.observe(finished.prefill_time)
+            self.request_decode_time.observe(finished.decode_time)
+            self.request_prompt_tokens.observe(finished.num_prompt_tokens)
+            self.request_generation_tokens.observe(finished.num_generation_tokens)
+
+    def record_admission_rejection(self) -> None:
+        self.admission_rejections.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
