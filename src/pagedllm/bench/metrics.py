@@ -119,29 +119,27 @@ def _count_good(ttfts: list[float], tpots: list[float], e2els: list[float], slos
 
 
 def peak_rates(outputs: list[RequestFuncOutput]) -> tuple[float, int]:
-    """The most output tokens in any one-second bucket since the first request started, and the most
-    requests in flight at once.
+    """The most output tokens, and the most requests active, in any one-second bucket counted from the
+    first request's start (vLLM 0.32's definitions).
 
-    A request's tokens arrive at start + ttft, then after each ITL. Request intervals are half-open
-    [start, start + latency): one that ends exactly when another starts does not overlap it.
+    A request's tokens arrive at start + ttft, then after each ITL; it is active in every bucket from the
+    one it starts in to the one it ends in, both included. Example: requests over [0.2, 0.9] s and
+    [0.95, 1.1] s are both active in bucket 0, so the peak is 2 though they never overlap.
     """
     if not outputs:
         return 0.0, 0
     t0 = min(out.start_time for out in outputs)
     t_end = max(out.start_time + out.latency for out in outputs)
-    tokens_per_s = np.zeros(int(np.ceil(t_end - t0)) + 1)
+    num_buckets = int(np.ceil(t_end - t0)) + 1
+    tokens_per_s = np.zeros(num_buckets)
+    active_per_s = np.zeros(num_buckets)
     for out in outputs:
         token_times = out.start_time + out.ttft + np.concatenate(([0.0], np.cumsum(out.itl)))
         buckets = (token_times - t0).astype(int)
-        buckets = buckets[(buckets >= 0) & (buckets < len(tokens_per_s))]
+        buckets = buckets[(buckets >= 0) & (buckets < num_buckets)]
         np.add.at(tokens_per_s, buckets, 1)
-    events = sorted([(out.start_time, 1) for out in outputs] +
-                    [(out.start_time + out.latency, -1) for out in outputs])
-    in_flight = peak = 0
-    for _, delta in events:
-        in_flight += delta
-        peak = max(peak, in_flight)
-    return float(tokens_per_s.max()), peak
+        active_per_s[int(out.start_time - t0):int(out.start_time + out.latency - t0) + 1] += 1
+    return float(tokens_per_s.max()), int(active_per_s.max())
 
 
 def percentile_stats(samples_s: list[float], percentiles: list[float]) -> dict[str, float]:
