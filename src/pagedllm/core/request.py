@@ -158,13 +158,20 @@ class Request:
             token_ids: one token id or several.
         """
         if isinstance(token_ids, int):
-            self.output_token_ids.append(token_ids)
-            self.all_token_ids.append(token_ids)
-        else:
-            self.output_token_ids.extend(token_ids)
-            self.all_token_ids.extend(token_ids)
+            self.append_output_token_id(token_ids)
+            return
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
         if len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self.block_size:
             append_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+
+    def append_output_token_id(self, token_id: int) -> None:
+        """Append one sampled token (the decode hot path) and hash the block it completes, if any."""
+        self.output_token_ids.append(token_id)
+        all_token_ids = self.all_token_ids
+        all_token_ids.append(token_id)
+        if len(all_token_ids) % self.block_size == 0:
+            append_block_hashes(self.block_hashes, all_token_ids, self.block_size, self.cache_salt)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status}, tokens={self.num_tokens}, "

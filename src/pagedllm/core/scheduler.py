@@ -286,12 +286,12 @@ class Scheduler:
             for r in step.new_reqs
         ]
         new_blocks = step.new_blocks
-        req_ids = [r.request_id for r in step.running_reqs]
-        cached = CachedRequestData(
-            req_ids=req_ids,
-            new_block_ids=[[b.block_id for b in new_blocks[req_id]] for req_id in req_ids],
-            num_computed_tokens=[r.num_computed_tokens for r in step.running_reqs],
-        )
+        cached = CachedRequestData()
+        for r in step.running_reqs:
+            blocks = new_blocks[r.request_id]
+            cached.req_ids.append(r.request_id)
+            cached.new_block_ids.append([b.block_id for b in blocks] if blocks else [])
+            cached.num_computed_tokens.append(r.num_computed_tokens)
         finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -341,7 +341,7 @@ class Scheduler:
             if not new_token_ids or num_computed_tokens < len(request.all_token_ids):
                 new_token_ids = []  # a prefill chunk that did not reach the end samples nothing
             elif len(new_token_ids) == 1:
-                request.append_output_token_ids(new_token_ids[0])
+                request.append_output_token_id(new_token_ids[0])
                 finished = check_stop(request, new_token_ids[0])
             else:
                 new_token_ids = self._append_and_check_stop(request, new_token_ids)
@@ -373,7 +373,7 @@ class Scheduler:
     def _append_and_check_stop(self, request: Request, new_token_ids: list[int]) -> list[int]:
         """Append tokens one by one; return those kept (up to and including a stopping one)."""
         for i, token_id in enumerate(new_token_ids):
-            request.append_output_token_ids(token_id)
+            request.append_output_token_id(token_id)
             if self._check_stop(request, token_id):
                 return new_token_ids[:i + 1]
         return new_token_ids
