@@ -93,7 +93,7 @@ class EngineCore:
                              len(scheduler_output.num_scheduled_tokens))
             return self._fail_requests(list(scheduler_output.num_scheduled_tokens))
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs.timestamp = time.time()
+        outputs.scheduler_stats = self.scheduler.make_stats()
         return outputs
 
     def _fail_requests(self, req_ids: list[str]) -> EngineCoreOutputs:

@@ -74,4 +74,4 @@ class LLMEngine:
 
     @property
     def num_preemptions(self) -> int:
-        return self.engine_core.scheduler.num_preemptions_total
+        return self.engine_core.scheduler.num_preemptions
