@@ -178,7 +178,11 @@ def _fused_state_dict(model: nn.Module, tensors: Iterator[tuple[str, Any]], sour
         expected = sum(1 for fused, _ in packed.values() if fused == fused_part)
         if sorted(parts) != list(range(expected)):
             raise ModelLoadError(f"{source}: {fused_name} is missing some of its q/k/v or gate/up parts")
-        state[fused_name] = torch.cat([parts[i] for i in range(expected)], dim=0)
+        try:
+            state[fused_name] = torch.cat([parts[i] for i in range(expected)], dim=0)
+        except RuntimeError:
+            shapes = [list(parts[i].shape) for i in range(expected)]
+            raise ModelLoadError(f"{source}: the parts of {fused_name} have mismatched shapes {shapes}") from None
     return state
 
 
