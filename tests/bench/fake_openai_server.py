@@ -2,7 +2,7 @@
 
 Used by the client tests (in a thread, see `running_fake_server`) and, as a script, to drive vLLM's own
 client for a side-by-side check of the result files: `python tests/bench/fake_openai_server.py PORT`.
-Requests whose prompt contains "FAIL" get HTTP 500. Every request is recorded in `app["requests"]`.
+Requests whose prompt contains "FAIL" get HTTP 500. Every request is recorded in `app[REQUESTS]`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from aiohttp import web
 
 TOKEN_DELAY_S = 0.002
 MODEL = "fake-model"
+REQUESTS = web.AppKey("requests", list)
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -27,7 +28,7 @@ async def _models(request: web.Request) -> web.Response:
 
 async def _stream(request: web.Request, chat: bool) -> web.StreamResponse:
     body = await request.json()
-    request.app["requests"].append({"body": body, "headers": dict(request.headers)})
+    request.app[REQUESTS].append({"body": body, "headers": {k.lower(): v for k, v in request.headers.items()}})
     prompt = json.dumps(body.get("messages")) if chat else str(body.get("prompt"))
     if "FAIL" in prompt:
         return web.Response(status=500, reason="Internal Server Error", text="asked to fail")
@@ -45,13 +46,20 @@ async def _stream(request: web.Request, chat: bool) -> web.StreamResponse:
     return response
 
 
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _stream(request, chat=False)
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await _stream(request, chat=True)
+
+
 def make_app() -> web.Application:
     app = web.Application()
-    app["requests"] = []
+    app[REQUESTS] = []
     app.router.add_get("/v1/models", _models)
-    app.router.add_get("/health", lambda r: web.Response(text="ok"))
-    app.router.add_post("/v1/completions", lambda r: _stream(r, chat=False))
-    app.router.add_post("/v1/chat/completions", lambda r: _stream(r, chat=True))
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat)
     return app
 
 

@@ -61,6 +61,9 @@ def _add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dataset-name", default="random", choices=DATASETS)
     group.add_argument("--dataset-path", default=None, help="The JSONL file of --dataset-name custom.")
     group.add_argument("--num-prompts", type=int, default=1000)
+    group.add_argument("--input-len", type=int, default=None, help="Sets --random-input-len.")
+    group.add_argument("--output-len", type=int, default=None,
+                       help="Sets the output length of every dataset (--random-output-len, ...).")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--disable-shuffle", action="store_true", help="Keep the dataset's order.")
     group.add_argument("--random-input-len", type=int, default=1024)
@@ -296,6 +299,10 @@ async def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     model_id = args.model or await get_first_model(base_url)
     tokenizer_id = args.tokenizer or model_id
     tokenizer = get_tokenizer(tokenizer_id, trust_remote_code=args.trust_remote_code)
+    if args.input_len is not None:
+        args.random_input_len = args.input_len
+    if args.output_len is not None:
+        args.random_output_len = args.custom_output_len = args.prefix_repetition_output_len = args.output_len
     if args.dataset_name == "random":
         args.ignore_eos = True  # as vLLM: random prompts run to the requested length
     if args.temperature is None:
