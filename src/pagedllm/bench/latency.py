@@ -37,13 +37,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the benchmark. Returns vLLM's latency JSON keys plus the prefill and per-step decode times."""
+def run(args: argparse.Namespace, llm=None) -> dict[str, Any]:
+    """Run the benchmark on `llm`, or on a new LLM built from the flags. Returns vLLM's latency JSON keys
+    plus the prefill and per-step decode times."""
     from pagedllm import LLM, SamplingParams
 
     if args.output_len < 2:
         raise ValueError("--output-len must be at least 2 to time a decode step.")
-    llm = LLM(model=args.model, seed=args.seed, **engine_kwargs(args))
+    llm = llm or LLM(model=args.model, seed=args.seed, **engine_kwargs(args))
     vocab_size = len(llm.get_tokenizer())
     rng = np.random.default_rng(args.seed)
     prompts = rng.integers(0, min(10000, vocab_size), size=(args.batch_size, args.input_len)).tolist()

@@ -40,11 +40,12 @@ def random_token_prompts(rng: random.Random, num_prompts: int, input_len: int,
     return [[rng.randrange(low, high) for _ in range(input_len)] for _ in range(num_prompts)]
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the benchmark. Returns vLLM's throughput JSON keys plus the token counts and output rate."""
+def run(args: argparse.Namespace, llm=None) -> dict[str, Any]:
+    """Run the benchmark on `llm`, or on a new LLM built from the flags. Returns vLLM's throughput JSON
+    keys plus the token counts and output rate."""
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(model=args.model, seed=args.seed, **engine_kwargs(args))
+    llm = llm or LLM(model=args.model, seed=args.seed, **engine_kwargs(args))
     rng = random.Random(args.seed)
     vocab_size = len(llm.get_tokenizer())
     if args.num_warmup_prompts > 0:
