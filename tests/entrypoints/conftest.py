@@ -1,117 +1,14 @@
-"""A real `pagedllm serve` process on a free port, with the tiny random Llama from tests/conftest.py."""
+"""Fixtures for the server tests: a real `pagedllm serve` process with the tiny model of tests/conftest.py."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-import httpx
-import openai
 import pytest
-
-MODEL_NAME = "tiny"
-STARTUP_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RemoteServer:
-    """`pagedllm serve MODEL --port P ...` as a child process; `close()` stops it (SIGTERM, then SIGKILL)."""
-
-    def __init__(self, model: Path, *extra_args: str, wait_ready: bool = True):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        args = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", str(model),
-                "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", MODEL_NAME,
-                "--dtype", "float32", "--kv-cache-memory", "64MiB", "--enable-debug-routes",
-                "--disable-log-stats", "--uvicorn-log-level", "warning", *extra_args]
-        self.proc = subprocess.Popen(args, env=env)
-        if wait_ready:
-            self.wait_ready()
-
-    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with code {self.proc.returncode} while starting")
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("server did not become healthy")
-
-    def client(self, **kwargs) -> openai.OpenAI:
-        kwargs.setdefault("api_key", "unused")
-        kwargs.setdefault("max_retries", 0)
-        return openai.OpenAI(base_url=self.url + "/v1", **kwargs)
-
-    def async_client(self, **kwargs) -> openai.AsyncOpenAI:
-        kwargs.setdefault("api_key", "unused")
-        kwargs.setdefault("max_retries", 0)
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", **kwargs)
-
-    def get(self, path: str, **kwargs) -> httpx.Response:
-        return httpx.get(self.url + path, timeout=kwargs.pop("timeout", 10.0), **kwargs)
-
-    def post(self, path: str, **kwargs) -> httpx.Response:
-        return httpx.post(self.url + path, timeout=kwargs.pop("timeout", 30.0), **kwargs)
-
-    def kv_cache(self, **kwargs) -> dict:
-        return self.get("/debug/kv_cache", **kwargs).json()
-
-    def metric(self, name: str) -> float:
-        """The value of one sample in /metrics, e.g. `vllm:num_requests_running`; 0.0 if absent."""
-        for line in self.get("/metrics").text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
-
-    def wait_idle(self, timeout_s: float = 10.0) -> dict:
-        """Wait until nothing runs or waits and every KV block is free; returns the last debug snapshot."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            kv = self.kv_cache()
-            if (kv["num_running_reqs"] == 0 and kv["num_waiting_reqs"] == 0
-                    and kv["num_free_blocks"] == kv["num_total_blocks"]) or time.monotonic() > deadline:
-                return kv
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie (exited, not yet reaped) is not alive
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
+from server_utils import RemoteServer
 
 
 @pytest.fixture
 def remote_server_factory(tiny_llama_dir):
+    """start(*flags) -> RemoteServer; every server started is stopped at the end of the test."""
     servers: list[RemoteServer] = []
 
     def start(*args: str, **kwargs) -> RemoteServer:

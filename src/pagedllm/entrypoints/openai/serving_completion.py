@@ -105,7 +105,7 @@ class OpenAIServingCompletion(OpenAIServing):
             text = self._prompt_text(prompt) + text
             if positions is not None:
                 token_ids = list(final.prompt_token_ids) + token_ids
-                positions = list(final.prompt_logprobs or [None] * len(final.prompt_token_ids)) + positions
+                positions = _prompt_positions(final) + list(positions)
         logprobs = None
         if request.logprobs is not None and positions is not None:
             logprobs = self._logprobs(token_ids, positions, request.logprobs)
@@ -128,7 +128,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 logprob, token_text = chosen_entry(position, token_id)
                 result.tokens.append(token_text)
                 result.token_logprobs.append(max(logprob, -9999.0))
-                top = {text: max(lp, -9999.0) for _, lp, text in top_entries(position, num)}
+                top: dict[str, float] = {}
+                for _, lp, text in top_entries(position, num):  # best first: keep the best of equal texts
+                    top.setdefault(text, max(lp, -9999.0))
                 top.setdefault(token_text, max(logprob, -9999.0))
                 result.top_logprobs.append(top)
             result.text_offset.append(text_offset)
@@ -161,8 +163,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         text = self._prompt_text(prompts[prompt_index]) + text
                         if positions is not None:
                             token_ids = list(output.prompt_token_ids) + token_ids
-                            positions = (list(output.prompt_logprobs or [None] * len(output.prompt_token_ids))
-                                         + list(positions))
+                            positions = _prompt_positions(output) + list(positions)
                     logprobs = None
                     if request.logprobs is not None and positions is not None:
                         logprobs = self._logprobs(token_ids, positions, request.logprobs,
@@ -190,3 +191,9 @@ class OpenAIServingCompletion(OpenAIServing):
         finally:
             await merged.aclose()
         yield SSE_DONE
+
+
+def _prompt_positions(output: RequestOutput) -> list[PositionLogprobs | None]:
+    """One entry per prompt token, None where none was computed (the first token; prefix-cache hits)."""
+    computed = list(output.prompt_logprobs or [])
+    return [None] * (len(output.prompt_token_ids) - len(computed)) + computed
