@@ -41,8 +41,8 @@ class EngineCore:
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
         torch.manual_seed(mc.seed)
-        model, info = load_model(self.resolved_model, self.device, self.dtype)
-        self.model_info = info
+        model = load_model(mc, self.device, self.dtype)
+        info = self.model_info = model.info
         self.max_model_len = _resolve_max_model_len(mc.max_model_len, info.max_position_embeddings)
         sc.max_model_len = self.max_model_len
         self.num_blocks = self._determine_num_blocks()
@@ -64,10 +64,7 @@ class EngineCore:
                            generation_defaults=self._generation_defaults())
 
     def _generation_defaults(self) -> dict:
-        source = self.config.model_config.generation_config
-        if source == "vllm":
-            return {}
-        return dict(self.model_info.generation_config or {})
+        return dict(self.model_info.generation_config or {})  # the loader honours --generation-config
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -21,7 +21,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.engine_core = EngineCore(config)
-        self.tokenizer = get_tokenizer(self.engine_core.resolved_model, config.model_config.tokenizer)
+        self.tokenizer = get_tokenizer(config.model_config.tokenizer or self.engine_core.resolved_model)
         self.input_processor = InputProcessor(self.engine_core.model_limits())
         self.output_processor = OutputProcessor(self.tokenizer)
 
