@@ -26,14 +26,14 @@ def free_port() -> int:
 class RemoteServer:
     """`pagedllm serve MODEL --port P ...` as a child process; `close()` stops it (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, model: Path, *extra_args: str, wait_ready: bool = True):
+    def __init__(self, model: Path, *extra_args: str, wait_ready: bool = True, debug_routes: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         args = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", str(model),
                 "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", MODEL_NAME,
-                "--dtype", "float32", "--kv-cache-memory", "64MiB", "--enable-debug-routes",
-                "--disable-log-stats", "--uvicorn-log-level", "warning", *extra_args]
+                "--dtype", "float32", "--kv-cache-memory", "64MiB", "--disable-log-stats",
+                "--uvicorn-log-level", "warning", *(["--enable-debug-routes"] if debug_routes else []), *extra_args]
         self.headers: dict[str, str] = {}
         """Sent by kv_cache(), wait_idle() and metric() (set it when the server has --api-key)."""
         self.proc = subprocess.Popen(args, env=env)
@@ -88,6 +88,10 @@ class RemoteServer:
             if (idle and kv["num_free_blocks"] == kv["num_total_blocks"]) or time.monotonic() > deadline:
                 return kv
             time.sleep(0.05)
+
+    def child_pids(self) -> list[int]:
+        with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+            return [int(pid) for pid in f.read().split()]
 
     def close(self) -> None:
         if self.proc.poll() is None:
