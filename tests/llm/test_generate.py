@@ -151,6 +151,7 @@ def test_smollm2_gguf_greedy_matches_reference():
     assert _tokens(stop_at_eos) == [c["output_ids"] for c in cases]
     assert [o.outputs[0].text for o in stop_at_eos] == [c["output_text"].removesuffix("<|im_end|>")
                                                         for c in cases]
-    ignore_eos = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
+    # the reference masks EOS for all 32 tokens (HF min_new_tokens); min_tokens does the same
+    ignore_eos = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32),
                               use_tqdm=False)
     assert _tokens(ignore_eos) == [c["output_ids_ignore_eos"] for c in cases]
