@@ -219,6 +219,7 @@ def _exit_when_parent_dies() -> None:
 
 
 def _raise_system_exit(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not interrupt the cleanup
     raise SystemExit(0)
 
 
