@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import typing
 from dataclasses import dataclass, fields
@@ -29,7 +30,7 @@ class ServerConfig:
     """Port to listen on."""
     api_key: str | None = None
     """Require `Authorization: Bearer KEY` on every route except /health (and /metrics unless
-    --protect-metrics)."""
+    --protect-metrics). Default: the VLLM_API_KEY environment variable, if set (keeps the key out of ps)."""
     protect_metrics: bool = False
     """Make --api-key guard /metrics too."""
     disable_log_requests: bool = False
@@ -114,6 +115,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     """Raises ValueError (a message for the user) when the flags do not make a valid configuration."""
     engine_kwargs = {k[len("engine_"):]: v for k, v in vars(args).items() if k.startswith("engine_")}
     server_kwargs = {k[len("server_"):]: v for k, v in vars(args).items() if k.startswith("server_")}
+    server_kwargs["api_key"] = server_kwargs.get("api_key") or os.environ.get("VLLM_API_KEY") or None
     model = args.model or args.model_tag
     if args.model and args.model_tag and args.model != args.model_tag:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}.")

@@ -1,0 +1,59 @@
+"""`pagedllm serve` flags: vLLM's names, documented from the config docstrings, parsed into the configs."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig, field_docs
+from pagedllm.entrypoints.cli.serve import add_parser, configs_from_args, parse_bytes
+
+ISSUE_FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--max-model-len", "--max-num-seqs",
+               "--max-num-batched-tokens", "--block-size", "--enable-prefix-caching", "--no-enable-prefix-caching",
+               "--enable-chunked-prefill", "--scheduling-policy", "--max-num-queued-reqs", "--kv-cache-memory",
+               "--dtype", "--seed", "--generation-config", "--disable-log-requests", "--uvicorn-log-level"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm")
+    return add_parser(parser.add_subparsers())
+
+
+def test_help_documents_every_flag_from_the_docstrings():
+    text = " ".join(_parser().format_help().split())
+    for flag in ISSUE_FLAGS:
+        assert flag in text, flag
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig):
+        for name, doc in field_docs(cls).items():
+            if name not in ("model", "max_model_len") or cls is ModelConfig:
+                assert " ".join(doc.split())[:40] in text, name
+
+
+def test_flags_parse_into_configs(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    args = _parser().parse_args(["some/model", "--max-num-seqs", "4", "--no-enable-prefix-caching",
+                                 "--kv-cache-memory", "2GiB", "--scheduling-policy", "priority",
+                                 "--max-model-len", "1024", "--port", "9000", "--api-key", "k"])
+    engine, server = configs_from_args(args)
+    assert engine.model_config.model == "some/model" and engine.model_config.max_model_len == 1024
+    assert engine.scheduler_config.max_num_seqs == 4 and engine.scheduler_config.scheduling_policy == "priority"
+    assert engine.cache_config.enable_prefix_caching is False and engine.cache_config.kv_cache_memory == 2 << 30
+    assert server.port == 9000 and server.api_key == "k"
+    default_engine, default_server = configs_from_args(_parser().parse_args([]))
+    assert default_engine.model_config.model is None and default_server.api_key is None
+    with pytest.raises(ValueError, match="block-size"):
+        configs_from_args(_parser().parse_args(["--block-size", "3"]))
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--scheduling-policy", "lifo"])
+
+
+def test_api_key_from_environment(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert configs_from_args(_parser().parse_args([]))[1].api_key == "from-env"
+
+
+def test_parse_bytes():
+    assert parse_bytes("4GiB") == 4 << 30 and parse_bytes("512M") == 512_000_000 and parse_bytes("1024") == 1024
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes("lots")
