@@ -28,8 +28,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd(args: argparse.Namespace) -> int:
+    bench_parser = vars(args).pop("bench_parser")
     if not getattr(args, "bench_command", None):
-        args.bench_parser.print_help()
+        bench_parser.print_help()
         return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
