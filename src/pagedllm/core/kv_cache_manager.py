@@ -63,8 +63,8 @@ class KVCacheManager:
         Returns:
             (cached blocks in order, number of tokens they hold).
         """
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed (as vLLM does)
         max_num_blocks = (request.num_tokens - 1) // self.block_size
         lookup = self.block_pool.cached_block_hash_to_block.get
         blocks = []

@@ -129,6 +129,8 @@ class OutputProcessor:
             state.first_scheduled_time = out.first_scheduled_time
             state.num_cached_tokens = out.num_cached_tokens
         if out.new_prompt_logprobs and state.prompt_logprobs is not None:
+            if out.new_prompt_logprobs[0] is None:  # position 0: a first pass, or a recompute after preemption
+                state.prompt_logprobs = []
             state.prompt_logprobs.extend(self._convert(e) if e is not None else None
                                          for e in out.new_prompt_logprobs)
         if out.new_token_ids:
