@@ -38,8 +38,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = kv_cache_shape(num_blocks, self.block_size, self.info.num_kv_heads, self.info.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(self.info.num_layers)]
+        self.kv_caches = [_zeros(shape, self.dtype, self.device) for _ in range(self.info.num_layers)]
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -182,3 +181,15 @@ class ModelRunner:
                 entries.extend(compute_prompt_logprobs(logits, targets, k))
             result[req_ids[i]] = entries
         return result
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On CPU the pages come zeroed from the OS (calloc) and are touched only when a
+    block is first written, so a 4 GiB pool costs no start-up time and no resident memory until used.
+    (torch.zeros would write every byte: seconds at start-up, and the whole pool resident at once.)
+    Zeros matter: attention multiplies masked positions' V by 0, and 0 * NaN garbage would be NaN."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
