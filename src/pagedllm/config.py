@@ -7,10 +7,13 @@ Validation raises ValueError with a message a user can act on.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import functools
 import inspect
+import re
 import textwrap
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -127,3 +130,66 @@ def field_docs(cls: type) -> dict[str, str]:
                 and isinstance(nxt.value.value, str)):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
+
+
+# ---- command-line flags, generated from the dataclasses above ----------------------------------------
+
+def add_dataclass_flags(group, cls: type, prefix: str, skip: frozenset[str] | set[str] = frozenset(),
+                        suppress_defaults: bool = False) -> None:
+    """One flag per field: `--field-name`, its docstring as help, bools as --x/--no-x, Literals as choices,
+    `*_memory`/`*_bytes` fields as sizes (`4GiB`). Values land in `args.<prefix><field>`.
+
+    With suppress_defaults, a flag the user does not pass is absent from the namespace, so the
+    dataclass default stays the only default.
+    """
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = argparse.SUPPRESS if suppress_defaults else f.default
+        kwargs: dict[str, Any] = {"dest": prefix + f.name, "default": default, "help": docs.get(f.name, "")}
+        kind = hints[f.name]
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+        elif typing.get_origin(kind) is Literal:
+            group.add_argument(flag, choices=typing.get_args(kind), **kwargs)
+        else:
+            base = args[0] if args else kind
+            if f.name.endswith("_memory") or f.name.endswith("_bytes"):
+                base = parse_bytes
+            group.add_argument(flag, type=base if base in (int, float, parse_bytes) else str,
+                               metavar=f.name.upper(), **kwargs)
+
+
+def add_engine_flags(group, skip: frozenset[str] | set[str] = frozenset(), suppress_defaults: bool = False,
+                     prefix: str = "engine_") -> None:
+    """Flags for every engine argument (ModelConfig, CacheConfig, SchedulerConfig) except `skip`.
+
+    SchedulerConfig.max_model_len is not a flag: it is copied from ModelConfig's at start-up.
+    """
+    seen = set(skip)
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig):
+        extra = {"max_model_len"} if cls is SchedulerConfig else set()
+        add_dataclass_flags(group, cls, prefix, frozenset(seen | extra), suppress_defaults)
+        seen |= {f.name for f in fields(cls)}
+
+
+def engine_kwargs_from_args(args: argparse.Namespace, prefix: str = "engine_") -> dict[str, Any]:
+    """The engine arguments present in a namespace filled by add_engine_flags."""
+    return {k[len(prefix):]: v for k, v in vars(args).items() if k.startswith(prefix)}
+
+
+def parse_bytes(text: str) -> int:
+    """`4GiB`, `512M`, `1e9` or a plain number of bytes."""
+    match = re.fullmatch(r"\s*([0-9.e+]+)\s*([kmgt]?)(i?b?)\s*", text.lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}")
+    number, unit, binary = match.groups()
+    base = 1024 if binary.startswith("i") else 1000
+    try:
+        return int(float(number) * base ** " kmgt".index(unit or " "))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from None

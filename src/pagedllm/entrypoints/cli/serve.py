@@ -9,12 +9,18 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
-import typing
-from dataclasses import dataclass, fields
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
-from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, field_docs
+from pagedllm.config import (
+    EngineConfig,
+    ModelConfig,
+    add_dataclass_flags,
+    add_engine_flags,
+    engine_kwargs_from_args,
+    field_docs,
+    parse_bytes,  # noqa: F401  (re-exported for the CLI tests)
+)
 
 logger = logging.getLogger("pagedllm.serve")
 
@@ -65,55 +71,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help=field_docs(ModelConfig)["model"])
     parser.add_argument("--model", dest="model", default=None, help="Same as the positional MODEL.")
     add_dataclass_flags(parser.add_argument_group("server"), ServerConfig, "server_")
-    group = parser.add_argument_group("engine")
-    seen: set[str] = set(_SKIPPED)
-    for cls in (ModelConfig, CacheConfig, SchedulerConfig):
-        skip = seen | ({"max_model_len"} if cls is SchedulerConfig else set())
-        add_dataclass_flags(group, cls, "engine_", skip)
-        seen |= {f.name for f in fields(cls)}
+    add_engine_flags(parser.add_argument_group("engine"), skip=_SKIPPED)
     parser.set_defaults(dispatch_function=cmd)
     return parser
 
 
-def add_dataclass_flags(group, cls: type, prefix: str, skip: set[str] = frozenset()) -> None:
-    """One flag per field: `--field-name`, its docstring as help, bools as --x/--no-x, Literals as choices."""
-    hints = typing.get_type_hints(cls)
-    docs = field_docs(cls)
-    for f in fields(cls):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        kwargs: dict[str, Any] = {"dest": prefix + f.name, "default": f.default, "help": docs.get(f.name, "")}
-        kind = hints[f.name]
-        args = [a for a in typing.get_args(kind) if a is not type(None)]
-        if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
-        elif typing.get_origin(kind) is Literal:
-            group.add_argument(flag, choices=typing.get_args(kind), **kwargs)
-        else:
-            base = args[0] if args else kind
-            if f.name.endswith("_memory") or f.name.endswith("_bytes"):
-                base = parse_bytes
-            group.add_argument(flag, type=base if base in (int, float, parse_bytes) else str,
-                               metavar=f.name.upper(), **kwargs)
-
-
-def parse_bytes(text: str) -> int:
-    """`4GiB`, `512M`, `1e9` or a plain number of bytes."""
-    match = re.fullmatch(r"\s*([0-9.e+]+)\s*([kmgt]?)(i?b?)\s*", text.lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}")
-    number, unit, binary = match.groups()
-    base = 1024 if binary.startswith("i") else 1000
-    try:
-        return int(float(number) * base ** " kmgt".index(unit or " "))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from None
-
-
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
     """Raises ValueError (a message for the user) when the flags do not make a valid configuration."""
-    engine_kwargs = {k[len("engine_"):]: v for k, v in vars(args).items() if k.startswith("engine_")}
+    engine_kwargs = engine_kwargs_from_args(args)
     server_kwargs = {k[len("server_"):]: v for k, v in vars(args).items() if k.startswith("server_")}
     server_kwargs["api_key"] = server_kwargs.get("api_key") or os.environ.get("VLLM_API_KEY") or None
     model = args.model or args.model_tag
