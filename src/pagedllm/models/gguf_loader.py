@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
-from gguf.quants import dequantize
 
+from pagedllm.models.gguf_dequant import dequantize
+from pagedllm.models.gguf_reader import GGUFFile
 from pagedllm.models.model_info import ModelInfo, ModelLoadError
 
 SUPPORTED_TYPES = tuple(GGMLQuantizationType[name] for name in (
@@ -37,7 +38,7 @@ _LAYER_NAMES = {
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def open_gguf(path: Path) -> GGUFReader:
+def open_gguf(path: Path) -> GGUFFile:
     """Parse the header, metadata and tensor index; any malformation becomes ModelLoadError."""
     try:
         with open(path, "rb") as f:
@@ -47,37 +48,41 @@ def open_gguf(path: Path) -> GGUFReader:
     if magic != b"GGUF":
         raise ModelLoadError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
     try:
-        return GGUFReader(path)
-    except Exception as e:  # the reader raises many kinds on truncated or corrupt input
+        return GGUFFile(path)
+    except Exception as e:  # GGUFFormatError, UnicodeDecodeError, struct.error... on corrupt input
         raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
 
 
-def _field(reader: GGUFReader, key: str, path: Path, default: Any = ...) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
+def _field(reader: GGUFFile, key: str, path: Path, default: Any = ...) -> Any:
+    if key not in reader.metadata:
         if default is ...:
             raise ModelLoadError(f"{path}: GGUF metadata lacks required key {key!r}")
         return default
-    try:
-        return f.contents()
-    except Exception as e:
-        raise ModelLoadError(f"{path}: GGUF metadata key {key!r} is malformed ({e})") from None
+    return reader.metadata[key]
 
 
-def gguf_model_info(reader: GGUFReader, path: Path) -> ModelInfo:
+def _int_field(reader: GGUFFile, key: str, path: Path, default: Any = ...) -> int:
+    value = _field(reader, key, path, default)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ModelLoadError(f"{path}: GGUF metadata key {key!r} is malformed (expected a number, got "
+                             f"{type(value).__name__})")
+    return int(value)
+
+
+def gguf_model_info(reader: GGUFFile, path: Path) -> ModelInfo:
     arch = _field(reader, "general.architecture", path)
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported "
                              f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
-    num_heads = int(_field(reader, f"{arch}.attention.head_count", path))
-    hidden = int(_field(reader, f"{arch}.embedding_length", path))
+    num_heads = _int_field(reader, f"{arch}.attention.head_count", path)
+    hidden = _int_field(reader, f"{arch}.embedding_length", path)
     scaling = None
     scaling_type = _field(reader, f"{arch}.rope.scaling.type", path, "none")
     if scaling_type == "linear":
         scaling = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor", path))}
     elif scaling_type != "none":
         raise ModelLoadError(f"{path}: rope scaling {scaling_type!r} is not supported")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    tokens = reader.metadata.get("tokenizer.ggml.tokens")
     eos = [_field(reader, key, path, None) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     freq_factors = None
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
@@ -85,14 +90,14 @@ def gguf_model_info(reader: GGUFReader, path: Path) -> ModelInfo:
         freq_factors = tuple(float(x) for x in dequantize_tensor(rope_freqs, path).reshape(-1))
     info = ModelInfo(
         architecture=GGUF_ARCHITECTURES[arch],
-        num_layers=int(_field(reader, f"{arch}.block_count", path)),
+        num_layers=_int_field(reader, f"{arch}.block_count", path),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length", path)),
+        intermediate_size=_int_field(reader, f"{arch}.feed_forward_length", path),
         num_heads=num_heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", path, num_heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", path, hidden // max(num_heads, 1))),
-        vocab_size=int(_field(reader, f"{arch}.vocab_size", path, len(tokens.data) if tokens else 0)),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", path)),
+        num_kv_heads=_int_field(reader, f"{arch}.attention.head_count_kv", path, num_heads),
+        head_dim=_int_field(reader, f"{arch}.attention.key_length", path, hidden // max(num_heads, 1)),
+        vocab_size=_int_field(reader, f"{arch}.vocab_size", path, len(tokens) if tokens else 0),
+        max_position_embeddings=_int_field(reader, f"{arch}.context_length", path),
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", path, 1e-5)),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", path, 10000.0)),
         rope_scaling=scaling,
@@ -119,10 +124,10 @@ def dequantize_tensor(tensor: Any, path: Path) -> np.ndarray:
         raise ModelLoadError(f"{path}: tensor {tensor.name!r} ({qtype.name}, shape {list(shape)}) has "
                              f"{tensor.data.nbytes} bytes of data; the file is truncated or corrupt")
     try:
-        data = dequantize(np.asarray(tensor.data), qtype)
+        data = dequantize(tensor.data, qtype)  # a new writable array, never the file map
     except Exception as e:
         raise ModelLoadError(f"{path}: cannot dequantize tensor {tensor.name!r} ({qtype.name}): {e}") from None
-    return np.array(data.reshape(shape), dtype=np.float32)  # a writable copy, never the file map
+    return data.reshape(shape)
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -141,7 +146,7 @@ def hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
-def gguf_tensors(reader: GGUFReader, info: ModelInfo, path: Path) -> Iterator[tuple[str, np.ndarray]]:
+def gguf_tensors(reader: GGUFFile, info: ModelInfo, path: Path) -> Iterator[tuple[str, np.ndarray]]:
     """Yield (Hugging Face name, float32 array) for every weight, Q/K rotary permutation undone."""
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":

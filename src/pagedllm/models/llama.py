@@ -62,7 +62,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, info: ModelInfo):
         super().__init__()
-        self.embed_tokens = nn.Embedding(info.vocab_size, info.hidden_size)
+        # An explicit _weight skips nn.Embedding's normal_() init: on the meta device that op imports
+        # torch._dynamo (~3-6 s of cold start) for a tensor the loader replaces anyway.
+        self.embed_tokens = nn.Embedding(info.vocab_size, info.hidden_size,
+                                         _weight=torch.empty(info.vocab_size, info.hidden_size))
         self.layers = nn.ModuleList(LlamaDecoderLayer(info, i) for i in range(info.num_layers))
         self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(info.head_dim, info.max_position_embeddings, info.rope_theta,
