@@ -16,10 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
-from pagedllm.models.loader import ResolvedModel, resolve_model
 from pagedllm.models.model_info import ModelLoadError
+from pagedllm.models.resolve import ResolvedModel, resolve_model
 
 # GGUF metadata key -> transformers' name, as transformers' get_gguf_tokenizer maps them.
 _GGUF_TOKENIZER_KEYS = {
@@ -54,6 +54,8 @@ def get_tokenizer(model: ResolvedModel | str | Path | None) -> PreTrainedTokeniz
         if model.kind == "gguf":
             tokenizer = _gguf_tokenizer(model)
         else:
+            from transformers import AutoTokenizer  # imports torch (transformers' config stack): only here
+
             tokenizer = AutoTokenizer.from_pretrained(str(model.path), **kwargs)
     except ModelLoadError:
         raise

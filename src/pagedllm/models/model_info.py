@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.layers.rotary import SUPPORTED_ROPE_TYPES
-
 # The generation_config.json keys that become default sampling parameters (vLLM's choice of keys).
 GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 
@@ -52,6 +50,8 @@ class ModelInfo:
                                  f"{self.num_kv_heads} KV heads")
         if self.head_dim % 2:
             raise ModelLoadError(f"{source}: head_dim {self.head_dim} must be even for rotary embedding")
+        from pagedllm.layers.rotary import SUPPORTED_ROPE_TYPES  # here: importing this module needs no torch
+
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ModelLoadError(f"{source}: rope scaling {rope_type!r} is not supported "
