@@ -182,3 +182,23 @@ def test_logprobs_and_prompt_logprobs_match_transformers(llm, tiny_llama_dir):
         assert set(torch.topk(row, 5).indices.tolist()) <= set(entry)
         logprob_sum += float(row[token])
     assert completion.cumulative_logprob == pytest.approx(logprob_sum, abs=1e-3)
+
+
+def test_generation_config_defaults_apply_when_no_params_are_given(llm):
+    """vLLM's --generation-config auto: the tiny model's generation_config.json sets temperature/top_p."""
+    defaults = llm.llm_engine.input_processor.default_sampling_params()
+    assert (defaults.temperature, defaults.top_p) == (0.7, 0.9)
+    (out,) = llm.generate(["hello"], use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == defaults.max_tokens == 16 or out.outputs[0].finish_reason == "stop"
+
+
+def test_chat_renders_the_template_for_one_or_many_conversations(llm):
+    tokenizer = llm.get_tokenizer()
+    conversation = [{"role": "user", "content": "hello there"}]
+    (one,) = llm.chat(conversation, GREEDY_16, use_tqdm=False)
+    expected = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert one.prompt == expected
+    (direct,) = llm.generate([tokenizer.encode(expected, add_special_tokens=False)], GREEDY_16, use_tqdm=False)
+    assert one.outputs[0].token_ids == direct.outputs[0].token_ids
+    many = llm.chat([conversation, [{"role": "user", "content": "the cat"}]], GREEDY_16, use_tqdm=False)
+    assert len(many) == 2 and many[0].outputs[0].token_ids == one.outputs[0].token_ids
