@@ -43,7 +43,8 @@ class RequestAbortedError(RuntimeError):
 
 class AsyncLLM:
     def __init__(self, client: EngineCoreClient, tokenizer, model_name: str,
-                 max_num_queued_reqs: int | None = None, log_stats: bool = True):
+                 max_num_queued_reqs: int | None = None, log_stats: bool = True,
+                 watchdog_timeout_s: float | None = None):
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -65,6 +66,8 @@ class AsyncLLM:
         client.on_message = self._on_message
         client.on_death = self._on_death
         self._log_task = asyncio.create_task(self._log_loop()) if log_stats else None
+        self.watchdog_timeout_s = watchdog_timeout_s
+        self._watchdog_task = asyncio.create_task(self._watchdog_loop()) if watchdog_timeout_s else None
 
     @property
     def max_model_len(self) -> int:
@@ -167,21 +170,27 @@ class AsyncLLM:
     def _send_add(self, request: EngineCoreRequest) -> None:
         self._num_sent += 1
         self.stats_tracker.add(request.request_id, request.arrival_time, len(request.prompt_token_ids))
-        self._track(self.client.add_request(request))
+        self._track(self.client.add_request(request), request.request_id)
 
     def _send_abort(self, engine_ids: list[str]) -> None:
         if engine_ids and not self.is_dead:
             self._track(self.client.abort_requests(engine_ids))
 
-    def _track(self, coro) -> None:
+    def _track(self, coro, engine_id: str | None = None) -> None:
         task = asyncio.ensure_future(coro)
         self._pending_sends.add(task)
-        task.add_done_callback(self._send_done)
+        task.add_done_callback(lambda t: self._send_done(t, engine_id))
 
-    def _send_done(self, task: asyncio.Future) -> None:
+    def _send_done(self, task: asyncio.Future, engine_id: str | None) -> None:
+        """A failed send of a request fails that request (its consumer would otherwise wait forever)."""
         self._pending_sends.discard(task)
-        if not task.cancelled() and task.exception() is not None and not self.is_dead:
-            logger.error("could not send to the engine core: %s", task.exception())
+        if task.cancelled() or task.exception() is None or self.is_dead:
+            return
+        logger.error("could not send to the engine core: %r", task.exception())
+        request_id = self._engine_to_request.pop(engine_id, None) if engine_id is not None else None
+        if request_id is not None:
+            self.stats_tracker.finish(engine_id, "error")
+            self.abort(request_id, RequestFailedError("The request could not be sent to the engine."))
 
     # ---- engine messages ------------------------------------------------------------------------------
 
@@ -243,6 +252,17 @@ class AsyncLLM:
             await asyncio.sleep(self.log_logger.interval_s)
             self.log_logger.log()
 
+    async def _watchdog_loop(self) -> None:
+        """A hung engine core (requests open, no step finished for watchdog_timeout_s) is treated as dead:
+        every open request fails at once instead of waiting forever, and /health answers 503."""
+        timeout_s = self.watchdog_timeout_s
+        while not self.is_dead:
+            await asyncio.sleep(min(0.5, timeout_s / 4))
+            stalled_s = time.monotonic() - self.last_progress_time
+            if self.queues and stalled_s > timeout_s:
+                self.client.mark_dead(f"engine core hung: no step finished for {stalled_s:.1f} s while "
+                                      f"{len(self.queues)} requests were open")
+
     # ---- health -----------------------------------------------------------------------------------------
 
     async def check_health(self, timeout_s: float) -> None:
@@ -258,6 +278,7 @@ class AsyncLLM:
         return await self.client.call_utility("stats", timeout_s)
 
     def shutdown(self) -> None:
-        if self._log_task is not None:
-            self._log_task.cancel()
+        for task in (self._log_task, self._watchdog_task):
+            if task is not None:
+                task.cancel()
         self.client.shutdown()

@@ -160,6 +160,10 @@ class EngineCoreClient:
             reason = f"engine core process exited unexpectedly (exit code {code})"
             self._loop.call_soon_threadsafe(self._mark_dead, reason)
 
+    def mark_dead(self, reason: str) -> None:
+        """Give up on the engine core (it died, failed, or hung): fail open calls, tell `on_death`."""
+        self._mark_dead(reason)
+
     def _mark_dead(self, reason: str) -> None:
         if self.is_dead or self._closing:
             return

@@ -11,6 +11,13 @@ below.
 Lifetime: the process exits when the API server dies (stdin reaches EOF: the kernel closes the pipe when
 the parent exits, however it exits), on SIGTERM, or when a step raises (after reporting the error).
 
+On exit the process removes its `ipc://` socket files and their directory (if empty), so nothing is left
+behind when the API server was killed before it could clean up.
+
+Fault injection (tests only): `PAGEDLLM_FAULT_INJECT=KIND:after_steps=N[,times=K]` makes the model's
+forward pass misbehave after N successful steps, K times (default 1): `raise_in_forward` raises (the step's
+requests fail with an error, the engine keeps serving), `hang_in_forward` blocks the busy loop forever.
+
 Run as `python -m pagedllm.engine.core_proc --input-addr ADDR --output-addr ADDR` with the EngineConfig
 as one JSON line on stdin; `EngineCoreClient` does this.
 """
@@ -167,6 +174,9 @@ class EngineCoreProc:
             self.send(Rejected(request.request_id, "queue_full", str(e) or "The waiting queue is full."))
         except ValueError as e:
             self.send(Rejected(request.request_id, "invalid", str(e)))
+        except Exception:  # one bad request must not take the engine down
+            logger.exception("could not add request %s", request.request_id)
+            self.send(Rejected(request.request_id, "invalid", "The engine could not accept this request."))
         return False
 
     def _stats(self) -> SchedulerStats | None:
@@ -205,7 +215,45 @@ def _connect(ctx: zmq.Context, kind: int, addr: str) -> zmq.Socket:
     return sock
 
 
-def _exit_when_parent_dies() -> None:
+FAULT_INJECT_ENV = "PAGEDLLM_FAULT_INJECT"
+
+
+def install_fault(engine_core, spec: str) -> None:
+    """Wrap the runner's execute_model per a PAGEDLLM_FAULT_INJECT spec (see the module docstring)."""
+    kind, _, options = spec.partition(":")
+    opts = dict(item.split("=", 1) for item in options.split(",") if item)
+    after_steps, times = int(opts.get("after_steps", 0)), int(opts.get("times", 1))
+    if kind not in ("raise_in_forward", "hang_in_forward"):
+        raise ValueError(f"unknown {FAULT_INJECT_ENV} kind {kind!r}")
+    runner = engine_core.runner
+    execute_model = runner.execute_model
+    calls = {"n": 0}
+
+    def faulty_execute_model(scheduler_output):
+        calls["n"] += 1
+        if after_steps < calls["n"] <= after_steps + times:
+            logger.warning("%s: injecting %s at step %d", FAULT_INJECT_ENV, kind, calls["n"])
+            if kind == "raise_in_forward":
+                raise RuntimeError("injected fault in the forward pass")
+            while True:
+                time.sleep(3600)
+        return execute_model(scheduler_output)
+
+    runner.execute_model = faulty_execute_model
+
+
+def _remove_ipc_files(*addrs: str) -> None:
+    for addr in addrs:
+        if addr.startswith("ipc://"):
+            path = addr[len("ipc://"):]
+            for remove in (os.unlink, lambda p: os.rmdir(os.path.dirname(p))):
+                try:
+                    remove(path)
+                except OSError:
+                    pass
+
+
+def _exit_when_parent_dies(*addrs: str) -> None:
     """stdin is a pipe from the API server: EOF means it exited (or closed it to stop us)."""
     try:
         while sys.stdin.buffer.read(4096):
@@ -215,6 +263,7 @@ def _exit_when_parent_dies() -> None:
     logger.info("API server is gone; engine core exiting.")
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(5.0)
+    _remove_ipc_files(*addrs)
     os._exit(1)  # the main thread did not get out of its step in time
 
 
@@ -227,13 +276,16 @@ def run_engine_core(config, input_addr: str, output_addr: str) -> int:
     """Load the engine, report READY (or why not), run until shutdown. Returns the exit code."""
     signal.signal(signal.SIGTERM, _raise_system_exit)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server decides
-    threading.Thread(target=_exit_when_parent_dies, name="parent-watch", daemon=True).start()
+    threading.Thread(target=_exit_when_parent_dies, args=(input_addr, output_addr), name="parent-watch",
+                     daemon=True).start()
     from pagedllm.engine.core import EngineCore
 
     proc = None
     ready = False
     try:
         engine_core = EngineCore(config)
+        if os.environ.get(FAULT_INJECT_ENV):
+            install_fault(engine_core, os.environ[FAULT_INJECT_ENV])
         proc = EngineCoreProc(engine_core, input_addr, output_addr)
         resolved = engine_core.resolved_model
         proc.send(Ready(num_blocks=engine_core.num_blocks, block_size=config.cache_config.block_size,
@@ -255,6 +307,7 @@ def run_engine_core(config, input_addr: str, output_addr: str) -> int:
     finally:
         if proc is not None:
             proc.close()
+        _remove_ipc_files(input_addr, output_addr)
     return 0
 
 

@@ -75,6 +75,8 @@ class InputProcessor:
         if bad is not None:
             raise InvalidRequestError(f"Token id {bad} is out of vocabulary (size {limits.vocab_size}).",
                                       param="prompt")
+        if not (isinstance(priority, int) and -(2**63) <= priority < 2**63):
+            raise InvalidRequestError(f"priority must fit in 64 bits, got {priority}.", param="priority")
         num_prompt = len(prompt_token_ids)
         if num_prompt >= limits.max_model_len:
             raise InvalidRequestError(
@@ -97,9 +99,12 @@ class InputProcessor:
         if params.min_tokens > params.max_tokens:
             raise InvalidRequestError(f"min_tokens ({params.min_tokens}) must be at most max_tokens "
                                       f"({params.max_tokens}).", param="min_tokens")
-        if cache_salt is not None and not (isinstance(cache_salt, str) and 0 < len(cache_salt) <= MAX_CACHE_SALT_LEN):
+        if cache_salt is not None and not (isinstance(cache_salt, str) and 0 < len(cache_salt) <= MAX_CACHE_SALT_LEN
+                                           and is_valid_unicode(cache_salt)):
             raise InvalidRequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_LEN} "
-                                      "characters.", param="cache_salt")
+                                      "characters of valid Unicode.", param="cache_salt")
+        if not all(is_valid_unicode(s) for s in params.stop):
+            raise InvalidRequestError("stop strings must be valid Unicode (no lone surrogates).", param="stop")
         if limits.extra_stop_token_ids and not params.ignore_eos:
             extra = [t for t in limits.extra_stop_token_ids if t not in params.stop_token_ids]
             if extra:
@@ -113,6 +118,15 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
         )
+
+
+def is_valid_unicode(text: str) -> bool:
+    """False for text that cannot be encoded as UTF-8 (a lone surrogate such as "\\ud83d", which JSON allows)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _replace(params: SamplingParams, **changes) -> SamplingParams:

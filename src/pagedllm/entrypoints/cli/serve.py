@@ -36,7 +36,12 @@ class ServerConfig:
     """Port to listen on."""
     api_key: str | None = None
     """Require `Authorization: Bearer KEY` on every route except /health (and /metrics unless
-    --protect-metrics). Default: the VLLM_API_KEY environment variable, if set (keeps the key out of ps)."""
+    --protect-metrics). Several keys (one per tenant): comma-separated. Default: the VLLM_API_KEY
+    environment variable, if set (keeps the key out of ps)."""
+    cache_salt_from_api_key: bool = False
+    """Derive each request's cache_salt on the server from the caller's API key (HMAC-SHA256 under a
+    per-process secret, combined with any client cache_salt), so tenants never share prefix-cache blocks,
+    even when a client sends no salt. Needs --api-key."""
     protect_metrics: bool = False
     """Make --api-key guard /metrics too."""
     disable_log_requests: bool = False
@@ -54,10 +59,23 @@ class ServerConfig:
     """Seconds to wait for the engine core to load the model and report ready."""
     engine_death_exit_delay: float = 3.0
     """Seconds the server keeps answering 503 after the engine core dies, before it exits."""
-    max_n: int = 64
-    """Largest `n` (choices per request) accepted."""
+    max_n: int = 128
+    """Largest `n` (choices per request) accepted; checked before anything else is done."""
+    max_prompts: int = 1024
+    """Most prompts in one /v1/completions request (a list of prompts); checked before tokenization."""
+    max_logit_bias: int = 1024
+    """Most logit_bias entries in one request."""
+    max_stop: int = 64
+    """Most stop strings (and, separately, stop_token_ids) in one request."""
+    chat_template_timeout: float = 1.0
+    """Seconds a chat template may take to render before the request is rejected (HTTP 400)."""
+    max_chat_template_chars: int = 1 << 20
+    """Most characters a chat template may render (or build in one value) before HTTP 400."""
     max_request_bytes: int = 16 << 20
-    """Largest request body accepted, in bytes (HTTP 413 beyond)."""
+    """Largest request body accepted, in bytes (HTTP 413 beyond; chunked bodies are counted as they
+    arrive)."""
+    max_header_bytes: int = 64 << 10
+    """Largest request head (request line and headers) accepted, in bytes (HTTP 431 beyond)."""
     enable_debug_routes: bool = False
     """Serve GET /debug/kv_cache (free and total KV blocks, running and waiting requests) for tests."""
 
@@ -81,6 +99,12 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     engine_kwargs = engine_kwargs_from_args(args)
     server_kwargs = {k[len("server_"):]: v for k, v in vars(args).items() if k.startswith("server_")}
     server_kwargs["api_key"] = server_kwargs.get("api_key") or os.environ.get("VLLM_API_KEY") or None
+    if server_kwargs.get("cache_salt_from_api_key") and not server_kwargs["api_key"]:
+        raise ValueError("--cache-salt-from-api-key needs --api-key (or VLLM_API_KEY).")
+    for name in ("max_n", "max_prompts", "max_logit_bias", "max_stop", "max_chat_template_chars",
+                 "max_request_bytes", "max_header_bytes"):
+        if name in server_kwargs and server_kwargs[name] < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1.")
     model = args.model or args.model_tag
     if args.model and args.model_tag and args.model != args.model_tag:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}.")

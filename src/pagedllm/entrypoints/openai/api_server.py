@@ -11,23 +11,29 @@ every route answers 503, and the server exits after --engine-death-exit-delay se
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
+import json
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
+import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import pagedllm
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.input_processor import MAX_CACHE_SALT_LEN, is_valid_unicode
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -39,7 +45,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagedllm.entrypoints.openai.serving_base import to_api_error
+from pagedllm.entrypoints.openai.serving_base import RequestCaps, to_api_error
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
@@ -48,17 +54,18 @@ logger = logging.getLogger(__name__)
 UNGUARDED_PATHS = {"/health", "/metrics"}
 
 
-@dataclass
-class ServerSettings:
+@dataclass(kw_only=True)
+class ServerSettings(RequestCaps):
     """What the routes need to know beyond the engine (filled from the serve flags)."""
 
     served_model_names: list[str]
-    api_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)
+    """Any of these keys is accepted as `Authorization: Bearer KEY`; none: no key needed."""
     protect_metrics: bool = False
+    cache_salt_from_api_key: bool = False
     health_check_timeout: float = 10.0
     enable_debug_routes: bool = False
     log_requests: bool = True
-    max_n: int = 64
     max_request_bytes: int = 16 << 20
 
 
@@ -70,14 +77,21 @@ class ServerState:
     started: float = field(default_factory=time.time)
 
 
+API_KEY_SCOPE_KEY = "pagedllm.api_key"
+"""Where the guard leaves the caller's (checked) API key in the ASGI scope, for --cache-salt-from-api-key."""
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
 class GuardMiddleware:
     """Pure ASGI (streams and disconnects pass straight through): API key, drain, engine death, body cap."""
 
     def __init__(self, app, state: ServerState):
         self.app = app
         self.state = state
-        key = state.settings.api_key
-        self.expected = f"Bearer {key}".encode() if key else None
+        self.expected = [(f"Bearer {key}".encode(), key) for key in state.settings.api_keys]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -85,17 +99,46 @@ class GuardMiddleware:
         error = self._check(scope)
         if error is not None:
             return await error.to_response()(scope, receive, send)
-        return await self.app(scope, receive, send)
+        return await self._call_with_body_cap(scope, receive, send)
+
+    async def _call_with_body_cap(self, scope, receive, send):
+        """Count the body as it arrives (a chunked body has no Content-Length): past the cap, the app's
+        read fails and whatever it answers is replaced by a 413."""
+        cap = self.state.settings.max_request_bytes
+        received = 0
+        too_large = False
+
+        async def counting_receive():
+            nonlocal received, too_large
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > cap:
+                    too_large = True
+                    raise BodyTooLarge()
+            return message
+
+        async def guarded_send(message):
+            if not too_large:
+                await send(message)
+            elif message["type"] == "http.response.start":
+                await _too_large().to_response()(scope, receive, send)
+
+        await self.app(scope, counting_receive, guarded_send)
 
     def _check(self, scope) -> errors.APIError | None:
         path = scope["path"]
         headers = dict(scope["headers"])
         settings = self.state.settings
-        if self.expected is not None and (path not in UNGUARDED_PATHS
-                                          or (path == "/metrics" and settings.protect_metrics)):
+        if self.expected and (path not in UNGUARDED_PATHS or (path == "/metrics" and settings.protect_metrics)):
             given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            matched = None
+            for expected, key in self.expected:  # compare with every key: the time does not tell which
+                if hmac.compare_digest(given, expected):
+                    matched = key
+            if matched is None:
                 return errors.unauthorized()
+            scope[API_KEY_SCOPE_KEY] = matched
         if path == "/metrics":
             return None
         if self.state.draining:
@@ -105,9 +148,53 @@ class GuardMiddleware:
                                       "engine_dead")
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > settings.max_request_bytes:
-            return errors.APIError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "The request body is too large.",
-                                   "invalid_request_error", code="request_too_large")
+            return _too_large()
         return None
+
+
+def _too_large() -> errors.APIError:
+    return errors.APIError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "The request body is too large.",
+                           "invalid_request_error", code="request_too_large")
+
+
+class HeaderLimitedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, except that a request head over the limit (h11_max_incomplete_event_size)
+    gets a JSON 431 instead of a plain-text 400."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._error_status = HTTPStatus.BAD_REQUEST
+        next_event = self.conn.next_event
+
+        def next_event_noting_status():
+            try:
+                return next_event()
+            except h11.RemoteProtocolError as e:
+                self._error_status = e.error_status_hint
+                raise
+
+        self.conn.next_event = next_event_noting_status
+
+    def send_400_response(self, msg: str) -> None:
+        if self._error_status != HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE:
+            return super().send_400_response(msg)
+        body = json.dumps({"error": {"message": "The request headers are too large.", "type": "invalid_request_error",
+                                     "param": None, "code": "headers_too_large"}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        self.transport.write(self.conn.send(h11.Response(status_code=431, headers=headers,
+                                                         reason=b"Request Header Fields Too Large")))
+        self.transport.write(self.conn.send(h11.Data(data=body)))
+        self.transport.write(self.conn.send(h11.EndOfMessage()))
+        self.transport.close()
+
+
+def tenant_cache_salt(secret: bytes, api_key: str, client_salt: str | None) -> str:
+    """The cache_salt of a request under --cache-salt-from-api-key: HMAC-SHA256(secret, key, client salt).
+
+    Two tenants (keys) never get the same salt, whatever salts their clients send; one tenant's requests
+    share cache when their client salts are equal (or both absent)."""
+    message = api_key.encode() + b"\0" + (b"" if client_salt is None else b"\1" + client_salt.encode())
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
 async def _run_until_disconnect(request: Request, coro):
@@ -174,12 +261,25 @@ def build_app(state: ServerState) -> FastAPI:
         logger.exception("unexpected error serving %s", request.url.path)
         return to_api_error(e).to_response()
 
+    salt_secret = os.urandom(32)
+
+    def apply_tenant_salt(body, request: Request) -> None:
+        if not settings.cache_salt_from_api_key:
+            return
+        salt = body.cache_salt
+        if salt is not None and not (0 < len(salt) <= MAX_CACHE_SALT_LEN and is_valid_unicode(salt)):
+            raise errors.bad_request(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_LEN} "
+                                     "characters of valid Unicode.", param="cache_salt")
+        body.cache_salt = tenant_cache_salt(salt_secret, request.scope[API_KEY_SCOPE_KEY], salt)
+
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request):
+        apply_tenant_salt(body, request)
         return _respond(await _run_until_disconnect(request, _guard(completions.create_completion(body))))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        apply_tenant_salt(body, request)
         return _respond(await _run_until_disconnect(request, _guard(chat.create_chat_completion(body))))
 
     @app.get("/v1/models")
@@ -212,9 +312,12 @@ def build_app(state: ServerState) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise errors.bad_request("Give exactly one of prompt and messages.", param="prompt")
         if body.messages is not None:
-            text = render_chat(tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message)
+            text = render_chat(tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
+                               timeout_s=settings.chat_template_timeout, max_chars=settings.max_chat_template_chars)
             token_ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
         else:
+            if not is_valid_unicode(body.prompt):
+                raise errors.bad_request("prompt must be valid Unicode (no lone surrogates).", param="prompt")
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             token_ids = tokenizer.encode(body.prompt, add_special_tokens=add_special)
         token_strs = tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None

@@ -79,7 +79,10 @@ class SamplingFields(OpenAIBaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[Any]
+    """A string, a list of strings, a list of token ids, or a list of lists of token ids. The list's items
+    are checked by the server after the cap on their number (a union here would validate 100,000 items
+    several times before any cap could apply)."""
     max_tokens: int | None = 16
     echo: bool | None = False
     logprobs: int | None = None

@@ -10,7 +10,13 @@ import uvicorn
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineCoreClient, EngineStartupError
-from pagedllm.entrypoints.openai.api_server import DrainingServer, ServerSettings, ServerState, build_app
+from pagedllm.entrypoints.openai.api_server import (
+    DrainingServer,
+    HeaderLimitedH11Protocol,
+    ServerSettings,
+    ServerState,
+    build_app,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,16 +48,22 @@ async def run_server(engine_config: EngineConfig, sc) -> int:
         return 1
     names = [mc.served_model_name or client.ready.model_name]
     engine = AsyncLLM(client, tokenizer, names[0], engine_config.scheduler_config.max_num_queued_reqs,
-                      log_stats=not sc.disable_log_stats)
-    settings = ServerSettings(served_model_names=names, api_key=sc.api_key, protect_metrics=sc.protect_metrics,
+                      log_stats=not sc.disable_log_stats, watchdog_timeout_s=sc.health_check_timeout)
+    api_keys = [key.strip() for key in (sc.api_key or "").split(",") if key.strip()]
+    settings = ServerSettings(served_model_names=names, api_keys=api_keys, protect_metrics=sc.protect_metrics,
+                              cache_salt_from_api_key=sc.cache_salt_from_api_key,
                               health_check_timeout=sc.health_check_timeout,
                               enable_debug_routes=sc.enable_debug_routes,
-                              log_requests=not sc.disable_log_requests, max_n=sc.max_n,
+                              log_requests=not sc.disable_log_requests, max_n=sc.max_n, max_prompts=sc.max_prompts,
+                              max_logit_bias=sc.max_logit_bias, max_stop=sc.max_stop,
+                              chat_template_timeout=sc.chat_template_timeout,
+                              max_chat_template_chars=sc.max_chat_template_chars,
                               max_request_bytes=sc.max_request_bytes)
     state = ServerState(engine, settings)
     config = uvicorn.Config(build_app(state), host=sc.host or "0.0.0.0", port=sc.port,
                             log_level=sc.uvicorn_log_level, timeout_graceful_shutdown=5,
-                            timeout_keep_alive=5)
+                            timeout_keep_alive=5, http=HeaderLimitedH11Protocol,
+                            h11_max_incomplete_event_size=sc.max_header_bytes)
     server = DrainingServer(config, state, sc.drain_timeout)
     engine.on_death = lambda reason: server.exit_later(sc.engine_death_exit_delay)
     logger.info("Serving %s on http://%s:%d", names[0], sc.host or "0.0.0.0", sc.port)

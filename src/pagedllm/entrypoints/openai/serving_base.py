@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
@@ -14,7 +15,7 @@ from pydantic import BaseModel
 from pagedllm.core.scheduler import QueueFullError
 from pagedllm.engine.async_llm import AsyncLLM, RequestAbortedError, RequestFailedError
 from pagedllm.engine.core_client import EngineDeadError
-from pagedllm.engine.input_processor import InvalidRequestError
+from pagedllm.engine.input_processor import InvalidRequestError, is_valid_unicode
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.protocol import (
     PromptTokensDetails,
@@ -27,6 +28,21 @@ from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+MAX_REQUEST_ID_LEN = 256
+
+
+@dataclass
+class RequestCaps:
+    """Caps on one request (the server fills them from its flags; these defaults are the flags')."""
+
+    max_n: int = 128
+    max_prompts: int = 1024
+    max_logit_bias: int = 1024
+    max_stop: int = 64
+    chat_template_timeout: float = 1.0
+    max_chat_template_chars: int = 1 << 20
+
+
 # Request fields that a model's generation_config.json may default when the request leaves them out.
 _DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -36,8 +52,9 @@ class OpenAIServing:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names
+        self.settings = settings if settings is not None else RequestCaps()
         self.log_requests = getattr(settings, "log_requests", False)
-        self.max_n = getattr(settings, "max_n", 64)
+        self.max_n = self.settings.max_n
 
     @property
     def model_name(self) -> str:
@@ -49,7 +66,27 @@ class OpenAIServing:
 
     @staticmethod
     def request_id(prefix: str, request: SamplingFields) -> str:
-        return f"{prefix}-{request.request_id or random_uuid()}"
+        given = request.request_id
+        if given is not None and not (0 < len(given) <= MAX_REQUEST_ID_LEN and is_valid_unicode(given)):
+            raise errors.bad_request(f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_LEN} "
+                                     "characters of valid Unicode.", param="request_id")
+        return f"{prefix}-{given or random_uuid()}"
+
+    def check_request_caps(self, request: SamplingFields) -> None:
+        """The caps that bound one request's work, checked before any tokenization (each a serve flag)."""
+        caps = self.settings
+        if not 1 <= request.n <= caps.max_n:
+            raise errors.bad_request(f"n must be in [1, {caps.max_n}], got {request.n}.", param="n")
+        if request.logit_bias is not None and len(request.logit_bias) > caps.max_logit_bias:
+            raise errors.bad_request(f"logit_bias has {len(request.logit_bias)} entries; at most "
+                                     f"{caps.max_logit_bias} are allowed.", param="logit_bias")
+        stop = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
+        if len(stop) > caps.max_stop:
+            raise errors.bad_request(f"stop has {len(stop)} strings; at most {caps.max_stop} are allowed.",
+                                     param="stop")
+        if request.stop_token_ids is not None and len(request.stop_token_ids) > caps.max_stop:
+            raise errors.bad_request(f"stop_token_ids has {len(request.stop_token_ids)} ids; at most "
+                                     f"{caps.max_stop} are allowed.", param="stop_token_ids")
 
     def sampling_params(self, request: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -61,6 +98,8 @@ class OpenAIServing:
         stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
         logit_bias = None
         if request.logit_bias:
+            if not all(isinstance(k, str) and 0 < len(k) <= 12 for k in request.logit_bias):
+                raise errors.bad_request("logit_bias keys must be token ids.", param="logit_bias")
             try:
                 logit_bias = {int(k): float(v) for k, v in request.logit_bias.items()}
             except ValueError:
@@ -82,8 +121,8 @@ class OpenAIServing:
         if not 1 <= params.n <= self.max_n:
             raise errors.bad_request(f"n must be in [1, {self.max_n}], got {params.n}.", param="n")
         if self.log_requests:
-            logger.info("Received request %s: %d prompt(s), %s prompt tokens, params %s", request_id,
-                        len(prompts), "+".join(str(len(ids)) for _, ids in prompts), params)
+            logger.info("Received request %s: %d prompt(s), %d prompt tokens, params %s", request_id,
+                        len(prompts), sum(len(ids) for _, ids in prompts), _short(params))
         streams = []
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         try:
@@ -97,8 +136,17 @@ class OpenAIServing:
         return streams
 
 
+def _short(params: SamplingParams, limit: int = 1000) -> str:
+    """The parameters for a log line, cut to `limit` characters (a request may carry large lists)."""
+    text = repr(params)
+    return text if len(text) <= limit else text[:limit] + "...)"
+
+
 def to_api_error(e: BaseException) -> errors.APIError:
-    """The HTTP error for an exception raised while serving a request."""
+    """The HTTP error for an exception raised while serving a request.
+
+    An unexpected exception becomes a 500 that says nothing of the server's internals (no message,
+    traceback, path or address); the details go to the log under an error id the response carries."""
     if isinstance(e, errors.APIError):
         return e
     if isinstance(e, InvalidRequestError):
@@ -111,9 +159,13 @@ def to_api_error(e: BaseException) -> errors.APIError:
         return errors.unavailable(str(e), "aborted", retry_after_s=1)
     if isinstance(e, RequestFailedError):
         return errors.internal(str(e))
+    if isinstance(e, UnicodeError):
+        return errors.bad_request("The request contains text that is not valid Unicode (a lone surrogate?).")
     if isinstance(e, ValueError):
         return errors.bad_request(str(e))
-    return errors.internal(f"{type(e).__name__}: {e}")
+    error_id = random_uuid()[:16]
+    logger.error("internal error %s: %s: %s", error_id, type(e).__name__, e, exc_info=e)
+    return errors.internal(f"The server had an error while processing your request (error id {error_id}).")
 
 
 async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -6,6 +6,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pagedllm.engine.input_processor import is_valid_unicode
+from pagedllm.entrypoints.openai import chat_template as chat_template_module
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -30,12 +32,17 @@ from pagedllm.entrypoints.openai.serving_base import (
     usage,
 )
 from pagedllm.outputs import PositionLogprobs
+from pagedllm.sampling_params import MAX_LOGPROBS
 
 
 def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
                 continue_final_message: bool, chat_template: str | None = None,
-                chat_template_kwargs: dict[str, Any] | None = None) -> str:
-    """The prompt text for a conversation; raises APIError(400) for messages the template rejects."""
+                chat_template_kwargs: dict[str, Any] | None = None, tools: list | None = None,
+                timeout_s: float = chat_template_module.DEFAULT_TIMEOUT_S,
+                max_chars: int = chat_template_module.DEFAULT_MAX_CHARS) -> str:
+    """The prompt text for a conversation, rendered in the limited sandbox of chat_template.py.
+
+    Raises APIError(400) for messages or a template that cannot render, or that break a limit."""
     if add_generation_prompt and continue_final_message:
         raise errors.bad_request("add_generation_prompt and continue_final_message cannot both be true.",
                                  param="continue_final_message")
@@ -45,14 +52,23 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt
         raise errors.bad_request("continue_final_message needs an assistant message last.",
                                  param="continue_final_message")
     conversation = [_normalize_message(m, i) for i, m in enumerate(messages)]
+    source = chat_template if chat_template is not None else tokenizer.chat_template
+    if not isinstance(source, str):
+        raise errors.bad_request("The model has no chat template; send one in chat_template.",
+                                 param="chat_template")
+    kwargs = {k: v for k, v in (chat_template_kwargs or {}).items()
+              if k not in ("messages", "add_generation_prompt", "continue_final_message", "tools")}
     try:
-        return tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
-                                             add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message,
-                                             **(chat_template_kwargs or {}))
-    except Exception as e:  # jinja2 TemplateError, ValueError from transformers, ...
-        raise errors.bad_request(f"The chat template could not render these messages: {e}",
+        text = chat_template_module.render(source, conversation, add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message,
+                                           special_tokens=tokenizer.special_tokens_map, tools=tools,
+                                           timeout_s=timeout_s, max_chars=max_chars, **kwargs)
+    except Exception as e:  # jinja2 TemplateError (SecurityError, limits), ValueError, TypeError, ...
+        raise errors.bad_request(f"The chat template could not render these messages: {type(e).__name__}: {e}",
                                  param="messages") from None
+    if not is_valid_unicode(text):
+        raise errors.bad_request("messages must be valid Unicode (no lone surrogates).", param="messages")
+    return text
 
 
 def _normalize_message(message: dict[str, Any], index: int) -> dict[str, Any]:
@@ -82,13 +98,18 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise errors.bad_request("top_logprobs needs logprobs to be true.", param="top_logprobs")
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_LOGPROBS:
+            raise errors.bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {request.top_logprobs}.",
+                                     param="top_logprobs")
+        self.check_request_caps(request)
         self.engine.check_admission()
         prompt = render_chat(self.tokenizer, request.messages, request.add_generation_prompt,
-                             request.continue_final_message, request.chat_template, request.chat_template_kwargs)
+                             request.continue_final_message, request.chat_template, request.chat_template_kwargs,
+                             request.tools, self.settings.chat_template_timeout, self.settings.max_chat_template_chars)
         add_special = bool(request.add_special_tokens)
         token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        max_tokens = request.max_completion_tokens or request.max_tokens
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         params = self.sampling_params(request, max_tokens, logprobs)
         request_id = self.request_id("chatcmpl", request)
         streams = self.add_requests(request_id, [(prompt, token_ids)], params, request,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+from pagedllm.engine.input_processor import is_valid_unicode
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.protocol import (
     CompletionLogProbs,
@@ -38,6 +39,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise errors.bad_request("suffix is not supported.", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise errors.bad_request("best_of is not supported.", param="best_of")
+        self.check_request_caps(request)
         self.engine.check_admission()
         prompts = self._prompts(request)
         want_prompt_logprobs = request.echo and request.logprobs is not None
@@ -67,6 +69,14 @@ class OpenAIServingCompletion(OpenAIServing):
             items = list(prompt)
         if not items:
             raise errors.bad_request("prompt must not be empty.", param="prompt")
+        if len(items) > self.settings.max_prompts:
+            raise errors.bad_request(f"prompt is a list of {len(items)} prompts; at most {self.settings.max_prompts} "
+                                     "are allowed in one request.", param="prompt")
+        if not all(isinstance(item, str) or _is_token_ids(item) for item in items):
+            raise errors.bad_request("prompt must be a string, a list of strings, a list of token ids, or a list "
+                                     "of lists of token ids.", param="prompt")
+        if any(isinstance(item, str) and not is_valid_unicode(item) for item in items):
+            raise errors.bad_request("prompt must be valid Unicode (no lone surrogates).", param="prompt")
         add_special = True if request.add_special_tokens is None else request.add_special_tokens
         result: list[Prompt] = []
         for item in items:
@@ -191,6 +201,10 @@ class OpenAIServingCompletion(OpenAIServing):
         finally:
             await merged.aclose()
         yield SSE_DONE
+
+
+def _is_token_ids(item) -> bool:
+    return isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
 
 
 def _prompt_positions(output: RequestOutput) -> list[PositionLogprobs | None]:

@@ -1,0 +1,188 @@
+"""Helpers for the reliability suite: a real `pagedllm serve` with its output captured, and the checks
+every bad-input and fault case ends with."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+MODEL_NAME = "tiny"
+STARTUP_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_bindable(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except (ProcessLookupError, OSError):
+        return False
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def num_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+class Server:
+    """`pagedllm serve` of the tiny model on a free port; stdout+stderr go to `log_path`."""
+
+    def __init__(self, model: Path, log_path: Path, *extra_args: str, env: dict[str, str] | None = None,
+                 wait_ready: bool = True, api_key: str | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.api_key = api_key
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                    **(env or {})}
+        args = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", str(model),
+                "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", MODEL_NAME,
+                "--dtype", "float32", "--kv-cache-memory", "64MiB", "--disable-log-stats",
+                "--uvicorn-log-level", "warning", "--enable-debug-routes", *extra_args]
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(args, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.http = httpx.Client(base_url=self.url, timeout=30.0)
+        if wait_ready:
+            self.wait_ready()
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} while starting:\n{self.log()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("server did not become healthy")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        kwargs.setdefault("api_key", self.api_key or "unused")
+        kwargs.setdefault("max_retries", 0)
+        kwargs.setdefault("timeout", 60.0)
+        return openai.OpenAI(base_url=self.url + "/v1", **kwargs)
+
+    def async_client(self, **kwargs) -> openai.AsyncOpenAI:
+        kwargs.setdefault("api_key", self.api_key or "unused")
+        kwargs.setdefault("max_retries", 0)
+        kwargs.setdefault("timeout", 120.0)
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", **kwargs)
+
+    def kv(self) -> dict:
+        return self.http.get("/debug/kv_cache", headers=self.headers).json()
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample in /metrics by its full name with labels, e.g. `vllm:num_preemptions_total{...}`."""
+        samples = {}
+        for line in self.http.get("/metrics", headers=self.headers).text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        return samples
+
+    def metric(self, prefix: str) -> float:
+        """The sum of the samples whose name (labels included) starts with prefix."""
+        return sum(v for k, v in self.metrics().items() if k.startswith(prefix))
+
+    def engine_pid(self) -> int:
+        return self.kv()["engine_pid"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.http.close()
+        self._log.close()
+
+
+def assert_error_body(response: httpx.Response, status: int, param: str | None = "*", code: str | None = "*") -> dict:
+    """The exact status, OpenAI's error shape, and the class the openai SDK raises for it."""
+    assert response.status_code == status, (response.status_code, response.text[:500])
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
+    if param != "*":
+        assert error["param"] == param, error
+    if code != "*":
+        assert error["code"] == code, error
+    expected_class = {400: openai.BadRequestError, 401: openai.AuthenticationError, 404: openai.NotFoundError,
+                      413: openai.APIStatusError, 431: openai.APIStatusError, 503: openai.InternalServerError}[status]
+    sdk_error = openai.OpenAI(api_key="x", base_url="http://unused")._make_status_error_from_response(response)
+    assert isinstance(sdk_error, expected_class) and sdk_error.status_code == status
+    return error
+
+
+def assert_server_intact(server: Server, engine_pid: int, idle_timeout_s: float = 1.0) -> None:
+    """Same engine process, /health 200, a valid request succeeds, then nothing runs or waits (within
+    idle_timeout_s) and every KV block is free."""
+    assert server.engine_pid() == engine_pid
+    assert server.http.get("/health").status_code == 200
+    response = server.http.post("/v1/completions", headers=server.headers,
+                                json={"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2})
+    assert response.status_code == 200, response.text[:300]
+    assert response.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    deadline = time.monotonic() + idle_timeout_s
+    while True:
+        kv = server.kv()
+        idle = kv["num_running_reqs"] + kv["num_waiting_reqs"] == 0 and kv["num_open_requests"] == 0
+        if (idle and kv["num_free_blocks"] == kv["num_total_blocks"]) or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert kv["num_running_reqs"] + kv["num_waiting_reqs"] == 0, kv
+    assert kv["num_free_blocks"] == kv["num_total_blocks"], kv
+    metrics = server.metrics()
+    free = next(v for k, v in metrics.items() if k.startswith("pagedllm:kv_cache_free_blocks"))
+    total = next(v for k, v in metrics.items() if k.startswith("pagedllm:kv_cache_total_blocks"))
+    assert free == total, (free, total)
