@@ -135,9 +135,15 @@ class EngineCoreProc:
                 self.send(Outputs(outputs, self.num_added))
 
     def close(self) -> None:
+        """Stop the IO threads, then the context. Each socket is closed by the thread that uses it (zmq
+        sockets are not thread-safe: destroying the context under a blocked recv aborts the process)."""
         self.output_queue.put(None)
         self.output_thread.join(timeout=2.0)
-        self.ctx.destroy(linger=0)
+        if self.output_thread.is_alive():
+            self.ctx.destroy(linger=0)
+            return
+        self.output_socket.close(linger=0)
+        self.ctx.term()  # the input thread's recv raises ContextTerminated; it closes its socket
 
     # ---- main thread -------------------------------------------------------------------------------
 
@@ -191,6 +197,7 @@ class EngineCoreProc:
             try:
                 frame = self.input_socket.recv(copy=False)
             except zmq.ContextTerminated:
+                self.input_socket.close(linger=0)
                 return
             try:
                 self.input_queue.put(decoder.decode(frame.buffer))

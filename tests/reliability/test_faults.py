@@ -1,0 +1,138 @@
+"""Faults: the engine core killed, the API server killed, an exception or a hang injected into the forward
+pass (PAGEDLLM_FAULT_INJECT). Nothing hangs, nothing is orphaned, errors are clean."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import openai
+import pytest
+from reliability_utils import MODEL_NAME, pid_alive, port_bindable, wait_for
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The quick brown fox jumps over the lazy dog"
+LONG = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 400, "extra_body": {"ignore_eos": True}}
+
+
+def _stream_until_error(client: openai.OpenAI, started: threading.Barrier | None, results: list, lock: threading.Lock):
+    try:
+        stream = client.completions.create(**LONG, stream=True)
+        iterator = iter(stream)
+        next(iterator)
+        if started is not None:
+            started.wait(timeout=60)
+        for _ in iterator:
+            pass
+        outcome = "completed"
+    except openai.APIError as e:
+        outcome = e
+    with lock:
+        results.append((outcome, time.monotonic()))
+
+
+def test_engine_kill_with_32_streams(server_factory):
+    server = server_factory("--max-num-seqs", "64", "--engine-death-exit-delay", "5")
+    engine_pid = server.engine_pid()
+    client = server.client(timeout=60.0)
+    results: list = []
+    lock = threading.Lock()
+    started = threading.Barrier(33)
+    threads = [threading.Thread(target=_stream_until_error, args=(client, started, results, lock)) for _ in range(32)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=60)
+    killed_at = time.monotonic()
+    os.kill(engine_pid, signal.SIGKILL)
+    unhealthy = wait_for(lambda: server.http.get("/health").status_code == 503, 2.0)
+    health_s = time.monotonic() - killed_at
+    for t in threads:
+        t.join(timeout=10)
+    assert len(results) == 32
+    assert all(isinstance(outcome, openai.APIError) and "engine" in str(outcome).lower() for outcome, _ in results)
+    last_error_s = max(at for _, at in results) - killed_at
+    response = server.http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2})
+    assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
+    print(f"FIGURE engine kill: 32/32 streams errored, last after {last_error_s:.2f} s; /health 503 after "
+          f"{health_s:.2f} s")
+    assert unhealthy and last_error_s < 2.0
+    exit_code = server.proc.wait(timeout=10)
+    print(f"FIGURE engine kill: API server exited ({exit_code}) {time.monotonic() - killed_at:.1f} s after the kill")
+    assert exit_code != 0 and not pid_alive(engine_pid)
+
+
+def test_api_server_kill_cleans_up(server_factory):
+    server = server_factory()
+    engine_pid = server.engine_pid()
+    cmdline = open(f"/proc/{engine_pid}/cmdline").read().split("\0")
+    socket_dir = os.path.dirname(cmdline[cmdline.index("--input-addr") + 1][len("ipc://"):])
+    assert os.path.isdir(socket_dir)
+    killed_at = time.monotonic()
+    server.proc.kill()
+    server.proc.wait()
+    assert wait_for(lambda: not pid_alive(engine_pid), 30.0), "the engine core outlived the API server"
+    exited_s = time.monotonic() - killed_at
+    assert wait_for(lambda: not os.path.exists(socket_dir), 5.0), os.listdir(socket_dir)
+    assert wait_for(lambda: port_bindable(server.port), 5.0)
+    print(f"FIGURE API-server kill: engine exited after {exited_s:.1f} s, socket dir removed, port free")
+
+
+def test_exception_in_forward_fails_in_flight_requests_only(server_factory):
+    server = server_factory("--max-num-seqs", "16", env={"PAGEDLLM_FAULT_INJECT": "raise_in_forward:after_steps=30"})
+    engine_pid = server.engine_pid()
+    client = server.client(timeout=60.0)
+    results: list = []
+    lock = threading.Lock()
+    threads = [threading.Thread(target=_stream_until_error, args=(client, None, results, lock)) for _ in range(6)]
+    non_stream: list = []
+
+    def full():
+        try:
+            client.completions.create(**LONG)
+            non_stream.append("completed")
+        except openai.APIStatusError as e:
+            non_stream.append(e)
+
+    threads += [threading.Thread(target=full) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a request hung after a failed forward pass"
+    assert len(results) == 6 and all(isinstance(o, openai.APIError) for o, _ in results), results
+    assert len(non_stream) == 2 and all(isinstance(e, openai.InternalServerError) for e in non_stream), non_stream
+    for e in non_stream:
+        message = e.body["message"] if isinstance(e.body, dict) else str(e.body)
+        assert e.status_code == 500 and "Traceback" not in message and "/" not in message and "File " not in message
+    assert server.engine_pid() == engine_pid and server.http.get("/health").status_code == 200
+    ok = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3)
+    assert ok.choices[0].finish_reason == "length"
+    kv = server.kv()
+    assert kv["num_free_blocks"] == kv["num_total_blocks"] and kv["num_running_reqs"] + kv["num_waiting_reqs"] == 0
+    assert server.metric('vllm:request_success_total{finished_reason="error"') >= 8
+    assert "injected fault" in server.log()  # the details are in the log, not in the responses
+
+
+def test_hang_in_engine_loop_fails_requests_and_health(server_factory):
+    timeout_s = 3.0
+    server = server_factory("--health-check-timeout", str(timeout_s), "--engine-death-exit-delay", "30",
+                            env={"PAGEDLLM_FAULT_INJECT": "hang_in_forward:after_steps=20"})
+    client = server.client(timeout=60.0)
+    results: list = []
+    lock = threading.Lock()
+    threads = [threading.Thread(target=_stream_until_error, args=(client, None, results, lock)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    start = time.monotonic()
+    assert wait_for(lambda: server.http.get("/health", timeout=20).status_code == 503, timeout_s + 5, 0.2)
+    health_s = time.monotonic() - start
+    for t in threads:
+        t.join(timeout=timeout_s + 10)
+    assert not any(t.is_alive() for t in threads), "hung requests were left open"
+    assert len(results) == 4 and all(isinstance(o, openai.APIError) for o, _ in results)
+    assert all("hung" in str(o) for o, _ in results)
+    print(f"FIGURE hang: /health 503 after {health_s:.1f} s (watchdog {timeout_s:g} s), 4/4 requests failed "
+          f"after {max(at for _, at in results) - start:.1f} s")
