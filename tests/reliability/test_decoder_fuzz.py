@@ -28,7 +28,8 @@ def test_random_bytes(data):
 
 
 @settings(max_examples=1000, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, len(VALID) - 1), st.integers(0, 255)), max_size=8), st.integers(0, len(VALID)))
+@given(st.lists(st.tuples(st.integers(0, len(VALID) - 1), st.integers(0, 255)), max_size=8),
+       st.integers(0, len(VALID)))
 def test_mutated_valid_frames(flips, cut):
     data = bytearray(VALID)
     for index, value in flips:
@@ -37,7 +38,8 @@ def test_mutated_valid_frames(flips, cut):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text() | st.binary(),
+@given(st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text()
+                    | st.binary(),
                     lambda children: st.lists(children) | st.dictionaries(st.text(), children), max_leaves=30))
 def test_well_formed_msgpack_of_any_shape(value):
     data = msgspec.msgpack.encode(["add", value])

@@ -49,7 +49,8 @@ def test_pickle_frame_to_engine_socket_has_no_effect(tiny_llama_dir, tmp_path):
                 await client.input_socket.send(pickle.dumps(_Canary(str(canary)), protocol=protocol))
             await client.add_request(EngineCoreRequest(
                 request_id="after-pickle", prompt_token_ids=list(range(20, 40)), eos_token_id=None,
-                sampling_params=SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), arrival_time=time.time()))
+                sampling_params=SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                arrival_time=time.time()))
             tokens = []
             while True:
                 message = await asyncio.wait_for(messages.get(), 30)
@@ -165,7 +166,8 @@ def _cached(server: Server, key: str, **extra) -> tuple[int, float]:
     response = server.client(api_key=key).completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1,
                                                                temperature=0.0, extra_body=extra)
     assert wait_for(lambda: server.kv()["num_open_requests"] == 0, 5)
-    return response.usage.prompt_tokens_details.cached_tokens, server.metric("vllm:prefix_cache_hits_total") - hits_before
+    hits = server.metric("vllm:prefix_cache_hits_total") - hits_before
+    return response.usage.prompt_tokens_details.cached_tokens, hits
 
 
 def test_cache_salt_isolates_prefix_cache(keyed_server):
@@ -177,8 +179,8 @@ def test_cache_salt_isolates_prefix_cache(keyed_server):
 
 
 def test_cache_salt_from_api_key_isolates_tenants(tiny_llama_dir, tmp_path):
-    server = Server(tiny_llama_dir, tmp_path / "tenants.log", "--api-key", ",".join(KEYS), "--cache-salt-from-api-key",
-                    api_key=KEYS[0])
+    server = Server(tiny_llama_dir, tmp_path / "tenants.log", "--api-key", ",".join(KEYS),
+                    "--cache-salt-from-api-key", api_key=KEYS[0])
     try:
         one, two = KEYS
         assert _cached(server, one) == (0, 0)
