@@ -80,33 +80,44 @@ class Server:
                 "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", MODEL_NAME,
                 "--dtype", "float32", "--kv-cache-memory", "64MiB", "--disable-log-stats",
                 "--uvicorn-log-level", "warning", "--enable-debug-routes", *extra_args]
+        self.ready = False
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(args, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
         self.http = httpx.Client(base_url=self.url, timeout=30.0)
+        self._clients: list[openai.OpenAI] = []
+        self._client_cache: dict[tuple, openai.OpenAI] = {}
         if wait_ready:
             self.wait_ready()
 
-    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> Server:
+        """Wait until /health is 200 (at once if it was before); returns the server."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while not self.ready and time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode} while starting:\n{self.log()[-3000:]}")
             try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return
+                self.ready = httpx.get(self.url + "/health", timeout=2.0).status_code == 200
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
-        raise TimeoutError("server did not become healthy")
+            if not self.ready:
+                time.sleep(0.1)
+        if not self.ready:
+            raise TimeoutError("server did not become healthy")
+        return self
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def client(self, **kwargs) -> openai.OpenAI:
+        """An openai client of this server (one per set of arguments, closed with the server)."""
         kwargs.setdefault("api_key", self.api_key or "unused")
         kwargs.setdefault("max_retries", 0)
         kwargs.setdefault("timeout", 60.0)
-        return openai.OpenAI(base_url=self.url + "/v1", **kwargs)
+        key = tuple(sorted(kwargs.items()))
+        if key not in self._client_cache:
+            self._client_cache[key] = openai.OpenAI(base_url=self.url + "/v1", **kwargs)
+            self._clients.append(self._client_cache[key])
+        return self._client_cache[key]
 
     def async_client(self, **kwargs) -> openai.AsyncOpenAI:
         kwargs.setdefault("api_key", self.api_key or "unused")
@@ -134,6 +145,9 @@ class Server:
         return self.kv()["engine_pid"]
 
     def close(self) -> None:
+        self.http.close()  # first: an open keep-alive connection would hold uvicorn's graceful shutdown
+        for client in self._clients:
+            client.close()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -141,7 +155,6 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.http.close()
         self._log.close()
 
 

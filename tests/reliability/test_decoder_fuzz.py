@@ -20,14 +20,14 @@ def _decode_or_decode_error(decoder, data: bytes) -> None:
         pass
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=512))
 def test_random_bytes(data):
     _decode_or_decode_error(TO_ENGINE, data)
     _decode_or_decode_error(FROM_ENGINE, data)
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, len(VALID) - 1), st.integers(0, 255)), max_size=8),
        st.integers(0, len(VALID)))
 def test_mutated_valid_frames(flips, cut):
@@ -37,7 +37,7 @@ def test_mutated_valid_frames(flips, cut):
     _decode_or_decode_error(TO_ENGINE, bytes(data[:cut] if cut else data))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text()
                     | st.binary(),
                     lambda children: st.lists(children) | st.dictionaries(st.text(), children), max_leaves=30))

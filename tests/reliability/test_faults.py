@@ -18,6 +18,19 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 LONG = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 400, "extra_body": {"ignore_eos": True}}
 
 
+@pytest.fixture(scope="module")
+def servers(launcher) -> dict:
+    """Every server of the module, launched at once (their start-ups overlap); each test waits for its own."""
+    return {
+        "kill": launcher("--max-num-seqs", "64", "--engine-death-exit-delay", "5", wait_ready=False),
+        "api-kill": launcher(wait_ready=False),
+        "raise": launcher("--max-num-seqs", "16", env={"PAGEDLLM_FAULT_INJECT": "raise_in_forward:after_steps=30"},
+                          wait_ready=False),
+        "hang": launcher("--health-check-timeout", "3", "--engine-death-exit-delay", "30",
+                         env={"PAGEDLLM_FAULT_INJECT": "hang_in_forward:after_steps=20"}, wait_ready=False),
+    }
+
+
 def _stream_until_error(client: openai.OpenAI, started: threading.Barrier | None, results: list, lock: threading.Lock):
     try:
         stream = client.completions.create(**LONG, stream=True)
@@ -34,8 +47,8 @@ def _stream_until_error(client: openai.OpenAI, started: threading.Barrier | None
         results.append((outcome, time.monotonic()))
 
 
-def test_engine_kill_with_32_streams(server_factory):
-    server = server_factory("--max-num-seqs", "64", "--engine-death-exit-delay", "5")
+def test_engine_kill_with_32_streams(servers):
+    server = servers["kill"].wait_ready()
     engine_pid = server.engine_pid()
     client = server.client(timeout=60.0)
     results: list = []
@@ -64,8 +77,8 @@ def test_engine_kill_with_32_streams(server_factory):
     assert exit_code != 0 and not pid_alive(engine_pid)
 
 
-def test_api_server_kill_cleans_up(server_factory):
-    server = server_factory()
+def test_api_server_kill_cleans_up(servers):
+    server = servers["api-kill"].wait_ready()
     engine_pid = server.engine_pid()
     cmdline = open(f"/proc/{engine_pid}/cmdline").read().split("\0")
     socket_dir = os.path.dirname(cmdline[cmdline.index("--input-addr") + 1][len("ipc://"):])
@@ -80,8 +93,8 @@ def test_api_server_kill_cleans_up(server_factory):
     print(f"FIGURE API-server kill: engine exited after {exited_s:.1f} s, socket dir removed, port free")
 
 
-def test_exception_in_forward_fails_in_flight_requests_only(server_factory):
-    server = server_factory("--max-num-seqs", "16", env={"PAGEDLLM_FAULT_INJECT": "raise_in_forward:after_steps=30"})
+def test_exception_in_forward_fails_in_flight_requests_only(servers):
+    server = servers["raise"].wait_ready()
     engine_pid = server.engine_pid()
     client = server.client(timeout=60.0)
     results: list = []
@@ -116,10 +129,9 @@ def test_exception_in_forward_fails_in_flight_requests_only(server_factory):
     assert "injected fault" in server.log()  # the details are in the log, not in the responses
 
 
-def test_hang_in_engine_loop_fails_requests_and_health(server_factory):
-    timeout_s = 3.0
-    server = server_factory("--health-check-timeout", str(timeout_s), "--engine-death-exit-delay", "30",
-                            env={"PAGEDLLM_FAULT_INJECT": "hang_in_forward:after_steps=20"})
+def test_hang_in_engine_loop_fails_requests_and_health(servers):
+    timeout_s = 3.0  # --health-check-timeout
+    server = servers["hang"].wait_ready()
     client = server.client(timeout=60.0)
     results: list = []
     lock = threading.Lock()
