@@ -101,6 +101,23 @@ class OutputProcessor:
                     aborted.append(rid)
         return aborted
 
+    def finish_requests(self, req_id: str, finish_reason: str) -> tuple[list[RequestOutput], list[str]]:
+        """End a request (all of a parent's children) here with finish_reason, as if the engine had:
+        returns the last outputs (the text so far, flushed) and the engine-side ids to abort."""
+        request_outputs: list[RequestOutput] = []
+        finished = []
+        for rid, state in list(self.request_states.items()):
+            if rid == req_id or (state.parent is not None and state.parent.request_id == req_id):
+                if state.parent is not None:
+                    state.parent.pending.clear()
+                state.finish_reason = finish_reason
+                request_output = self._make_request_output(state)
+                del self.request_states[rid]
+                finished.append(rid)
+                if request_output is not None:
+                    request_outputs.append(request_output)
+        return request_outputs, finished
+
     def process_outputs(self, outputs: EngineCoreOutputs) -> OutputProcessorOutput:
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []

@@ -386,7 +386,10 @@ class DrainingServer(uvicorn.Server):
         if engine.num_open_requests:
             logger.warning("drain timeout: aborting %d open requests", engine.num_open_requests)
             for request_id in list(engine.queues):
-                engine.abort(request_id)
+                engine.finish_aborted(request_id)  # each ends with finish_reason "abort"
+            deadline = time.monotonic() + 1.0  # let the handlers write their last chunks
+            while engine.num_open_requests and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
             await asyncio.sleep(0.1)
         self.should_exit = True
 
