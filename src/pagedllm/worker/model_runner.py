@@ -14,6 +14,7 @@ from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.engine.messages import LogprobsEntry
 from pagedllm.layers.forward_context import AttentionMetadata, kv_cache_shape, set_forward_context
 from pagedllm.layers.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs, logprobs_to_entries
+from pagedllm.worker.cpu_allocator import keep_freed_memory
 from pagedllm.worker.input_batch import InputBatch, RequestState
 from pagedllm.worker.runner_output import ModelRunnerOutput
 
@@ -39,6 +40,8 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = kv_cache_shape(num_blocks, self.block_size, self.info.num_kv_heads, self.info.head_dim)
         self.kv_caches = [_zeros(shape, self.dtype, self.device) for _ in range(self.info.num_layers)]
+        if self.device.type == "cpu":
+            keep_freed_memory()  # after the pool (its own calloc'd mmaps): step temporaries reuse the heap
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
