@@ -42,7 +42,8 @@ class Launcher:
 def shared_server(serve_model, tmp_path_factory):
     """One plain server for the whole session: bad inputs, the unconstrained KV reference, the disconnect
     storm. Every test that uses it leaves it idle, with every KV block free."""
-    server = Server(serve_model, tmp_path_factory.mktemp("shared") / "server.log", "--max-num-seqs", "64")
+    server = Server(serve_model, tmp_path_factory.mktemp("shared") / "server.log", "--max-num-seqs", "64",
+                    "--block-size", "8")
     yield server
     server.close()
 
