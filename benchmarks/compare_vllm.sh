@@ -21,7 +21,8 @@
 #
 # Environment: RUNS (2), QUICK (0), STEPS (serve,offline,prefix), OUT (benchmarks/results; QUICK:
 # /tmp/pagedllm-compare-quick), RESULTS_MD (benchmarks/RESULTS.md; QUICK: $OUT/RESULTS.md), PAGEDLLM_PORT
-# (8001), PAGEDLLM_ARGS (--dtype auto: float32 on a CPU without AMX/AVX512-BF16), PEERS_SH, PEERS_DIR,
+# (8001), PREFIX_OUTPUT_LEN (128), OFFLINE_N, PREFIX_N, WORKLOADS, ENGINES ("vllm pagedllm"), VLLM_DTYPE,
+# VLLM_OFFLINE_RUNS, PAGEDLLM_SERVE_ARGS (--health-check-timeout 60), PAGEDLLM_ARGS (--dtype auto: float32 on a CPU without AMX/AVX512-BF16), PEERS_SH, PEERS_DIR,
 # LOGS (server logs, /tmp/pagedllm-compare-logs).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -42,6 +43,7 @@ PAGEDLLM=$ROOT/.venv/bin/pagedllm
 LOGS=${LOGS:-/tmp/pagedllm-compare-logs}
 MODEL_DIR=$("$PEERS" model-dir)
 ENGINES=${ENGINES:-"vllm pagedllm"}
+PREFIX_OUTPUT_LEN=${PREFIX_OUTPUT_LEN:-128}
 # vLLM's dtype: peers.sh's bfloat16 where the CPU has native bf16 (AMX or AVX512-BF16), else float32, the
 # dtype `pagedllm --dtype auto` picks there too. On an AVX2-only CPU vLLM's bf16 falls back from oneDNN to
 # torch's emulated bf16 matmuls and runs ~10x slower than fp32 (prefill ~200 tok/s, decode ~13 tok/s at
@@ -230,14 +232,14 @@ prefix_run() {  # RUN on|off
   local before after lb t0; before=($(prefix_counters)); lb=$(loadavg); t0=$(date -Is)
   "$PAGEDLLM" bench serve --backend openai --base-url "http://127.0.0.1:$PORT" --endpoint /v1/completions \
     --model smollm2 --tokenizer "$MODEL_DIR" --dataset-name prefix-repetition --prefix-repetition-prefix-len 1024 \
-    --prefix-repetition-suffix-len 128 --prefix-repetition-num-prefixes 1 --prefix-repetition-output-len 128 \
+    --prefix-repetition-suffix-len 128 --prefix-repetition-num-prefixes 1 --prefix-repetition-output-len "$PREFIX_OUTPUT_LEN" \
     --ignore-eos --max-concurrency 16 --num-prompts "$PREFIX_N" --seed "$run" --disable-tqdm \
     --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
     --save-result --result-dir "$OUT/prefix" --result-filename "$name.json" >"$LOGS/$name-bench.log" 2>&1
   after=($(prefix_counters))
   grep -E "Median TTFT|Output token throughput" "$LOGS/$name-bench.log"
   record step=prefix caching="$mode" run="$run" file="prefix/$name.json" num_prompts="$PREFIX_N" prefix_len=1024 \
-    suffix_len=128 num_prefixes=1 block_size=16 max_num_batched_tokens=2048 concurrency=16 \
+    suffix_len=128 output_len="$PREFIX_OUTPUT_LEN" num_prefixes=1 block_size=16 max_num_batched_tokens=2048 concurrency=16 \
     queries_delta=$((after[0] - before[0])) hits_delta=$((after[1] - before[1])) started="$t0" \
     load_before="$lb" load_after="$(loadavg)"
   stop_pagedllm

@@ -35,9 +35,12 @@ def load(results: Path) -> tuple[dict, dict]:
             sweep = r
         if r["step"] == "server" and r.get("engine") == "pagedllm" and r.get("dtype"):
             sweep.setdefault("pagedllm_dtype", r["dtype"])
-        if r["step"] != "serve" or r.get("failed"):
+        if r["step"] != "serve":
             continue
-        res = json.loads((results / r["file"]).read_text())
+        res = None if r.get("failed") else json.loads((results / r["file"]).read_text())
+        if res is None or res.get("failed") or res.get("completed", 0) < int(r["num_prompts"]):
+            sweep.setdefault("failed_points", []).append(f"{r['engine']} c{r['concurrency']} run {r['run']}")
+            continue
         series.setdefault(r["engine"], {}).setdefault(int(r["concurrency"]), []).append(res)
     return series, sweep
 
@@ -63,14 +66,17 @@ def main(argv=None) -> int:
                                  pagedllm_dtype=sweep.get("pagedllm_dtype", "dtype auto"))
             ax.errorbar(xs, meds, yerr=err, label=label, color=color, marker=marker, capsize=4, linewidth=2)
             for x, m in zip(xs, meds, strict=True):
+                others = [statistics.median(r[metric] for r in series[e][x]) for e in series
+                          if e != engine and x in series[e]]
+                above = not others or m >= max(others)
                 ax.annotate(f"{m:,.0f}" if m >= 10 else f"{m:.1f}", (x, m), textcoords="offset points",
-                            xytext=(0, 8 if engine == "pagedllm" else -14), ha="center", fontsize=8, color=color)
+                            xytext=(0, 8 if above else -14), ha="center", fontsize=8, color=color)
         ax.set_xscale("log", base=2)
         ax.set_xticks(concs, [str(c) for c in concs])
         if log:
             ax.set_yscale("log")
         else:
-            ax.set_ylim(bottom=0)
+            ax.set_ylim(bottom=-0.07 * ax.get_ylim()[1])
         ax.set_xlabel("concurrency (max in-flight requests)")
         ax.set_title(title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
@@ -78,8 +84,12 @@ def main(argv=None) -> int:
     fig.suptitle(f"SmolLM2-135M-Instruct, random 256-token prompts, 128 output tokens, same client "
                  f"(vllm bench serve); {sweep.get('nproc', '?')}-core {sweep.get('cpu', 'CPU')}; "
                  f"{sweep.get('date', '')[:10]}, commit {sweep.get('commit', '?')[:10]}; "
-                 f"median of {sweep.get('runs', '?')} run(s), bars min-max", fontsize=10)
-    fig.tight_layout()
+                 f"median of {max((len(v) for s in series.values() for v in s.values()), default=0)} run(s), "
+                 "bars min-max", fontsize=10)
+    if sweep.get("failed_points"):
+        fig.text(0.5, 0.01, "no point (requests failed or server down): " + ", ".join(sweep["failed_points"]),
+                 ha="center", fontsize=9, color="tab:red")
+    fig.tight_layout(rect=(0, 0.04 if sweep.get("failed_points") else 0, 1, 1))
     out = args.output or str(results / "throughput_ttft.png")
     fig.savefig(out, dpi=110)
     print(out)
