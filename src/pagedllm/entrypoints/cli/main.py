@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # subcommand -> module exposing add_parser(subparsers) and cmd(args)
@@ -15,6 +16,9 @@ SUBCOMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # Before any subcommand loads torch: OpenMP threads sleep instead of spinning when idle, which keeps a
+    # shared or busy machine from stalling every parallel region (benchmarks/RESULTS.md, "Step time").
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = argparse.ArgumentParser(prog="pagedllm", description="Serve and benchmark LLMs with a paged KV cache.")
     parser.add_argument("--version", action="version", version=_version())
     subparsers = parser.add_subparsers(dest="subcommand", metavar="{" + ",".join(SUBCOMMANDS) + "}")
