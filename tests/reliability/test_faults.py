@@ -26,7 +26,7 @@ def servers(launcher) -> dict:
         "api-kill": launcher(wait_ready=False),
         "raise": launcher("--max-num-seqs", "16", env={"PAGEDLLM_FAULT_INJECT": "raise_in_forward:after_steps=30"},
                           wait_ready=False),
-        "hang": launcher("--health-check-timeout", "3", "--engine-death-exit-delay", "30",
+        "hang": launcher("--health-check-timeout", "3", "--engine-hang-timeout", "3", "--engine-death-exit-delay", "30",
                          env={"PAGEDLLM_FAULT_INJECT": "hang_in_forward:after_steps=20"}, wait_ready=False),
     }
 
@@ -130,7 +130,7 @@ def test_exception_in_forward_fails_in_flight_requests_only(servers):
 
 
 def test_hang_in_engine_loop_fails_requests_and_health(servers):
-    timeout_s = 3.0  # --health-check-timeout
+    timeout_s = 3.0  # --health-check-timeout and --engine-hang-timeout
     server = servers["hang"].wait_ready()
     client = server.client(timeout=60.0)
     results: list = []

@@ -53,6 +53,10 @@ class ServerConfig:
     health_check_timeout: float = 10.0
     """Seconds the engine core may take to answer /health, or go without finishing a step while requests
     are open, before /health answers 503."""
+    engine_hang_timeout: float = 300.0
+    """Seconds with requests open and no engine step finished before the engine core is declared hung: its
+    open requests fail and the server exits (0: never). /health turns 503 sooner, after
+    --health-check-timeout; a slow step on a busy machine must not kill the server."""
     drain_timeout: float = 30.0
     """Seconds SIGTERM waits for open requests to finish before aborting them and exiting."""
     engine_startup_timeout: float = 600.0

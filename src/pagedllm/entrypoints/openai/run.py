@@ -48,7 +48,7 @@ async def run_server(engine_config: EngineConfig, sc) -> int:
         return 1
     names = [mc.served_model_name or client.ready.model_name]
     engine = AsyncLLM(client, tokenizer, names[0], engine_config.scheduler_config.max_num_queued_reqs,
-                      log_stats=not sc.disable_log_stats, watchdog_timeout_s=sc.health_check_timeout)
+                      log_stats=not sc.disable_log_stats, watchdog_timeout_s=sc.engine_hang_timeout or None)
     api_keys = [key.strip() for key in (sc.api_key or "").split(",") if key.strip()]
     settings = ServerSettings(served_model_names=names, api_keys=api_keys, protect_metrics=sc.protect_metrics,
                               cache_salt_from_api_key=sc.cache_salt_from_api_key,
