@@ -1,11 +1,9 @@
-"""`pagedllm bench latency`: how long one batch takes end to end, and one decode step within it.
+"""`pagedllm bench latency`: how long one batch takes end to end, and each engine step within it.
 
 Each iteration generates `--output-len` tokens (greedy, `ignore_eos`) for `--batch-size` prompts of
-`--input-len` random ids. The same batch with one output token measures the prefill alone, so
-
-    decode step time = (median batch latency - median prefill latency) / (output_len - 1)
-
-e.g. 1.30 s for 128 tokens and 0.03 s for the prefill give (1.30 - 0.03) / 127 = 10 ms per step.
+`--input-len` random ids, driving the engine one step at a time and timing every step. All requests of the
+batch advance together, so the last output_len - 1 steps of an iteration are decode steps and the steps
+before them computed the prompts (the prefill, ending with each request's first token).
 """
 
 from __future__ import annotations
@@ -48,30 +46,41 @@ def run(args: argparse.Namespace, llm=None) -> dict[str, Any]:
     vocab_size = len(llm.get_tokenizer())
     rng = np.random.default_rng(args.seed)
     prompts = rng.integers(0, min(10000, vocab_size), size=(args.batch_size, args.input_len)).tolist()
-    full = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
-    prefill_only = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
+    engine = llm.llm_engine
     # Prefix caching would turn every iteration after the first into a cache hit: vary the first token.
     salt = iter(range(1_000_000))
 
-    def timed(params) -> float:
+    def timed() -> tuple[float, list[float]]:
+        """One iteration: (end-to-end seconds, seconds of each engine step)."""
         batch = [[next(salt) % vocab_size] + p[1:] for p in prompts]
         start = time.perf_counter()
-        llm.generate(batch, params, use_tqdm=False)
-        return time.perf_counter() - start
+        for prompt in batch:
+            engine.add_request(f"latency-{next(salt)}", prompt, params, output_kind="final_only")
+        step_s = []
+        while engine.has_unfinished_requests():
+            step_start = time.perf_counter()
+            engine.step()
+            step_s.append(time.perf_counter() - step_start)
+        return time.perf_counter() - start, step_s
 
     for _ in range(args.num_iters_warmup):
-        timed(full)
-    latencies = np.array([timed(full) for _ in range(args.num_iters)])
-    prefill_latencies = np.array([timed(prefill_only) for _ in range(max(1, args.num_iters // 2))])
-    step_s = (np.median(latencies) - np.median(prefill_latencies)) / (args.output_len - 1)
+        timed()
+    runs = [timed() for _ in range(args.num_iters)]
+    latencies = np.array([total for total, _ in runs])
+    num_decode = args.output_len - 1
+    prefill_latencies = np.array([sum(steps[:-num_decode]) for _, steps in runs])
+    decode_steps = np.array([s for _, steps in runs for s in steps[-num_decode:]])
+    step_s = float(np.median(decode_steps))
     return {
         "model_id": args.model,
         "avg_latency": float(np.mean(latencies)),
         "latencies": latencies.tolist(),
         "percentiles": dict(zip(PERCENTAGES, np.percentile(latencies, PERCENTAGES).tolist(), strict=True)),
         "median_prefill_latency": float(np.median(prefill_latencies)),
-        "decode_step_time": float(step_s),
-        "decode_tokens_per_second": float(args.batch_size / step_s) if step_s > 0 else float("inf"),
+        "decode_step_time": step_s,
+        "decode_step_time_p99": float(np.percentile(decode_steps, 99)),
+        "decode_tokens_per_second": args.batch_size / step_s,
     }
 
 
@@ -79,7 +88,8 @@ def format_result(result: dict[str, Any]) -> str:
     lines = [f"Avg latency: {result['avg_latency']} seconds"]
     lines += [f"{p}% percentile latency: {v} seconds" for p, v in result["percentiles"].items()]
     lines.append(f"Median prefill latency: {result['median_prefill_latency']} seconds")
-    lines.append(f"Decode step time: {result['decode_step_time'] * 1000:.2f} ms "
+    lines.append(f"Decode step time: {result['decode_step_time'] * 1000:.2f} ms median, "
+                 f"{result['decode_step_time_p99'] * 1000:.2f} ms p99 "
                  f"({result['decode_tokens_per_second']:.1f} tokens/s for the batch)")
     return "\n".join(lines)
 
