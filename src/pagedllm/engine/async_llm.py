@@ -158,24 +158,14 @@ class AsyncLLM:
         if queue is not None:
             queue.put_nowait(error or RequestAbortedError("The request was aborted by the server."))
         engine_ids = self.output_processor.abort_requests([request_id])
-        stats = IterationStats()
-        for engine_id in engine_ids:
-            self._engine_to_request.pop(engine_id, None)
-            self.stats_tracker.finish(engine_id, "abort", stats)
-        self._record(None, stats)
-        self._send_abort(engine_ids)
+        self._abort_in_engine(engine_ids)
 
     def finish_aborted(self, request_id: str) -> None:
         """End an open request now with finish_reason "abort": its consumer gets the text so far as a
         normal last output (a 200, a last chunk and [DONE]), and the engine frees its blocks."""
         queue = self.queues.get(request_id)
         outputs, engine_ids = self.output_processor.finish_requests(request_id, "abort")
-        stats = IterationStats()
-        for engine_id in engine_ids:
-            self._engine_to_request.pop(engine_id, None)
-            self.stats_tracker.finish(engine_id, "abort", stats)
-        self._record(None, stats)
-        self._send_abort(engine_ids)
+        self._abort_in_engine(engine_ids)
         if queue is None:
             return
         for output in outputs:
@@ -183,6 +173,15 @@ class AsyncLLM:
         if not any(output.finished for output in outputs):  # nothing to finish it with: fail it instead
             self.queues.pop(request_id, None)
             queue.put_nowait(RequestAbortedError("The request was aborted by the server."))
+
+    def _abort_in_engine(self, engine_ids: list[str]) -> None:
+        """Count the engine requests as aborted (metrics) and abort them in the engine core."""
+        stats = IterationStats()
+        for engine_id in engine_ids:
+            self._engine_to_request.pop(engine_id, None)
+            self.stats_tracker.finish(engine_id, "abort", stats)
+        self._record(None, stats)
+        self._send_abort(engine_ids)
 
     # ---- sends that never wait (safe in finally blocks of cancelled tasks) ---------------------------
 
