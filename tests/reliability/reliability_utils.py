@@ -195,6 +195,7 @@ def assert_server_intact(server: Server, engine_pid: int, idle_timeout_s: float 
         time.sleep(0.02)
     assert kv["num_running_reqs"] + kv["num_waiting_reqs"] == 0, kv
     assert kv["num_free_blocks"] == kv["num_total_blocks"], kv
+    assert kv["total_ref_cnt"] == 0, kv
     metrics = server.metrics()
     free = next(v for k, v in metrics.items() if k.startswith("pagedllm:kv_cache_free_blocks"))
     total = next(v for k, v in metrics.items() if k.startswith("pagedllm:kv_cache_total_blocks"))

@@ -187,7 +187,11 @@ class EngineCoreProc:
 
     def _stats(self) -> SchedulerStats | None:
         scheduler = getattr(self.engine_core, "scheduler", None)
-        return scheduler.make_stats() if scheduler is not None else None
+        if scheduler is None:
+            return None
+        stats = scheduler.make_stats()
+        stats.total_ref_cnt = sum(b.ref_cnt for b in scheduler.kv_cache_manager.block_pool.blocks)
+        return stats
 
     # ---- IO threads ----------------------------------------------------------------------------------
 

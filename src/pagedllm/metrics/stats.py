@@ -21,3 +21,6 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     prefix_cache_hits_delta: int = 0
     """Of those, tokens found cached."""
     num_preemptions_delta: int = 0
+    total_ref_cnt: int | None = None
+    """Sum of every block's ref_cnt (0 when nothing holds a block). Filled only by the debug `stats` utility:
+    it walks the whole pool, too slow for every step."""

@@ -339,6 +339,7 @@ def build_app(state: ServerState) -> FastAPI:
             stats = await engine.debug_stats()
             return JSONResponse({} if stats is None else {
                 "num_free_blocks": stats.num_free_blocks, "num_total_blocks": stats.num_total_blocks,
+                "total_ref_cnt": stats.total_ref_cnt,
                 "num_running_reqs": stats.num_running_reqs, "num_waiting_reqs": stats.num_waiting_reqs,
                 "num_open_requests": engine.num_open_requests, "engine_pid": engine.client.ready.pid})
 
