@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import statistics
 import time
 
 import openai
@@ -105,6 +106,56 @@ JSON_CASES = [
 ]
 
 
+# A JSON boolean in a number field (pydantic's lax int and float would read `true` as 1): 400 naming the field.
+# (path, field, value, other changes)
+BOOLEAN_AS_NUMBER = [
+    *[(path, name, True, {}) for path in (COMPLETIONS, CHAT)
+      for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "priority", "temperature", "top_p",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")],
+    (COMPLETIONS, "logprobs", True, {}), (COMPLETIONS, "prompt_logprobs", False, {}),
+    (COMPLETIONS, "best_of", True, {}), (CHAT, "max_completion_tokens", True, {}),
+    (CHAT, "top_logprobs", True, {"logprobs": True}), (CHAT, "n", False, {}), (COMPLETIONS, "max_tokens", False, {}),
+    (COMPLETIONS, "stop_token_ids", [1, True], {}), (CHAT, "logit_bias", {"5": True}, {}),
+]
+
+
+@pytest.mark.parametrize("index", range(len(BOOLEAN_AS_NUMBER)),
+                         ids=[f"{'chat' if p == CHAT else 'cmpl'}-{f}-{json.dumps(v)}"
+                              for p, f, v, _ in BOOLEAN_AS_NUMBER])
+def test_boolean_in_a_number_field(server, engine_pid, index):
+    path, name, value, other = BOOLEAN_AS_NUMBER[index]
+    body = _body(path, bool(index % 2), **other, **{name: value})
+    response = server.http.post(path, json=body)
+    error = assert_error_body(response, 400, name)
+    assert "boolean" in error["message"], error
+    assert_server_intact(server, engine_pid)
+
+
+# Inputs OpenAI or vLLM accept that the checks above must not reject.
+VALID = [
+    (CHAT, {"logprobs": True, "top_logprobs": 2}),  # chat's logprobs is a boolean (completions': an integer)
+    (CHAT, {"logprobs": False}), (COMPLETIONS, {"echo": True, "logprobs": 1}),
+    (COMPLETIONS, {"n": None}), (CHAT, {"n": None, "temperature": None, "top_p": None, "seed": None}),
+    (COMPLETIONS, {"max_tokens": "3", "n": 2.0}),  # vLLM's lax numbers stay accepted
+    (COMPLETIONS, {"top_k": 10**30}),  # beyond 64 bits: was a 500 (the engine's wire cannot carry it)
+    (COMPLETIONS, {"repetition_penalty": 5e-324, "logprobs": 2}),  # NaN logprobs: was a 500 rendered as a 400
+]
+
+
+@pytest.mark.parametrize("path,changes", VALID, ids=[f"{'chat' if p == CHAT else 'cmpl'}-{json.dumps(c)}"
+                                                     for p, c in VALID])
+def test_valid_edge_inputs_are_served(server, engine_pid, path, changes):
+    response = server.http.post(path, json=_body(path, False, **changes))
+    assert response.status_code == 200, response.text[:300]
+    choices = response.json()["choices"]
+    assert choices and all(c["finish_reason"] in ("length", "stop") for c in choices)
+    if changes.get("logprobs") is True:
+        assert choices[0]["logprobs"]["content"][0]["top_logprobs"]
+    if changes.get("repetition_penalty"):
+        assert all(-9999.0 <= lp <= 0.0 for lp in choices[0]["logprobs"]["token_logprobs"])
+    assert_server_intact(server, engine_pid)
+
+
 def _stream_modes(targets: list, i: int) -> tuple[bool, ...]:
     """A case with one or two targets runs each both ways; a bigger case alternates, so that each
     endpoint still sees it streaming and not (validation happens before the stream starts: running every
@@ -190,28 +241,40 @@ def test_n_above_cap_rejected_fast_without_child_requests(server, engine_pid):
     assert_server_intact(server, engine_pid)
 
 
-def test_100k_prompts_rejected_at_the_cap_fast(server, engine_pid):
-    # 100,000 token-id lists cost ~0.1-0.3 s in json.loads alone on a loaded 2-core box: bound it at 1 s
-    for prompt, bound_s in ((["hi"] * 100_000, 0.1), ([[1, 2]] * 100_000, 1.0)):
-        raw = json.dumps(_body(COMPLETIONS, False, prompt=prompt)).encode()
+def _median_rejection_s(server, body: dict, param: str, tries: int = 5) -> float:
+    """The median client-side time (send, server answers, response read) of `tries` identical rejections."""
+    raw = json.dumps(body).encode()
+    timings = []
+    for _ in range(tries):
         start = time.perf_counter()
         response = server.http.post(COMPLETIONS, content=raw, headers={"content-type": "application/json"})
-        elapsed = time.perf_counter() - start
-        assert_error_body(response, 400, "prompt")
-        assert "1024" in response.json()["error"]["message"]
-        print(f"FIGURE 100k prompts ({type(prompt[0]).__name__}) rejected in {elapsed * 1000:.1f} ms")
-        assert elapsed < bound_s
+        timings.append(time.perf_counter() - start)
+        assert_error_body(response, 400, param)
+    return statistics.median(timings)
+
+
+@pytest.mark.parametrize("param,value,cap", [("prompt", ["hi"] * 100_000, 1024), ("prompt", [[1, 2]] * 100_000, 1024),
+                                             ("stop", ["x"] * 100_000, 64), ("stop_token_ids", [1] * 100_000, 64)],
+                         ids=["100k-prompt-strings", "100k-prompt-token-lists", "100k-stops", "100k-stop-token-ids"])
+def test_100k_list_rejected_at_the_cap_in_under_100_ms(server, engine_pid, param, value, cap):
+    """The caps are checked on the raw JSON before it is parsed and validated (precheck_caps). Asserted: the
+    median of 5 client-side times (sending the 0.3-0.8 MB body included) is under 100 ms."""
+    body = _body(COMPLETIONS, False, **{param: value})
+    response = server.http.post(COMPLETIONS, json=body)
+    assert_error_body(response, 400, param)
+    assert str(cap) in response.json()["error"]["message"] and "100000" in response.json()["error"]["message"]
+    median = _median_rejection_s(server, body, param)
+    print(f"FIGURE 100k-item {param} ({type(value[0]).__name__} items) rejected in {median * 1000:.1f} ms "
+          "(median of 5, client side)")
+    assert median < 0.1
     assert_server_intact(server, engine_pid)
 
 
 def test_huge_logit_bias_parse_time_is_bounded(server, engine_pid):
-    raw = json.dumps(_body(COMPLETIONS, False, logit_bias={str(i): 1.0 for i in range(100_000)})).encode()
-    start = time.perf_counter()
-    response = server.http.post(COMPLETIONS, content=raw, headers={"content-type": "application/json"})
-    elapsed = time.perf_counter() - start
-    assert_error_body(response, 400, "logit_bias")
-    print(f"FIGURE 100k-entry logit_bias rejected in {elapsed * 1000:.1f} ms")
-    assert elapsed < 1.0
+    median = _median_rejection_s(server, _body(COMPLETIONS, False, logit_bias={str(i): 1.0 for i in range(100_000)}),
+                                 "logit_bias", tries=3)
+    print(f"FIGURE 100k-entry logit_bias rejected in {median * 1000:.1f} ms (median of 3, client side)")
+    assert median < 0.5
     assert_server_intact(server, engine_pid)
 
 
@@ -277,13 +340,16 @@ def test_100mb_body_is_413_and_memory_stays_flat(server, engine_pid, chunked):
         head = (f"POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {size}\r\n\r\n").encode()
         chunks = (block for _ in range(size // len(block)))
+    start = time.perf_counter()
     answer = _raw_http(server.port, head, chunks)
+    elapsed = time.perf_counter() - start
     status, body = _status_and_json(answer)
     growth = rss_bytes(pid) - rss_before
-    print(f"FIGURE 100 MB body ({'chunked' if chunked else 'content-length'}): {status}, "
+    print(f"FIGURE 100 MB body ({'chunked' if chunked else 'content-length'}): {status} in {elapsed * 1000:.0f} ms, "
           f"API-server RSS growth {growth / (1 << 20):.1f} MiB")
     assert status == 413 and body["error"]["code"] == "request_too_large"
     assert growth < 50 << 20
+    assert elapsed < 5.0  # answered at the Content-Length, or once the chunks pass --max-request-bytes (16 MiB)
     assert_server_intact(server, engine_pid)
 
 
@@ -292,9 +358,13 @@ def test_1mb_header_is_431_and_memory_stays_flat(server, engine_pid):
     rss_before = rss_bytes(pid)
     head = (f"POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nX-Big: {'a' * (1 << 20)}\r\n"
             "Content-Length: 2\r\n\r\n{}").encode()
+    start = time.perf_counter()
     status, body = _status_and_json(_raw_http(server.port, head, []))
+    elapsed = time.perf_counter() - start
     growth = rss_bytes(pid) - rss_before
-    print(f"FIGURE 1 MB header: {status}, API-server RSS growth {growth / (1 << 20):.1f} MiB")
+    print(f"FIGURE 1 MB header: {status} in {elapsed * 1000:.0f} ms, "
+          f"API-server RSS growth {growth / (1 << 20):.1f} MiB")
     assert status == 431 and body["error"]["code"] == "headers_too_large"
     assert growth < 50 << 20
+    assert elapsed < 2.0
     assert_server_intact(server, engine_pid)

@@ -4,6 +4,7 @@ path spelling or Host, the key out of the logs, cache isolation by salt and by A
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import pickle
 import socket
@@ -205,3 +206,13 @@ def test_cache_salt_from_api_key_isolates_tenants(keyed_server):
                            json={"prompt": "hi", "cache_salt": ""})
     assert_error_body(bad, 400, "cache_salt")
     assert one not in server.log() and two not in server.log()
+
+
+def test_openapi_document_and_docs_need_the_key(keyed_server):
+    for path in ("/openapi.json", "/docs"):
+        assert keyed_server.http.get(path).status_code == 401
+        assert keyed_server.http.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert keyed_server.http.get(path, headers={"Authorization": f"Bearer {KEYS[1]}"}).status_code == 200
+    document = keyed_server.http.get("/openapi.json", headers=keyed_server.headers).json()
+    assert "/v1/chat/completions" in document["paths"]
+    assert not any(key in json.dumps(document) for key in KEYS)

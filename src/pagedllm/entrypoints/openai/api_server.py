@@ -1,7 +1,9 @@
 """The API-server process: FastAPI routes over AsyncLLM, run by uvicorn next to an engine-core process.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /version,
-POST /tokenize, POST /detokenize, GET /metrics (and GET /debug/kv_cache with --enable-debug-routes).
+POST /tokenize, POST /detokenize, GET /metrics, GET /openapi.json and GET /docs (the OpenAPI document and its
+Swagger page, as vLLM serves them), and GET /debug/kv_cache with --enable-debug-routes. With --api-key every
+route but /health (and /metrics unless --protect-metrics) needs the key, the OpenAPI document included.
 
 Lifetime: SIGTERM stops accepting (503 + Retry-After), waits up to --drain-timeout for open requests, then
 exits; a second SIGTERM or SIGINT exits at once. When the engine core dies, open requests fail at once,
@@ -18,15 +20,17 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from http import HTTPStatus
 from typing import Any
 
 import h11
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -37,15 +41,18 @@ from pagedllm.engine.input_processor import MAX_CACHE_SALT_LEN, is_valid_unicode
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagedllm.entrypoints.openai.serving_base import RequestCaps, to_api_error
+from pagedllm.entrypoints.openai.serving_base import FLAG_DEFAULTS, RequestCaps, precheck_caps, to_api_error
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
@@ -61,12 +68,22 @@ class ServerSettings(RequestCaps):
     served_model_names: list[str]
     api_keys: list[str] = field(default_factory=list)
     """Any of these keys is accepted as `Authorization: Bearer KEY`; none: no key needed."""
-    protect_metrics: bool = False
-    cache_salt_from_api_key: bool = False
-    health_check_timeout: float = 10.0
-    enable_debug_routes: bool = False
-    log_requests: bool = True
-    max_request_bytes: int = 16 << 20
+    log_requests: bool = not FLAG_DEFAULTS.disable_log_requests
+    # The rest are the serve flags of the same names (ServerConfig), with their defaults.
+    protect_metrics: bool = FLAG_DEFAULTS.protect_metrics
+    cache_salt_from_api_key: bool = FLAG_DEFAULTS.cache_salt_from_api_key
+    health_check_timeout: float = FLAG_DEFAULTS.health_check_timeout
+    enable_debug_routes: bool = FLAG_DEFAULTS.enable_debug_routes
+    max_request_bytes: int = FLAG_DEFAULTS.max_request_bytes
+
+    @classmethod
+    def from_flags(cls, server_config, served_model_names: list[str], api_keys: list[str]) -> ServerSettings:
+        """The settings of a `pagedllm serve` (a ServerConfig): every field named like a flag takes its value."""
+        own = {"served_model_names", "api_keys", "log_requests"}
+        flags = {f.name: getattr(server_config, f.name) for f in fields(cls)
+                 if f.name not in own and hasattr(server_config, f.name)}
+        return cls(served_model_names=served_model_names, api_keys=api_keys,
+                   log_requests=not server_config.disable_log_requests, **flags)
 
 
 @dataclass
@@ -220,18 +237,68 @@ async def _run_until_disconnect(request: Request, coro):
     return task.result()
 
 
+def _prechecked_route_class(caps: RequestCaps) -> type[APIRoute]:
+    """A route whose JSON body is checked against the request caps (precheck_caps) before FastAPI parses and
+    validates it: a list of 100,000 prompts is rejected in milliseconds, not after building 100,000 objects."""
+
+    class PrecheckedRoute(APIRoute):
+        def get_route_handler(self):
+            handler = super().get_route_handler()
+
+            async def checked_handler(request: Request) -> Response:
+                try:
+                    body = await request.body()
+                except BodyTooLarge:
+                    return _too_large().to_response()  # GuardMiddleware sends its 413 in this one's place
+                if body:
+                    parsed = precheck_caps(body, caps)
+                    if parsed is not None:
+                        request._json = parsed  # Starlette's cache of request.json(): FastAPI parses it once
+                return await handler(request)
+
+            return checked_handler
+
+    return PrecheckedRoute
+
+
+def _error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": ErrorResponse, "description": HTTPStatus(status).phrase} for status in statuses}
+
+
+_SSE = {"text/event-stream": {"schema": {"type": "string", "description": "Server-sent events (stream=true)."}}}
+
+
+def _openapi_document(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, less the 422 it adds to every route with a body (this server answers 400)."""
+    if app.openapi_schema is None:
+        document = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for path_item in document.get("paths", {}).values():
+            for operation in path_item.values():
+                operation.get("responses", {}).pop("422", None)
+        schemas = document.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        app.openapi_schema = document
+    return app.openapi_schema
+
+
 def _respond(result) -> Response:
     if result is None:  # the client went away
         return Response(status_code=499)
     if hasattr(result, "__aiter__"):
         return StreamingResponse(result, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return JSONResponse(result.model_dump())
+    # pydantic writes the JSON: a non-finite float becomes null instead of failing the response
+    return Response(result.model_dump_json(), media_type="application/json")
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="pagedllm", version=pagedllm.__version__, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json",
+                  description="An OpenAI-compatible LLM server (vLLM's API: OpenAI's fields plus vLLM's sampling "
+                              "extras). Errors are `{\"error\": {message, type, param, code}}`.")
+    app.openapi = lambda: _openapi_document(app)
+    generation = APIRouter(route_class=_prechecked_route_class(state.settings))
     engine = state.engine
     settings = state.settings
     completions = OpenAIServingCompletion(engine, settings.served_model_names, settings)
@@ -259,7 +326,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, e: Exception):
         logger.exception("unexpected error serving %s", request.url.path)
-        return to_api_error(e).to_response()
+        return to_api_error(e, value_error_is_bad_request=False).to_response()
 
     salt_secret = os.urandom(32)
 
@@ -272,17 +339,23 @@ def build_app(state: ServerState) -> FastAPI:
                                      "characters of valid Unicode.", param="cache_salt")
         body.cache_salt = tenant_cache_salt(salt_secret, request.scope[API_KEY_SCOPE_KEY], salt)
 
-    @app.post("/v1/completions")
+    generation_errors = _error_responses(400, 401, 404, 413, 503)
+
+    @generation.post("/v1/completions", responses={200: {"model": CompletionResponse, "content": _SSE},
+                                                   **generation_errors})
     async def create_completion(body: CompletionRequest, request: Request):
         apply_tenant_salt(body, request)
         return _respond(await _run_until_disconnect(request, _guard(completions.create_completion(body))))
 
-    @app.post("/v1/chat/completions")
+    @generation.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse, "content": _SSE},
+                                                        **generation_errors})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         apply_tenant_salt(body, request)
         return _respond(await _run_until_disconnect(request, _guard(chat.create_chat_completion(body))))
 
-    @app.get("/v1/models")
+    app.include_router(generation)
+
+    @app.get("/v1/models", responses={200: {"model": ModelList}, **_error_responses(401, 503)})
     async def show_models():
         cards = [ModelCard(id=name, root=engine.client.ready.model_name, max_model_len=engine.max_model_len)
                  for name in settings.served_model_names]
@@ -305,7 +378,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics():
         return Response(engine.prometheus.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **_error_responses(400, 401, 404, 503)})
     async def tokenize(body: TokenizeRequest):
         completions.check_model(body.model)
         tokenizer = engine.tokenizer
@@ -324,7 +397,8 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse(TokenizeResponse(count=len(token_ids), max_model_len=engine.max_model_len,
                                              tokens=token_ids, token_strs=token_strs).model_dump())
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses={200: {"model": DetokenizeResponse},
+                                         **_error_responses(400, 401, 404, 503)})
     async def detokenize(body: DetokenizeRequest):
         completions.check_model(body.model)
         vocab_size = engine.input_processor.limits.vocab_size

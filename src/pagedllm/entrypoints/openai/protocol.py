@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic_core import PydanticCustomError
 
 
 def random_uuid() -> str:
@@ -19,6 +20,64 @@ def random_uuid() -> str:
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+def _not_a_bool(kind: str):
+    """JSON `true` is not the number 1: pydantic's lax int and float take it, OpenAI's API rejects it."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, bool):
+            raise PydanticCustomError(f"{kind}_type", f"Input should be {'an' if kind == 'int' else 'a'} "
+                                      f"{'integer' if kind == 'int' else 'number'}, not a boolean")
+        return value
+
+    return BeforeValidator(check)
+
+
+Int = Annotated[int, _not_a_bool("int")]
+"""An integer field: lax as vLLM's (`"16"` and `16.0` are 16) except that a boolean is rejected."""
+Float = Annotated[float, _not_a_bool("float")]
+"""A number field: lax as vLLM's except that a boolean is rejected."""
+
+
+def _range(minimum: float | None = None, maximum: float | None = None, exclusive_minimum: float | None = None,
+           description: str | None = None) -> Any:
+    """A field's documented range, in the OpenAPI schema only: the server checks ranges itself (SamplingParams,
+    InputProcessor), with messages that name the parameter."""
+    extra = {k: v for k, v in (("minimum", minimum), ("maximum", maximum), ("exclusiveMinimum", exclusive_minimum))
+             if v is not None}
+    return Field(None, json_schema_extra=extra or None, description=description)
+
+
+_TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        _TOKEN_IDS_SCHEMA,
+        {"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1},
+    ],
+    "description": "A string, a list of strings, a list of token ids, or a list of lists of token ids (at most "
+                   "--max-prompts prompts).",
+}
+_CONTENT_PART_SCHEMA = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                        "required": ["type", "text"]}
+MESSAGES_SCHEMA = {
+    "type": "array",
+    "minItems": 1,
+    "items": {
+        "type": "object",
+        "properties": {
+            "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _CONTENT_PART_SCHEMA},
+                                  {"type": "null"}]},
+            "name": {"type": "string"},
+        },
+        "required": ["role"],
+    },
+    "description": "The conversation, rendered by the model's chat template. Content is a string or a list of "
+                   "text parts.",
+}
 
 
 # ---- errors -------------------------------------------------------------------------------------------
@@ -47,48 +106,57 @@ class SamplingFields(OpenAIBaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    n: Int | None = Field(1, description="Choices per prompt (at most --max-n); null means 1.",
+                          json_schema_extra={"minimum": 1})
+    temperature: Float | None = _range(0, 2)
+    top_p: Float | None = _range(maximum=1, exclusive_minimum=0)
+    presence_penalty: Float | None = Field(0.0, json_schema_extra={"minimum": -2, "maximum": 2})
+    frequency_penalty: Float | None = Field(0.0, json_schema_extra={"minimum": -2, "maximum": 2})
+    seed: Int | None = None
+    stop: str | list[str] | None = Field(None, description="Stop strings (at most --max-stop).")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Float] | None = Field(
+        None, description="Token id (as a string) to a bias in [-100, 100] (at most --max-logit-bias entries).")
     user: str | None = None
     # vLLM's extra sampling fields
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: Int | None = Field(None, description="-1 or 0 disables; else at least 1.",
+                              json_schema_extra={"minimum": -1})
+    min_p: Float | None = _range(0, 1)
+    repetition_penalty: Float | None = _range(maximum=2, exclusive_minimum=0)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Int = Field(0, json_schema_extra={"minimum": 0})
+    stop_token_ids: list[Int] | None = Field(None, description="At most --max-stop ids.")
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
-    cache_salt: str | None = None
-    request_id: str | None = None
+    priority: Int = 0
+    cache_salt: str | None = Field(None, description="Prefix-cache isolation key (1 to 256 characters).",
+                                   json_schema_extra={"minLength": 1, "maxLength": 256})
+    request_id: str | None = Field(None, json_schema_extra={"minLength": 1, "maxLength": 256})
     return_token_ids: bool | None = False
     add_special_tokens: bool | None = None
+
+    @field_validator("n", mode="after")
+    @classmethod
+    def _n_default(cls, value: int | None) -> int:
+        return 1 if value is None else value
 
 
 # ---- /v1/completions ------------------------------------------------------------------------------------
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[Any]
+    prompt: Annotated[str | list[Any], WithJsonSchema(PROMPT_SCHEMA)]
     """A string, a list of strings, a list of token ids, or a list of lists of token ids. The list's items
     are checked by the server after the cap on their number (a union here would validate 100,000 items
-    several times before any cap could apply)."""
-    max_tokens: int | None = 16
+    several times before any cap could apply); the OpenAPI schema documents the four shapes."""
+    max_tokens: Int | None = Field(16, json_schema_extra={"minimum": 1})
     echo: bool | None = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    logprobs: Int | None = _range(0, 20)
+    prompt_logprobs: Int | None = _range(0, 20)
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -142,11 +210,12 @@ class CompletionStreamResponse(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[dict[str, Any]]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[dict[str, Any]], WithJsonSchema(MESSAGES_SCHEMA)]
+    max_tokens: Int | None = Field(None, json_schema_extra={"minimum": 1},
+                                   description="Deprecated by OpenAI for max_completion_tokens (which wins).")
+    max_completion_tokens: Int | None = Field(None, json_schema_extra={"minimum": 1})
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = _range(0, 20)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
@@ -236,9 +305,12 @@ class ModelList(OpenAIBaseModel):
 
 
 class TokenizeRequest(OpenAIBaseModel):
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"oneOf": [{"required": ["prompt"]},
+                                                                          {"required": ["messages"]}]})
     model: str | None = None
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    prompt: Annotated[str | None, WithJsonSchema({"type": "string"})] = Field(
+        None, description="Text to tokenize; give exactly one of prompt and messages.")
+    messages: Annotated[list[dict[str, Any]] | None, WithJsonSchema(MESSAGES_SCHEMA)] = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -254,7 +326,7 @@ class TokenizeResponse(OpenAIBaseModel):
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int] = Field(json_schema_extra={"items": {"type": "integer", "minimum": 0}})
 
 
 class DetokenizeResponse(OpenAIBaseModel):

@@ -50,15 +50,7 @@ async def run_server(engine_config: EngineConfig, sc) -> int:
     engine = AsyncLLM(client, tokenizer, names[0], engine_config.scheduler_config.max_num_queued_reqs,
                       log_stats=not sc.disable_log_stats, watchdog_timeout_s=sc.engine_hang_timeout or None)
     api_keys = [key.strip() for key in (sc.api_key or "").split(",") if key.strip()]
-    settings = ServerSettings(served_model_names=names, api_keys=api_keys, protect_metrics=sc.protect_metrics,
-                              cache_salt_from_api_key=sc.cache_salt_from_api_key,
-                              health_check_timeout=sc.health_check_timeout,
-                              enable_debug_routes=sc.enable_debug_routes,
-                              log_requests=not sc.disable_log_requests, max_n=sc.max_n, max_prompts=sc.max_prompts,
-                              max_logit_bias=sc.max_logit_bias, max_stop=sc.max_stop,
-                              chat_template_timeout=sc.chat_template_timeout,
-                              max_chat_template_chars=sc.max_chat_template_chars,
-                              max_request_bytes=sc.max_request_bytes)
+    settings = ServerSettings.from_flags(sc, names, api_keys)
     state = ServerState(engine, settings)
     config = uvicorn.Config(build_app(state), host=sc.host or "0.0.0.0", port=sc.port,
                             log_level=sc.uvicorn_log_level, timeout_graceful_shutdown=5,

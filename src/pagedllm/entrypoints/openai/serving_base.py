@@ -10,12 +10,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from pydantic import BaseModel
 
 from pagedllm.core.scheduler import QueueFullError
 from pagedllm.engine.async_llm import AsyncLLM, RequestAbortedError, RequestFailedError
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.engine.input_processor import InvalidRequestError, is_valid_unicode
+from pagedllm.entrypoints.cli.serve import ServerConfig
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.protocol import (
     PromptTokensDetails,
@@ -31,16 +33,109 @@ logger = logging.getLogger(__name__)
 MAX_REQUEST_ID_LEN = 256
 
 
+FLAG_DEFAULTS = ServerConfig()
+"""The serve flags' defaults: the one place each cap's default is written (ServerConfig documents them)."""
+
+
 @dataclass
 class RequestCaps:
-    """Caps on one request (the server fills them from its flags; these defaults are the flags')."""
+    """Caps on one request: each is the serve flag of the same name (see ServerConfig), with its default."""
 
-    max_n: int = 128
-    max_prompts: int = 1024
-    max_logit_bias: int = 1024
-    max_stop: int = 64
-    chat_template_timeout: float = 1.0
-    max_chat_template_chars: int = 1 << 20
+    max_n: int = FLAG_DEFAULTS.max_n
+    max_prompts: int = FLAG_DEFAULTS.max_prompts
+    max_logit_bias: int = FLAG_DEFAULTS.max_logit_bias
+    max_stop: int = FLAG_DEFAULTS.max_stop
+    chat_template_timeout: float = FLAG_DEFAULTS.chat_template_timeout
+    max_chat_template_chars: int = FLAG_DEFAULTS.max_chat_template_chars
+
+
+def n_above_cap(n: int, caps: RequestCaps) -> errors.APIError:
+    return errors.bad_request(f"n must be in [1, {caps.max_n}], got {n}.", param="n")
+
+
+def too_many(param: str, count: int, caps: RequestCaps) -> errors.APIError:
+    """The error for a list (or logit_bias map) over its cap."""
+    if param == "prompt":
+        return errors.bad_request(f"prompt is a list of {count} prompts; at most {caps.max_prompts} are allowed "
+                                  "in one request.", param="prompt")
+    if param == "logit_bias":
+        return errors.bad_request(f"logit_bias has {count} entries; at most {caps.max_logit_bias} are allowed.",
+                                  param="logit_bias")
+    if param == "stop":
+        return errors.bad_request(f"stop has {count} strings; at most {caps.max_stop} are allowed.", param="stop")
+    return errors.bad_request(f"{param} has {count} ids; at most {caps.max_stop} are allowed.", param=param)
+
+
+def _cap_of(param: str, caps: RequestCaps) -> int:
+    return {"prompt": caps.max_prompts, "logit_bias": caps.max_logit_bias}.get(param, caps.max_stop)
+
+
+_CAPPED_LISTS = ("prompt", "stop", "stop_token_ids")
+_RAW_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_RAW_ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
+_RAW_SMALL_INT = msgspec.json.Decoder(int)
+
+
+def precheck_caps(body: bytes, caps: RequestCaps) -> Any:
+    """Reject a JSON request body whose n, prompt list, stop list, stop_token_ids or logit_bias is over its cap,
+    before the body is parsed into Python objects and validated (100,000 prompts cost ~100 ms to parse and
+    validate; here ~10 ms: the body is scanned, not built).
+
+    Raises the APIError of the first cap broken. Returns the parsed body when this had to parse it (a body
+    msgspec refuses but Python's json reads: NaN, a lone surrogate), else None; the request's own parse and
+    validation decide everything else."""
+    try:
+        fields = _RAW_FIELDS.decode(body)
+    except msgspec.DecodeError:
+        return _precheck_parsed(body, caps)
+    raw_n = fields.get("n")
+    if raw_n is not None and len(raw_n) <= 24:
+        try:
+            n = _RAW_SMALL_INT.decode(raw_n)
+        except msgspec.DecodeError:
+            n = None
+        if n is not None and not 1 <= n <= caps.max_n:
+            raise n_above_cap(n, caps)
+    for param in _CAPPED_LISTS:
+        raw = fields.get(param)
+        if raw is None:
+            continue
+        data = bytes(raw)
+        cap = _cap_of(param, caps)
+        if data[:1] != b"[" or data.count(b",") < cap:  # not a list, or too few commas for cap + 1 items
+            continue
+        first = data[1:].lstrip()[:1]
+        if param == "prompt" and (first.isdigit() or first == b"-"):  # token ids: one prompt
+            continue
+        count = len(_RAW_ITEMS.decode(data))
+        if count > cap:
+            raise too_many(param, count, caps)
+    raw = fields.get("logit_bias")
+    if raw is not None:
+        data = bytes(raw)
+        if data[:1] == b"{" and data.count(b":") > caps.max_logit_bias:  # else too few colons to be over
+            count = len(_RAW_FIELDS.decode(data))
+            if count > caps.max_logit_bias:
+                raise too_many("logit_bias", count, caps)
+    return None
+
+
+def _precheck_parsed(body: bytes, caps: RequestCaps) -> Any:
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):  # JSONDecodeError, bad UTF-8, an integer of too many digits
+        return None  # the request's own parse answers it
+    if isinstance(data, dict):
+        n = data.get("n")
+        if isinstance(n, int) and not isinstance(n, bool) and not 1 <= n <= caps.max_n:
+            raise n_above_cap(n, caps)
+        for param in (*_CAPPED_LISTS, "logit_bias"):
+            value = data.get(param)
+            if param == "prompt" and isinstance(value, list) and value and isinstance(value[0], int):
+                continue  # token ids: one prompt
+            if isinstance(value, list | dict) and len(value) > _cap_of(param, caps):
+                raise too_many(param, len(value), caps)
+    return data
 
 
 # Request fields that a model's generation_config.json may default when the request leaves them out.
@@ -76,17 +171,14 @@ class OpenAIServing:
         """The caps that bound one request's work, checked before any tokenization (each a serve flag)."""
         caps = self.settings
         if not 1 <= request.n <= caps.max_n:
-            raise errors.bad_request(f"n must be in [1, {caps.max_n}], got {request.n}.", param="n")
+            raise n_above_cap(request.n, caps)
         if request.logit_bias is not None and len(request.logit_bias) > caps.max_logit_bias:
-            raise errors.bad_request(f"logit_bias has {len(request.logit_bias)} entries; at most "
-                                     f"{caps.max_logit_bias} are allowed.", param="logit_bias")
+            raise too_many("logit_bias", len(request.logit_bias), caps)
         stop = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
         if len(stop) > caps.max_stop:
-            raise errors.bad_request(f"stop has {len(stop)} strings; at most {caps.max_stop} are allowed.",
-                                     param="stop")
+            raise too_many("stop", len(stop), caps)
         if request.stop_token_ids is not None and len(request.stop_token_ids) > caps.max_stop:
-            raise errors.bad_request(f"stop_token_ids has {len(request.stop_token_ids)} ids; at most "
-                                     f"{caps.max_stop} are allowed.", param="stop_token_ids")
+            raise too_many("stop_token_ids", len(request.stop_token_ids), caps)
 
     def sampling_params(self, request: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -105,6 +197,11 @@ class OpenAIServing:
             except ValueError:
                 raise errors.bad_request("logit_bias keys must be token ids.", param="logit_bias") from None
         kwargs: dict[str, Any] = {k: v for k, v in values.items() if v is not None}
+        vocab_size = self.engine.input_processor.limits.vocab_size
+        if isinstance(kwargs.get("top_k"), int) and kwargs["top_k"] > vocab_size:
+            # every k from the vocabulary size up keeps every token; a larger one (2**90) cannot cross the
+            # engine's wire (msgpack integers are 64-bit): it made the send fail, a 500
+            kwargs["top_k"] = vocab_size
         return SamplingParams(
             n=request.n, presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0, seed=request.seed, stop=stop,
@@ -119,7 +216,7 @@ class OpenAIServing:
                      output_kind: str) -> list[AsyncIterator[RequestOutput]]:
         """Send every prompt as `{request_id}-{i}` (one prompt: `request_id`); all or none."""
         if not 1 <= params.n <= self.max_n:
-            raise errors.bad_request(f"n must be in [1, {self.max_n}], got {params.n}.", param="n")
+            raise n_above_cap(params.n, self.settings)
         if self.log_requests:
             logger.info("Received request %s: %d prompt(s), %d prompt tokens, params %s", request_id,
                         len(prompts), sum(len(ids) for _, ids in prompts), _short(params))
@@ -142,11 +239,13 @@ def _short(params: SamplingParams, limit: int = 1000) -> str:
     return text if len(text) <= limit else text[:limit] + "...)"
 
 
-def to_api_error(e: BaseException) -> errors.APIError:
+def to_api_error(e: BaseException, value_error_is_bad_request: bool = True) -> errors.APIError:
     """The HTTP error for an exception raised while serving a request.
 
     An unexpected exception becomes a 500 that says nothing of the server's internals (no message,
-    traceback, path or address); the details go to the log under an error id the response carries."""
+    traceback, path or address); the details go to the log under an error id the response carries.
+    value_error_is_bad_request=False: a plain ValueError is one of those (it escaped the request handling,
+    e.g. while rendering the response, so it is the server's fault, not the request's)."""
     if isinstance(e, errors.APIError):
         return e
     if isinstance(e, InvalidRequestError):
@@ -161,7 +260,7 @@ def to_api_error(e: BaseException) -> errors.APIError:
         return errors.internal(str(e))
     if isinstance(e, UnicodeError):
         return errors.bad_request("The request contains text that is not valid Unicode (a lone surrogate?).")
-    if isinstance(e, ValueError):
+    if isinstance(e, ValueError) and value_error_is_bad_request:
         return errors.bad_request(str(e))
     error_id = random_uuid()[:16]
     logger.error("internal error %s: %s: %s", error_id, type(e).__name__, e, exc_info=e)
@@ -211,6 +310,13 @@ def top_entries(position: PositionLogprobs, num: int) -> list[tuple[int, float, 
     """The `num` most likely (token id, logprob, text) at one position, best first."""
     ranked = sorted(position.items(), key=lambda item: item[1].rank if item[1].rank is not None else 1 << 30)
     return [(tid, lp.logprob, lp.decoded_token or "") for tid, lp in ranked[:num]]
+
+
+def json_logprob(logprob: float) -> float:
+    """A logprob as the response carries it: at least -9999.0 (OpenAI's floor for -inf), at most 0.0, and never
+    NaN (a degenerate distribution, e.g. a repetition_penalty that is 0.0 in float32, gives NaN logprobs: JSON
+    cannot carry them, and rendering the response failed)."""
+    return min(logprob, 0.0) if logprob > -9999.0 else -9999.0
 
 
 def chosen_entry(position: PositionLogprobs, token_id: int) -> tuple[float, str]:

@@ -25,6 +25,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     SSE_DONE,
     OpenAIServing,
     chosen_entry,
+    json_logprob,
     merge_streams,
     sse,
     sse_error,
@@ -145,9 +146,9 @@ class OpenAIServingChat(OpenAIServing):
         content = []
         for token_id, position in zip(token_ids, positions, strict=False):
             logprob, text = chosen_entry(position, token_id)
-            top = [TopLogprob(token=t, logprob=max(lp, -9999.0), bytes=list(t.encode()))
+            top = [TopLogprob(token=t, logprob=json_logprob(lp), bytes=list(t.encode()))
                    for _, lp, t in top_entries(position, num)]
-            content.append(ChatLogprobToken(token=text, logprob=max(logprob, -9999.0), bytes=list(text.encode()),
+            content.append(ChatLogprobToken(token=text, logprob=json_logprob(logprob), bytes=list(text.encode()),
                                             top_logprobs=top))
         return ChatLogprobs(content=content)
 

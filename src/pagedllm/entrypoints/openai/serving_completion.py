@@ -18,9 +18,11 @@ from pagedllm.entrypoints.openai.serving_base import (
     SSE_DONE,
     OpenAIServing,
     chosen_entry,
+    json_logprob,
     merge_streams,
     sse,
     sse_error,
+    too_many,
     top_entries,
     usage,
 )
@@ -70,8 +72,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if not items:
             raise errors.bad_request("prompt must not be empty.", param="prompt")
         if len(items) > self.settings.max_prompts:
-            raise errors.bad_request(f"prompt is a list of {len(items)} prompts; at most {self.settings.max_prompts} "
-                                     "are allowed in one request.", param="prompt")
+            raise too_many("prompt", len(items), self.settings)
         if not all(isinstance(item, str) or _is_token_ids(item) for item in items):
             raise errors.bad_request("prompt must be a string, a list of strings, a list of token ids, or a list "
                                      "of lists of token ids.", param="prompt")
@@ -137,11 +138,11 @@ class OpenAIServingCompletion(OpenAIServing):
             else:
                 logprob, token_text = chosen_entry(position, token_id)
                 result.tokens.append(token_text)
-                result.token_logprobs.append(max(logprob, -9999.0))
+                result.token_logprobs.append(json_logprob(logprob))
                 top: dict[str, float] = {}
                 for _, lp, text in top_entries(position, num):  # best first: keep the best of equal texts
-                    top.setdefault(text, max(lp, -9999.0))
-                top.setdefault(token_text, max(logprob, -9999.0))
+                    top.setdefault(text, json_logprob(lp))
+                top.setdefault(token_text, json_logprob(logprob))
                 result.top_logprobs.append(top)
             result.text_offset.append(text_offset)
             text_offset += len(token_text)
