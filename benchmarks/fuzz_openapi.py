@@ -10,8 +10,9 @@ take no input).
 Generated requests ask for at most MAX_TOKENS tokens (a larger max_tokens, max_completion_tokens or min_tokens
 is lowered to it, and a chat request that sets neither gets it), so the run tests input handling rather than
 generation speed. Checks: no response >= 500 except 503, the engine process is the same one at the end and
-/health is 200 (the server never restarted). Prints the number of cases by operation and status and every
-failure (with a curl command that repeats it); exits 1 if any check fails.
+/health is 200 (the server never restarted), and (for a server it started) no unexpected error in its log.
+Prints the number of cases by operation and status and every failure (with a curl command that repeats it);
+exits 1 if any check fails.
 
 Without `--url`, starts the tiny random Llama of tests/conftest.py (GGUF) with --enable-debug-routes; with
 `--url`, the server must have --enable-debug-routes (the engine pid is read from /debug/kv_cache).
@@ -44,6 +45,9 @@ sys.path.insert(0, str(ROOT / "tests" / "reliability"))
 
 MAX_TOKENS = 8
 """The most tokens a generated request may ask for (a larger ask is lowered to it)."""
+
+LOG_ALARMS = ("unexpected error", "internal error", "Exception in ASGI application", "Traceback")
+"""Lines in the server's log that mean a bug, even under a 4xx (an exception the handlers did not expect)."""
 
 WEIGHTS = {("POST", "/v1/completions"): 0.4, ("POST", "/v1/chat/completions"): 0.4,
            ("POST", "/tokenize"): 0.1, ("POST", "/detokenize"): 0.1}
@@ -229,8 +233,11 @@ def main() -> int:
         engine_pid = httpx.get(url + "/debug/kv_cache", headers=headers, timeout=30).json()["engine_pid"]
         result = fuzz(url, args.cases, headers, args.seed, progress=True)
         failures = result.failures + server_intact(url, engine_pid, headers)
-        if server is not None and server.proc.poll() is not None:
-            failures.append(f"the server exited with {server.proc.returncode}")
+        if server is not None:
+            if server.proc.poll() is not None:
+                failures.append(f"the server exited with {server.proc.returncode}")
+            failures += [f"server log: {line}" for line in server.log().splitlines()
+                         if any(alarm in line for alarm in LOG_ALARMS)][:20]
     finally:
         if server is not None:
             server.close()

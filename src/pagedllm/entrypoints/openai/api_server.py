@@ -29,7 +29,7 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -361,7 +361,8 @@ def build_app(state: ServerState) -> FastAPI:
                  for name in settings.served_model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "The engine is healthy (an empty body)."}, **_error_responses(503)})
     async def health():
         try:
             await engine.check_health(settings.health_check_timeout)
@@ -374,7 +375,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def version():
         return JSONResponse({"version": pagedllm.__version__})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format (vLLM's metric names)."}})
     async def metrics():
         return Response(engine.prometheus.render(), media_type=CONTENT_TYPE_LATEST)
 
