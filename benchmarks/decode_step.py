@@ -5,7 +5,8 @@ workload (batch 64, ~320 tokens of context) by default.
     .venv/bin/python benchmarks/decode_step.py [--batch 64 --prompt-len 304 --steps 32] [--dtype float32]
         [--threads N] [--profile-steps 4]
 
-Prints one JSON line: median / min / max ms per decode step and tokens per second at that batch.
+Prints one JSON line: median / min / max ms per decode step, tokens per second at that batch, and the median
+process CPU time per step (all threads; on a shared machine it moves less with other jobs than wall time does).
 """
 
 from __future__ import annotations
@@ -46,11 +47,12 @@ def main() -> None:
         engine.step()
     for _ in range(2):  # warm-up decode steps
         engine.step()
-    times = []
+    times, cpu_times = [], []
     for _ in range(args.steps):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         engine.step()
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
     if args.profile_steps:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(args.profile_steps):
@@ -60,6 +62,7 @@ def main() -> None:
     print(json.dumps({"batch": args.batch, "context": args.prompt_len, "dtype": args.dtype,
                       "threads": torch.get_num_threads(), "step_ms_median": round(median * 1e3, 1),
                       "step_ms_min": round(min(times) * 1e3, 1), "step_ms_max": round(max(times) * 1e3, 1),
+                      "cpu_ms_median": round(statistics.median(cpu_times) * 1e3, 1),
                       "tok_s": round(args.batch / median, 1),
                       "load": " ".join(open("/proc/loadavg").read().split()[:3])}), flush=True)
 

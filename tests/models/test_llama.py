@@ -7,9 +7,18 @@ import torch
 from paged_runner import PagedRunner
 
 from pagedllm.config import ModelConfig
+from pagedllm.kernels import cpu_kernels
 from pagedllm.models.loader import load_model
 
 ATOL = 1e-4
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def decode_attention_path(request, monkeypatch):
+    """Every test runs with the native CPU decode attention and with the portable gather + SDPA path."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_kernels, "available", lambda dtype, device: False)
+    return request.param
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,12 @@ Per call: (1) write this step's K/V into the cache at `slot_mapping`; (2) each q
 request's cached tokens, read through the block table, plus the causal part of its own chunk.
 
 Plan, built once per step (`AttentionMetadata.plan`) and reused by every layer:
-- decode rows (query length 1) are batched: only the blocks each one needs are gathered with one
-  `index_select` over whole blocks (contiguous block_size-token rows, a memcpy each), then one SDPA
-  call with the query heads of each KV group as its query rows ([B, kv_heads, group, D]) and a length
-  mask for the partly used last block;
+- decode rows (query length 1) are batched. On the CPU in fp32 the native kernel
+  (`kernels/paged_attention_cpu.c`) reads each request's blocks in place through the block table, K and V
+  once each. Elsewhere only the blocks each one needs are gathered with one `index_select` over whole
+  blocks (contiguous block_size-token rows, a memcpy each), then one SDPA call with the query heads of
+  each KV group as its query rows ([B, kv_heads, group, D]) and a length mask for the partly used last
+  block;
 - prefill chunks run one request at a time through SDPA (enable_gqa); a chunk with no cached prefix
   reads its own K/V directly (no cache read at all).
 """
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.forward_context import AttentionMetadata, get_forward_context
 
 
@@ -35,29 +38,37 @@ class _Prefill:
 @dataclass
 class _AttentionPlan:
     decode_rows: torch.Tensor | None  # [B] int64 rows of single-token queries
-    decode_block_ids: torch.Tensor | None  # [B * nb] int64, row-major over (request, block)
-    decode_num_blocks: int  # nb: blocks gathered per decode request
-    decode_mask: torch.Tensor | None  # [B, 1, 1, nb * block_size] bool, True = attend
+    decode_block_table: torch.Tensor | None  # [B, nb] int32 (native kernel)
+    decode_seq_lens: torch.Tensor | None  # [B] int32 (native kernel)
+    decode_block_ids: torch.Tensor | None  # [B * nb] int64, row-major over (request, block) (torch path)
+    decode_num_blocks: int  # nb: blocks read per decode request
+    decode_mask: torch.Tensor | None  # [B, 1, 1, nb * block_size] bool, True = attend (torch path)
     prefills: list[_Prefill]
 
 
-def build_plan(md: AttentionMetadata, block_size: int) -> _AttentionPlan:
-    """Split the batch into decode rows and prefill chunks (host-side numpy, once per step)."""
+def build_plan(md: AttentionMetadata, block_size: int, native: bool) -> _AttentionPlan:
+    """Split the batch into decode rows and prefill chunks (host-side numpy, once per step).
+
+    native: the decode rows run the native kernel (block table and lengths) instead of gather + SDPA."""
     qsl = np.asarray(md.query_start_loc_cpu, dtype=np.int64)  # [R + 1]
     seq_lens = np.asarray(md.seq_lens_cpu, dtype=np.int64)  # [R]
     query_lens = qsl[1:] - qsl[:-1]  # [R]
     device = md.block_table.device
     decode_reqs = np.nonzero(query_lens == 1)[0]
-    decode_rows = decode_block_ids = decode_mask = None
+    decode_rows = decode_block_table = decode_seq_lens = decode_block_ids = decode_mask = None
     nb = 0
     if len(decode_reqs):
         req_idx = torch.from_numpy(decode_reqs).to(device)
         decode_rows = torch.from_numpy(qsl[decode_reqs]).to(device)
         nb = int(-(-seq_lens[decode_reqs].max() // block_size))
-        decode_block_ids = md.block_table[req_idx, :nb].reshape(-1).long()  # [B * nb]
         lens = torch.from_numpy(seq_lens[decode_reqs]).to(device)  # [B]
-        key_pos = torch.arange(nb * block_size, device=device)  # [L]
-        decode_mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+        if native:
+            decode_block_table = md.block_table[req_idx, :nb].to(torch.int32).contiguous()  # [B, nb]
+            decode_seq_lens = lens.to(torch.int32)
+        else:
+            decode_block_ids = md.block_table[req_idx, :nb].reshape(-1).long()  # [B * nb]
+            key_pos = torch.arange(nb * block_size, device=device)  # [L]
+            decode_mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
     prefills = []
     for r in np.nonzero(query_lens > 1)[0]:
         start, end, seq_len = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
@@ -65,7 +76,8 @@ def build_plan(md: AttentionMetadata, block_size: int) -> _AttentionPlan:
         if seq_len > end - start:
             block_ids = md.block_table[r, : -(-seq_len // block_size)].long()
         prefills.append(_Prefill(start, end, seq_len, block_ids))
-    return _AttentionPlan(decode_rows, decode_block_ids, nb, decode_mask, prefills)
+    return _AttentionPlan(decode_rows, decode_block_table, decode_seq_lens, decode_block_ids, nb, decode_mask,
+                          prefills)
 
 
 class PagedAttention(nn.Module):
@@ -94,7 +106,8 @@ class PagedAttention(nn.Module):
         value_cache.index_copy_(0, slots, v.to(value_cache.dtype))
 
         if md.plan is None:
-            md.plan = build_plan(md, block_size)
+            md.plan = build_plan(md, block_size, cpu_kernels.available(kv_cache.dtype, kv_cache.device)
+                                 and q.dtype == kv_cache.dtype)
         plan: _AttentionPlan = md.plan
         out = q.new_empty(q.shape[0], self.num_heads, self.head_dim)  # [n, H, D]
         if plan.decode_rows is not None:
@@ -109,6 +122,9 @@ class PagedAttention(nn.Module):
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
         # q: [B, H, D] -> [B, H, D]
+        if plan.decode_block_table is not None:
+            return cpu_kernels.paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1],
+                                                      plan.decode_block_table, plan.decode_seq_lens, self.scale)
         b = q.shape[0]
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv

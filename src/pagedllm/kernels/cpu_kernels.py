@@ -1,0 +1,108 @@
+"""Build and load the C kernels in this folder.
+
+The source is compiled once per machine with `cc -O3 -march=native -fopenmp` (well under a second) into
+a cache folder keyed by the source, the flags and the CPU, then loaded with ctypes: no torch headers, no
+build step at install time. The library links libgomp by soname, so it shares torch's OpenMP runtime
+(and its thread count, `torch.set_num_threads`) instead of starting a second pool.
+
+`PAGEDLLM_NATIVE_KERNELS=0` turns the kernels off (the torch paths run); a failed build logs once and
+falls back the same way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm")
+    path = Path(root) / "kernels"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("PAGEDLLM_NATIVE_KERNELS", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        logger.info("no C compiler found: native CPU kernels off, torch paths used")
+        return None
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    try:
+        target = _cache_dir() / f"paged_attention_cpu-{key}.so"
+        if not target.exists():
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                built = Path(tmp) / target.name
+                subprocess.run([compiler, *_FLAGS, "-o", str(built), str(_SOURCE), "-lm"], check=True,
+                               capture_output=True, timeout=120)
+                os.replace(built, target)  # atomic: concurrent builders each install a whole file
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        logger.warning("could not build the native CPU kernels (%s %s): torch paths used", e,
+                       detail.decode(errors="replace")[-500:])
+        return None
+    fn = lib.paged_decode_attention_f32
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] \
+        + [ctypes.c_int64] * 5 + [ctypes.c_float]
+    return lib
+
+
+def available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the native decode attention can run for a KV cache of this dtype on this device."""
+    return device.type == "cpu" and dtype == torch.float32 and _library() is not None
+
+
+def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention read in place through the block table.
+
+    Args:
+        q: [S, H, D] float32, contiguous.
+        key_cache, value_cache: [num_blocks, block_size, Hkv, D] float32, contiguous.
+        block_table: [S, max_blocks] int32, contiguous rows (the row stride may exceed the blocks used).
+        seq_lens: [S] int32: context length of each query, its own token included.
+    Returns:
+        out: [S, H, D] float32.
+    """
+    lib = _library()
+    assert lib is not None and q.is_contiguous() and key_cache.is_contiguous() and value_cache.is_contiguous()
+    assert block_table.dtype == torch.int32 and block_table.stride(1) == 1 and seq_lens.dtype == torch.int32
+    s, h, d = q.shape
+    num_blocks, block_size, hkv, _ = key_cache.shape
+    out = torch.empty_like(q)
+    seq_lens = seq_lens.contiguous()
+    rc = lib.paged_decode_attention_f32(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                                        block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
+                                        out.data_ptr(), s, h, hkv, d, block_size, scale)
+    if rc != 0:
+        raise MemoryError("paged decode attention could not allocate its scratch buffer")
+    return out
