@@ -12,6 +12,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.engine.messages import LogprobsEntry
+from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.forward_context import AttentionMetadata, kv_cache_shape, set_forward_context
 from pagedllm.layers.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs, logprobs_to_entries
 from pagedllm.worker.cpu_allocator import keep_freed_memory
@@ -42,6 +43,9 @@ class ModelRunner:
         self.kv_caches = [_zeros(shape, self.dtype, self.device) for _ in range(self.info.num_layers)]
         if self.device.type == "cpu":
             keep_freed_memory()  # after the pool (its own calloc'd mmaps): step temporaries reuse the heap
+            # Build (first run on this machine, under a second) or load the native kernels now, not on the
+            # first request; logs and falls back to the torch paths if there is no compiler.
+            cpu_kernels.available(self.dtype, self.device)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
