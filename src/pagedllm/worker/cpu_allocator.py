@@ -1,4 +1,13 @@
-"""Keep freed memory in the process heap on CPU (glibc), so per-step temporaries do not page-fault.
+"""CPU memory: the zeroed KV pool in huge pages, and freed memory kept in the process heap (glibc), so
+per-step temporaries do not page-fault.
+
+`zeroed_pool`: the KV pool is an anonymous mmap, so its pages come zeroed from the OS and are touched only
+when a block is first written: a 4 GiB pool costs no start-up time and no resident memory until used.
+It asks for transparent huge pages (MADV_HUGEPAGE; THP is in `madvise` mode on these VMs): first touch
+of 256 MiB took 0.97 s in 4 KiB pages and 0.58 s in 2 MiB pages here, and decode attention reads blocks
+scattered over the whole pool, where 4 KiB pages cost a TLB miss per block.
+
+`keep_freed_memory`:
 
 A decode step allocates tens of MB of temporaries per layer (gathered K/V blocks, MLP activations) and
 frees them a moment later. glibc serves every allocation above its mmap threshold (at most 32 MiB,
@@ -15,7 +24,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import mmap
 import sys
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -39,3 +51,15 @@ def keep_freed_memory() -> bool:
         (_M_TOP_PAD, TOP_PAD_BYTES)))
     logger.debug("glibc malloc tuned for reuse: %s", ok)
     return ok
+
+
+def zeroed_pool(nbytes: int) -> np.ndarray:
+    """A zero-filled uint8 array of nbytes in its own anonymous mapping, backed by huge pages where the
+    kernel allows (the array keeps the mapping alive)."""
+    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP off or unsupported: 4 KiB pages
+            pass
+    return np.frombuffer(region, dtype=np.uint8, count=nbytes)

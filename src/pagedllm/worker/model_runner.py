@@ -15,7 +15,7 @@ from pagedllm.engine.messages import LogprobsEntry
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.forward_context import AttentionMetadata, kv_cache_shape, set_forward_context
 from pagedllm.layers.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs, logprobs_to_entries
-from pagedllm.worker.cpu_allocator import keep_freed_memory
+from pagedllm.worker.cpu_allocator import keep_freed_memory, zeroed_pool
 from pagedllm.worker.input_batch import InputBatch, RequestState
 from pagedllm.worker.runner_output import ModelRunnerOutput
 
@@ -191,12 +191,11 @@ class ModelRunner:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor. On CPU the pages come zeroed from the OS (calloc) and are touched only when a
-    block is first written, so a 4 GiB pool costs no start-up time and no resident memory until used.
-    (torch.zeros would write every byte: seconds at start-up, and the whole pool resident at once.)
-    Zeros matter: attention multiplies masked positions' V by 0, and 0 * NaN garbage would be NaN."""
+    """A zeroed tensor. On CPU the pages come zeroed from the OS and are touched only when a block is
+    first written (`cpu_allocator.zeroed_pool`); torch.zeros would write every byte: seconds at start-up,
+    and the whole pool resident at once. Zeros matter: the torch attention path multiplies masked
+    positions' V by 0, and 0 * NaN garbage would be NaN."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
-    return torch.from_numpy(raw).view(dtype).view(shape)
+    return torch.from_numpy(zeroed_pool(int(np.prod(shape)) * itemsize)).view(dtype).view(shape)
