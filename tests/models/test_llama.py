@@ -8,16 +8,19 @@ from paged_runner import PagedRunner
 
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import cpu_kernels
+from pagedllm.layers import attention
 from pagedllm.models.loader import load_model
 
 ATOL = 1e-4
 
 
 @pytest.fixture(autouse=True, params=["native", "torch"])
-def decode_attention_path(request, monkeypatch):
-    """Every test runs with the native CPU decode attention and with the portable gather + SDPA path."""
+def attention_paths(request, monkeypatch):
+    """Every test runs twice: native CPU decode attention with grouped-matmul prefill (the CPU fp32 default),
+    and the portable paths (decode: gather + SDPA; prefill: SDPA), as on CUDA, in bf16 or for long chunks."""
     if request.param == "torch":
         monkeypatch.setattr(cpu_kernels, "available", lambda dtype, device: False)
+        monkeypatch.setattr(attention, "GROUPED_SCORES_MAX_BYTES", 0)
     return request.param
 
 
