@@ -115,8 +115,11 @@ class PagedAttention(nn.Module):
             md.plan = build_plan(md, block_size, cpu_kernels.available(kv_cache.dtype, kv_cache.device)
                                  and q.dtype == kv_cache.dtype)
         plan: _AttentionPlan = md.plan
-        out = q.new_empty(q.shape[0], self.num_heads, self.head_dim)  # [n, H, D]
-        if plan.decode_rows is not None:
+        if plan.decode_rows is not None and not plan.prefills:  # every row a decode, in order: no scatter
+            out = self._decode(q, kv_cache, plan)
+        else:
+            out = q.new_empty(q.shape[0], self.num_heads, self.head_dim)  # [n, H, D]
+        if plan.decode_rows is not None and plan.prefills:
             out[plan.decode_rows] = self._decode(q.index_select(0, plan.decode_rows), kv_cache, plan)
         for p in plan.prefills:
             out[p.start : p.end] = self._prefill(q[p.start : p.end], k[p.start : p.end],
