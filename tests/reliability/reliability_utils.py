@@ -65,9 +65,10 @@ def num_fds(pid: int) -> int:
 
 
 class Server:
-    """`pagedllm serve` of the tiny model on a free port; stdout+stderr go to `log_path`."""
+    """`pagedllm serve` of the tiny model on a free port; stdout+stderr go to `log_path`. `model` None serves
+    the embedded default model (SmolLM2); flags in `extra_args` override the defaults below (last one wins)."""
 
-    def __init__(self, model: Path, log_path: Path, *extra_args: str, env: dict[str, str] | None = None,
+    def __init__(self, model: Path | None, log_path: Path, *extra_args: str, env: dict[str, str] | None = None,
                  wait_ready: bool = True, api_key: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -76,7 +77,7 @@ class Server:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                     **(env or {})}
-        args = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", str(model),
+        args = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", *([str(model)] if model else []),
                 "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", MODEL_NAME,
                 "--dtype", "float32", "--kv-cache-memory", "64MiB", "--disable-log-stats",
                 "--uvicorn-log-level", "warning", "--enable-debug-routes", *extra_args]

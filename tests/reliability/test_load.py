@@ -1,16 +1,23 @@
-"""Load: KV-cache exhaustion (preemption without loss), a disconnect storm (nothing leaks), and 3x
-overload against --max-num-queued-reqs 16 (fast 503s, counted). CI-sized versions of the issue's checks."""
+"""Load: KV-cache exhaustion (preemption without loss), 60 s of mixed load at concurrency 128 (no 5xx, no
+memory, fd or KV-block leak), a disconnect storm (nothing leaks), and 3x overload against
+--max-num-queued-reqs 16 (fast 503s, counted). CI-sized versions of the issue's checks; the load, storm and
+overload drivers are those of benchmarks/load_test.py, which runs the full-size versions."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import random
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from reliability_utils import MODEL_NAME, wait_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import load_test  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +33,7 @@ def servers(launcher) -> dict:
         "kv": launcher("--num-gpu-blocks-override", str(KV_BLOCKS), "--block-size", str(BLOCK_SIZE),
                        "--max-model-len", "256", "--max-num-seqs", "64", wait_ready=False),
         "overload": launcher("--max-num-seqs", "4", "--max-num-queued-reqs", "16", wait_ready=False),
+        "load": launcher(wait_ready=False),
     }
 
 
@@ -34,7 +42,7 @@ async def _stream_completion(client: httpx.AsyncClient, body: dict, events: list
     text, reasons = "", []
     async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
         assert response.status_code == 200, await response.aread()
-        async for line in response.aiter_lines():
+        async for line in load_test.sse_lines(response):
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
                 assert "error" not in chunk, chunk
@@ -48,7 +56,8 @@ async def _stream_completion(client: httpx.AsyncClient, body: dict, events: list
 
 def _idle_and_free(server) -> dict:
     assert wait_for(lambda: (lambda kv: kv["num_running_reqs"] + kv["num_waiting_reqs"] + kv["num_open_requests"]
-                             == 0 and kv["num_free_blocks"] == kv["num_total_blocks"])(server.kv()), 10.0), server.kv()
+                             == 0 and kv["num_free_blocks"] == kv["num_total_blocks"] and kv["total_ref_cnt"] == 0)(
+        server.kv()), 10.0), server.kv()
     return server.kv()
 
 
@@ -81,119 +90,37 @@ def test_kv_exhaustion_preempts_without_changing_outputs(servers, shared_server)
     _idle_and_free(server)
 
 
+def test_60s_mixed_load_leaks_nothing(servers):
+    """The issue's 10-minute load test, for 60 s: 128 clients sending mixed requests (both endpoints,
+    streaming or not, prompt lengths and max_tokens mixed). Zero 5xx, API-server RSS growth < 5% after the
+    warm-up, fds back to baseline, and after the drain nothing running or waiting, every block free and
+    every ref_cnt 0.
+
+    The warm-up is the first 15 s (the benchmark's is 10% of 10 minutes): the API server's RSS climbs for
+    its first ~20 s of load (98 -> 110 MiB, arenas and caches filling) and then creeps; measured from 6 s
+    the growth to 60 s was 4.3%, too close to the limit for a shared CI machine."""
+    server = servers["load"].wait_ready()
+    figures, failures = load_test.run_load(server, duration_s=60.0, concurrency=128, warmup_frac=0.25)
+    print(f"FIGURE {load_test.summarize_load(figures)}")
+    assert not failures, (failures, figures["problem_examples"])
+
+
 def test_disconnect_storm_leaks_nothing(shared_server):
-    server = shared_server
-    rng = random.Random(1)
-    num_requests, concurrency = 300, 64
-    aborts_before = server.metric('vllm:request_success_total{finished_reason="abort"')
-    closes = 0
-
-    async def one(client: httpx.AsyncClient, i: int) -> None:
-        nonlocal closes
-        closer, stream = rng.random() < 0.2, i % 2 == 0
-        body = {"model": MODEL_NAME, "prompt": f"request {i} says hello", "ignore_eos": True,
-                "max_tokens": 400 if closer else 8}
-        if not closer:
-            if stream:
-                _, reasons = await _stream_completion(client, body, [])
-            else:
-                response = await client.post("/v1/completions", json=body)
-                reasons = [c["finish_reason"] for c in response.json()["choices"]]
-            assert reasons == ["length"], reasons
-            return
-        if stream:  # close after a random number of chunks
-            async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
-                wanted = rng.randint(1, 10)
-                async for line in response.aiter_lines():
-                    wanted -= line.startswith("data: {")
-                    if wanted == 0:
-                        break
-            closes += 1
-            return
-        try:  # close at a random time; a response that came first is no close
-            await asyncio.wait_for(client.post("/v1/completions", json=body), rng.uniform(0.5, 2.0))
-        except TimeoutError:
-            closes += 1
-
-    async def storm() -> None:
-        semaphore = asyncio.Semaphore(concurrency)
-        limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=0)
-        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client:
-            async def bounded(i: int) -> None:
-                async with semaphore:
-                    await one(client, i)
-            await asyncio.gather(*(bounded(i) for i in range(num_requests)))
-
-    start = time.monotonic()
-    asyncio.run(storm())
-    elapsed = time.monotonic() - start
-    kv = _idle_and_free(server)
-    assert wait_for(lambda: server.metric('vllm:request_success_total{finished_reason="abort"') - aborts_before
-                    == closes, 5.0)
-    aborts = server.metric('vllm:request_success_total{finished_reason="abort"') - aborts_before
-    print(f"FIGURE disconnect storm: {num_requests} requests at concurrency {concurrency} in {elapsed:.1f} s, "
-          f"{closes} closes, {aborts:.0f} aborts, free blocks {kv['num_free_blocks']}/{kv['num_total_blocks']}")
-    assert closes > 0 and aborts == closes
-    assert server.http.get("/health").status_code == 200
+    """300 requests at concurrency 64 (the benchmark: 1,000 at 128), 20% of the clients closing at a random
+    point, half of them streaming: nothing running or waiting, every block free, every ref_cnt 0, one abort
+    counted per close."""
+    figures, failures = load_test.run_storm(shared_server, num_requests=300, concurrency=64)
+    print(f"FIGURE {load_test.summarize_storm(figures)}")
+    assert not failures, (failures, figures["problems"])
 
 
 def test_3x_overload_gets_fast_counted_503s(servers):
     server = servers["overload"].wait_ready()
-    capacity = 4 + 16  # --max-num-seqs + --max-num-queued-reqs
-    offered = 3 * capacity
-    body = {"model": MODEL_NAME, "prompt": PROMPT_OVERLOAD, "max_tokens": 300, "ignore_eos": True}
-    rejections_before = server.metric("vllm:admission_rejections")
-    max_waiting = 0
-    done = False
-
-    async def watch(client: httpx.AsyncClient) -> None:
-        nonlocal max_waiting
-        while not done:
-            max_waiting = max(max_waiting, (await client.get("/debug/kv_cache")).json()["num_waiting_reqs"])
-            await asyncio.sleep(0.05)
-
-    async def one(client: httpx.AsyncClient) -> tuple[int, float, dict, httpx.Headers]:
-        start = time.monotonic()
-        response = await client.post("/v1/completions", json=body)
-        return response.status_code, time.monotonic() - start, response.json(), response.headers
-
-    async def overload() -> list:
-        """Fill the server (running + queue) at once, then keep offering requests every 20 ms: 3x its
-        capacity in all, arriving while it is full."""
-        nonlocal done
-        limits = httpx.Limits(max_connections=offered + 4, max_keepalive_connections=0)
-        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client:
-            watcher = asyncio.ensure_future(watch(client))
-            tasks = [asyncio.ensure_future(one(client)) for _ in range(capacity)]
-            await asyncio.sleep(0.5)
-            for _ in range(offered - capacity):
-                tasks.append(asyncio.ensure_future(one(client)))
-                await asyncio.sleep(0.02)
-            results = await asyncio.gather(*tasks)
-            done = True
-            await watcher
-        return results
-
-    results = asyncio.run(overload())
-    rejected = [r for r in results if r[0] == 503]
-    served = [r for r in results if r[0] == 200]
-    latencies = sorted(r[1] for r in rejected)
-    p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else float("nan")
-    rejections = server.metric("vllm:admission_rejections") - rejections_before
-    print(f"FIGURE 3x overload ({offered} requests, capacity {capacity}): {len(served)} served, "
-          f"{len(rejected)} rejected (p50 {latencies[len(latencies) // 2] * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms), "
-          f"max waiting {max_waiting}, vllm:admission_rejections +{rejections:.0f}")
-    assert len(served) + len(rejected) == offered
-    assert len(rejected) >= offered - capacity - 4  # a few finish and free a place while others arrive
-    assert all(r[2]["choices"][0]["finish_reason"] == "length" for r in served)
-    assert all(r[2]["error"]["code"] == "queue_full" and int(r[3]["retry-after"]) > 0 for r in rejected)
-    assert max_waiting <= 16
-    assert rejections == len(rejected)
     # The issue asks p99 < 50 ms. On a 2-core machine shared with other jobs (load 4-6) the client and the
     # server fight for the same cores and the slowest rejection measured 60-120 ms, so CI bounds the median
-    # by 50 ms and the p99 by 250 ms; the benchmark version is where the 50 ms p99 is to be measured.
-    assert latencies[len(latencies) // 2] < 0.05 and p99 < 0.25
-    _idle_and_free(server)
-
-
-PROMPT_OVERLOAD = "The quick brown fox jumps over the lazy dog"
+    # by 50 ms and the p99 by 250 ms; benchmarks/load_test.py --overload measures the 50 ms p99 over a
+    # sustained 3x overload.
+    figures, failures = load_test.run_overload_wave(server, max_num_seqs=4, max_queued=16, factor=3,
+                                                    p50_limit_s=0.05, p99_limit_s=0.25)
+    print(f"FIGURE {load_test.summarize_overload(figures)}")
+    assert not failures, failures
