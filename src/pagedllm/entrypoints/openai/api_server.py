@@ -30,6 +30,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -250,6 +251,8 @@ def _prechecked_route_class(caps: RequestCaps) -> type[APIRoute]:
                     body = await request.body()
                 except BodyTooLarge:
                     return _too_large().to_response()  # GuardMiddleware sends its 413 in this one's place
+                except ClientDisconnect:  # gone while its body was being read: nothing to answer, nothing to log
+                    return Response(status_code=499)
                 if body:
                     parsed = precheck_caps(body, caps)
                     if parsed is not None:
@@ -282,12 +285,27 @@ def _openapi_document(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body iterator. When the client goes away while a write is
+    blocked, Starlette cancels the response inside `send()` and leaves the SSE generator suspended at its
+    `yield`, never closed: its `finally` (which aborts the request in the engine) would not run and the engine
+    would generate to max_tokens for nobody."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
+
+
 def _respond(result) -> Response:
     if result is None:  # the client went away
         return Response(status_code=499)
     if hasattr(result, "__aiter__"):
-        return StreamingResponse(result, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return ClosingStreamingResponse(result, media_type="text/event-stream",
+                                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     # pydantic writes the JSON: a non-finite float becomes null instead of failing the response
     return Response(result.model_dump_json(), media_type="application/json")
 
@@ -412,7 +430,10 @@ def build_app(state: ServerState) -> FastAPI:
     if settings.enable_debug_routes:
         @app.get("/debug/kv_cache")
         async def debug_kv_cache():
-            stats = await engine.debug_stats()
+            try:
+                stats = await engine.debug_stats()
+            except TimeoutError:  # a long step is under way: ask again later
+                return JSONResponse({"error": "the engine core did not answer in time"}, status_code=503)
             return JSONResponse({} if stats is None else {
                 "num_free_blocks": stats.num_free_blocks, "num_total_blocks": stats.num_total_blocks,
                 "total_ref_cnt": stats.total_ref_cnt,
