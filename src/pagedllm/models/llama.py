@@ -11,6 +11,7 @@ from torch import nn
 
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import PagedAttention
+from pagedllm.layers.linear import Linear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedllm.models.model_info import ModelInfo
@@ -22,8 +23,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = info.num_heads, info.num_kv_heads, info.head_dim
         self.q_size = info.num_heads * info.head_dim
         self.kv_size = info.num_kv_heads * info.head_dim
-        self.qkv_proj = nn.Linear(info.hidden_size, self.q_size + 2 * self.kv_size, bias=info.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, info.hidden_size, bias=info.attention_bias)
+        self.qkv_proj = Linear(info.hidden_size, self.q_size + 2 * self.kv_size, bias=info.attention_bias)
+        self.o_proj = Linear(self.q_size, info.hidden_size, bias=info.attention_bias)
         self.attn = PagedAttention(info.num_heads, info.num_kv_heads, info.head_dim, layer_idx)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -38,8 +39,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, info: ModelInfo):
         super().__init__()
-        self.gate_up_proj = nn.Linear(info.hidden_size, 2 * info.intermediate_size, bias=info.mlp_bias)
-        self.down_proj = nn.Linear(info.intermediate_size, info.hidden_size, bias=info.mlp_bias)
+        self.gate_up_proj = Linear(info.hidden_size, 2 * info.intermediate_size, bias=info.mlp_bias)
+        self.down_proj = Linear(info.intermediate_size, info.hidden_size, bias=info.mlp_bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,7 +92,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.info = info
         self.model = LlamaModel(info)
-        self.lm_head = nn.Linear(info.hidden_size, info.vocab_size, bias=False)
+        self.lm_head = Linear(info.hidden_size, info.vocab_size, bias=False)
 
     def tie_weights(self) -> None:
         if self.info.tie_word_embeddings:
