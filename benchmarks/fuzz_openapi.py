@@ -22,7 +22,6 @@ tests/reliability/test_openapi_fuzz.py runs the same `fuzz()` at CI size (a few 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -41,7 +40,8 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "reliability"))
+sys.path[:0] = [str(ROOT / "tests" / "reliability"), str(ROOT / "tests")]
+from server_process import build_tiny_model  # noqa: E402
 
 MAX_TOKENS = 8
 """The most tokens a generated request may ask for (a larger ask is lowered to it)."""
@@ -189,18 +189,6 @@ def server_intact(base_url: str, engine_pid: int, headers: dict[str, str] | None
     return failures
 
 
-def build_tiny_model(folder: Path) -> Path:
-    """The tiny random Llama of tests/conftest.py as an F32 GGUF file in `folder`."""
-    spec = importlib.util.spec_from_file_location("pagedllm_tests_conftest", ROOT / "tests" / "conftest.py")
-    fixtures = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fixtures)
-    hf = folder / "tiny-llama"
-    hf.mkdir(parents=True, exist_ok=True)
-    tokenizer = fixtures._build_tokenizer(hf)
-    model = fixtures._build_model(hf, len(tokenizer))
-    path = folder / "tiny-llama-F32.gguf"
-    fixtures.write_llama_gguf(path, model, tokenizer)
-    return path
 
 
 def main() -> int:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import random
@@ -47,8 +46,10 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "reliability"))
+sys.path[:0] = [str(ROOT / "tests" / "reliability"), str(ROOT / "tests")]
 from reliability_utils import Server, num_fds, rss_bytes, wait_for  # noqa: E402
+
+from server_process import build_tiny_model  # noqa: E402
 
 ABORTS = 'vllm:request_success_total{finished_reason="abort"'
 WORDS = ("the quick brown fox jumps over the lazy dog while paged attention stores keys and values in fixed "
@@ -134,18 +135,6 @@ def idle_failures(kv: dict) -> list[str]:
     return failures
 
 
-def build_tiny_model(folder: Path) -> Path:
-    """The tiny random Llama of tests/conftest.py as an F32 GGUF file in `folder`."""
-    spec = importlib.util.spec_from_file_location("pagedllm_tests_conftest", ROOT / "tests" / "conftest.py")
-    fixtures = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fixtures)
-    hf = folder / "tiny-llama"
-    hf.mkdir(parents=True, exist_ok=True)
-    tokenizer = fixtures._build_tokenizer(hf)
-    model = fixtures._build_model(hf, len(tokenizer))
-    path = folder / "tiny-llama-F32.gguf"
-    fixtures.write_llama_gguf(path, model, tokenizer)
-    return path
 
 
 # ------------------------------------------------------------------------------------------ one request

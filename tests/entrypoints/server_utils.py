@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import openai
 
-MODEL_NAME = "tiny"
-STARTUP_TIMEOUT_S = 120.0
+from server_process import MODEL_NAME, STARTUP_TIMEOUT_S, free_port, pid_alive, serve_command, serve_env, wait_healthy
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["MODEL_NAME", "RemoteServer", "free_port", "pid_alive"]
 
 
 class RemoteServer:
@@ -29,29 +21,15 @@ class RemoteServer:
     def __init__(self, model: Path, *extra_args: str, wait_ready: bool = True, debug_routes: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        args = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", str(model),
-                "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", MODEL_NAME,
-                "--dtype", "float32", "--kv-cache-memory", "64MiB", "--disable-log-stats",
-                "--uvicorn-log-level", "warning", *(["--enable-debug-routes"] if debug_routes else []), *extra_args]
         self.headers: dict[str, str] = {}
         """Sent by kv_cache(), wait_idle() and metric() (set it when the server has --api-key)."""
-        self.proc = subprocess.Popen(args, env=env)
+        self.proc = subprocess.Popen(serve_command(model, self.port, *extra_args, debug_routes=debug_routes),
+                                     env=serve_env())
         if wait_ready:
             self.wait_ready()
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with code {self.proc.returncode} while starting")
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("server did not become healthy")
+        wait_healthy(self.proc, self.url, timeout_s)
 
     def client(self, **kwargs) -> openai.OpenAI:
         kwargs.setdefault("api_key", "unused")
@@ -102,14 +80,3 @@ class RemoteServer:
                 self.proc.kill()
                 self.proc.wait()
 
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie (exited, not yet reaped) is not alive
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -7,21 +7,15 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import openai
 
-MODEL_NAME = "tiny"
-STARTUP_TIMEOUT_S = 120.0
+from server_process import MODEL_NAME, STARTUP_TIMEOUT_S, free_port, pid_alive, serve_command, serve_env, wait_healthy
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["MODEL_NAME", "Server", "free_port", "pid_alive"]
 
 
 def port_bindable(port: int) -> bool:
@@ -41,15 +35,6 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.02) -> bool:
             return True
         time.sleep(interval_s)
     return bool(predicate())
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except (ProcessLookupError, OSError):
-        return False
 
 
 def rss_bytes(pid: int) -> int:
@@ -75,15 +60,10 @@ class Server:
         self.log_path = log_path
         self.api_key = api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                    **(env or {})}
-        args = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", *([str(model)] if model else []),
-                "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", MODEL_NAME,
-                "--dtype", "float32", "--kv-cache-memory", "64MiB", "--disable-log-stats",
-                "--uvicorn-log-level", "warning", "--enable-debug-routes", *extra_args]
         self.ready = False
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(args, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(serve_command(model, self.port, *extra_args), env=serve_env(env),
+                                     stdout=self._log, stderr=subprocess.STDOUT)
         self.http = httpx.Client(base_url=self.url, timeout=30.0)
         self._clients: list[openai.OpenAI] = []
         self._client_cache: dict[tuple, openai.OpenAI] = {}
@@ -92,18 +72,9 @@ class Server:
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> Server:
         """Wait until /health is 200 (at once if it was before); returns the server."""
-        deadline = time.monotonic() + timeout_s
-        while not self.ready and time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} while starting:\n{self.log()[-3000:]}")
-            try:
-                self.ready = httpx.get(self.url + "/health", timeout=2.0).status_code == 200
-            except httpx.HTTPError:
-                pass
-            if not self.ready:
-                time.sleep(0.1)
         if not self.ready:
-            raise TimeoutError("server did not become healthy")
+            wait_healthy(self.proc, self.url, timeout_s, self.log)
+            self.ready = True
         return self
 
     def log(self) -> str:

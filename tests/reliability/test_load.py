@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
 import sys
 import time
 from pathlib import Path
@@ -112,6 +113,29 @@ def test_disconnect_storm_leaks_nothing(shared_server):
     figures, failures = load_test.run_storm(shared_server, num_requests=300, concurrency=64)
     print(f"FIGURE {load_test.summarize_storm(figures)}")
     assert not failures, (failures, figures["problems"])
+
+
+def test_stalled_stream_closed_by_its_client_is_aborted(shared_server):
+    """A streaming client that stops reading (the socket buffers fill and the server's write blocks), then
+    closes: every one of its n requests ends as an abort, none runs on to max_tokens. (Before the fix,
+    Starlette cancelled the blocked write and left the SSE generator unclosed: 10-30% of such closes were
+    never aborted.)"""
+    server = shared_server
+    body = json.dumps({"model": MODEL_NAME, "prompt": "hello", "max_tokens": 480, "ignore_eos": True,
+                       "stream": True, "n": 16, "logprobs": 20}).encode()
+    for _ in range(6):
+        before = load_test.finished_by_reason(server)
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            time.sleep(1.0)  # read nothing
+        assert wait_for(lambda: server.kv()["num_running_reqs"] + server.kv()["num_waiting_reqs"] == 0, 30.0)
+        after = load_test.finished_by_reason(server)
+        delta = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+        assert delta == {"abort": 16}, delta
+    assert server.kv()["total_ref_cnt"] == 0
 
 
 def test_3x_overload_gets_fast_counted_503s(servers):

@@ -1,0 +1,81 @@
+"""What tests/entrypoints (server_utils.RemoteServer) and tests/reliability (reliability_utils.Server) share
+about a real `pagedllm serve` child process: its command line and environment, a free port, waiting for
+/health, and whether a pid is alive."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+MODEL_NAME = "tiny"
+STARTUP_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    """Alive and not a zombie (exited, not yet reaped)."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except (ProcessLookupError, OSError):
+        return False
+
+
+def serve_command(model: Path | None, port: int, *extra_args: str, debug_routes: bool = True) -> list[str]:
+    """`pagedllm serve` of `model` (None: the embedded default) on 127.0.0.1:port, fp32, a 64 MiB KV pool;
+    flags in extra_args come last, so they override these."""
+    return [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", *([str(model)] if model else []),
+            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
+            "--dtype", "float32", "--kv-cache-memory", "64MiB", "--disable-log-stats",
+            "--uvicorn-log-level", "warning", *(["--enable-debug-routes"] if debug_routes else []), *extra_args]
+
+
+def serve_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """One thread per server: several run at once on the 2-core machines."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+            **(extra or {})}
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = STARTUP_TIMEOUT_S,
+                 log: Callable[[], str] = lambda: "") -> None:
+    """Until GET /health is 200; raises if the process exits first (with the tail of `log()`) or on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} while starting:\n{log()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError("server did not become healthy")
+
+
+def build_tiny_model(folder: Path) -> Path:
+    """The tiny random Llama of tests/conftest.py as an F32 GGUF file in `folder` (for the benchmarks that
+    start their own server: benchmarks/load_test.py, benchmarks/fuzz_openapi.py)."""
+    spec = importlib.util.spec_from_file_location("pagedllm_tests_conftest", Path(__file__).with_name("conftest.py"))
+    fixtures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fixtures)
+    hf = folder / "tiny-llama"
+    hf.mkdir(parents=True, exist_ok=True)
+    tokenizer = fixtures._build_tokenizer(hf)
+    model = fixtures._build_model(hf, len(tokenizer))
+    path = folder / "tiny-llama-F32.gguf"
+    fixtures.write_llama_gguf(path, model, tokenizer)
+    return path
