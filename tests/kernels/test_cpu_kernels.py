@@ -12,6 +12,9 @@ def test_kernel_builds_here():
     # CI runs on the machine kind users serve from: a silent fallback to the slow path would go unnoticed.
     assert cpu_kernels.available(torch.float32, torch.device("cpu"))
     assert not cpu_kernels.available(torch.bfloat16, torch.device("cpu"))
+    # Loading the library must not switch the process to flush-to-zero (crtfastmath.o): subnormals survive.
+    tiny = float("5e-324")
+    assert tiny > 0.0 and tiny * 2 == float("1e-323")
 
 
 def reference(q, key_cache, value_cache, block_table, seq_lens, scale):

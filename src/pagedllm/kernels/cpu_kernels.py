@@ -29,7 +29,11 @@ _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention_cpu.c",
 SMALL_M_MAX_ROWS = 4
 """Linear layers with at most this many rows use linear_small_m_f32 (measured: BLAS takes 3x longer at 4 rows
 than at 1 for SmolLM2's shapes; the kernel reads the weights once for all rows)."""
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+"""Compile flags. -ffast-math lets gcc call glibc's vector expf (libmvec) in the softmax; it is NOT given when
+linking: there it would add crtfastmath.o, whose constructor turns on flush-to-zero and denormals-are-zero for
+the whole process when the library loads (Python would then read 5e-324 as 0)."""
+_LINK_FLAGS = ["-shared", "-fopenmp", "-lmvec", "-lm"]
 
 
 def _cache_dir() -> Path:
@@ -57,13 +61,18 @@ def _library() -> ctypes.CDLL | None:
         logger.info("no C compiler found: native CPU kernels off, torch paths used")
         return None
     source = b"".join(path.read_bytes() for path in _SOURCES)
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    flags = " ".join(_FLAGS + _LINK_FLAGS).encode()
+    key = hashlib.sha256(source + flags + _cpu_signature().encode()).hexdigest()[:16]
     try:
         target = _cache_dir() / f"pagedllm_cpu-{key}.so"
         if not target.exists():
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                subprocess.run([compiler, *_FLAGS, "-o", str(built), *map(str, _SOURCES), "-lm"], check=True,
+                objects = [str(Path(tmp) / f"{src.stem}.o") for src in _SOURCES]
+                for src, obj in zip(_SOURCES, objects, strict=True):
+                    subprocess.run([compiler, *_FLAGS, "-c", "-o", obj, str(src)], check=True, capture_output=True,
+                                   timeout=120)
+                subprocess.run([compiler, "-o", str(built), *objects, *_LINK_FLAGS], check=True,
                                capture_output=True, timeout=120)
                 os.replace(built, target)  # atomic: concurrent builders each install a whole file
         lib = ctypes.CDLL(str(target))

@@ -178,8 +178,8 @@ int paged_decode_attention_f32(const float *q, const float *key_cache, const flo
                               scores + kh * group * len + t, len);
         for (int64_t h = 0; h < num_heads; h++) { /* softmax over t, per head */
             float *sh = scores + h * len;
-            float m = -INFINITY;
-            for (int64_t t = 0; t < len; t++) m = sh[t] > m ? sh[t] : m;
+            float m = sh[0]; /* len >= 1; no infinities here (built with -ffast-math) */
+            for (int64_t t = 1; t < len; t++) m = sh[t] > m ? sh[t] : m;
             float sum = 0.0f;
             for (int64_t t = 0; t < len; t++) {
                 sh[t] = expf(sh[t] - m);
