@@ -547,9 +547,13 @@ def run_storm(server, num_requests: int = 1000, concurrency: int = 128, close_fr
     failures = []
     if num_closes == 0:
         failures.append("no client closed")
-    if aborts != expected_aborts:
+    # A plain (non-streaming) close can come after its 400 tokens were done: the engine counted the request as
+    # `length` and there was nothing to abort. Every request ends once, so those are the extra lengths.
+    finished_first = max(finished.get("length", 0) - (num_requests - num_closes), 0)
+    figures["closes_after_finish"] = finished_first
+    if aborts + finished_first != expected_aborts or finished_first > max(2, num_closes // 50):
         failures.append(f"{aborts} aborts counted for {num_closes} closes, {expected_aborts} of them of requests "
-                        "the server had received")
+                        f"the server had received, {finished_first} of those after their request had finished")
     if problems:
         failures.append(f"{len(problems)} requests that were not closed failed")
     if not idle:
