@@ -26,6 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention_cpu.c", "linear_cpu.c")]
+_HEADER = Path(__file__).with_name("simd_cpu.h")  # included by the sources: part of the cache key
 SMALL_M_MAX_ROWS = 4
 """Linear layers with at most this many rows use linear_small_m_f32 (measured: BLAS takes 3x longer at 4 rows
 than at 1 for SmolLM2's shapes; the kernel reads the weights once for all rows)."""
@@ -60,7 +61,7 @@ def _library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.info("no C compiler found: native CPU kernels off, torch paths used")
         return None
-    source = b"".join(path.read_bytes() for path in _SOURCES)
+    source = b"".join(path.read_bytes() for path in [*_SOURCES, _HEADER])
     flags = " ".join(_FLAGS + _LINK_FLAGS).encode()
     key = hashlib.sha256(source + flags + _cpu_signature().encode()).hexdigest()[:16]
     try:

@@ -17,14 +17,8 @@
 #include <stdlib.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "simd_cpu.h"
 
-static inline float hsum8(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-}
 
 /* scores[t] = scale * q . k_t for t in [0, len), head_dim 64: q stays in 8 registers, 4 tokens' dot products
  * are reduced together (one store of 4 scores instead of 4 horizontal sums). */
