@@ -25,7 +25,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention_cpu.c", "linear_cpu.c")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention_cpu.c", "linear_cpu.c", "elementwise_cpu.c")]
 _HEADER = Path(__file__).with_name("simd_cpu.h")  # included by the sources: part of the cache key
 SMALL_M_MAX_ROWS = 4
 """Linear layers with at most this many rows use linear_small_m_f32 (measured: BLAS takes 3x longer at 4 rows
@@ -89,7 +89,23 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.linear_small_m_f32
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    _declare_elementwise(lib)
     return lib
+
+
+def _declare_elementwise(lib: ctypes.CDLL) -> None:
+    """ctypes signatures of elementwise_cpu.c's kernels (they return nothing)."""
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    signatures = {
+        "rms_norm_f32": [ptr, ptr, ptr, i64, i64, f32],
+        "fused_add_rms_norm_f32": [ptr, ptr, ptr, i64, i64, f32],
+        "rotary_qkv_f32": [ptr, ptr, i64, i64, i64, i64],
+        "silu_and_mul_f32": [ptr, ptr, i64, i64],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = argtypes
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -139,3 +155,75 @@ def linear_small_m(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None
     if lib.linear_small_m_f32(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, weight.shape[0], k) != 0:
         return None
     return y
+
+
+# The elementwise kernels (elementwise_cpu.c). Callers check `available(x.dtype, x.device)` and pass CPU fp32
+# contiguous tensors; each row's result depends only on that row (batch invariant).
+
+def _check_f32(*tensors: torch.Tensor) -> None:
+    assert all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2, -1) + eps) * weight.
+
+    Args:
+        x: [T, hidden] float32, contiguous (any leading shape; rows are the last dimension).
+        weight: [hidden] float32, contiguous.
+    Returns:
+        out: a new tensor shaped like x.
+    """
+    lib = _library()
+    _check_f32(x, weight)
+    hidden = x.shape[-1]
+    assert lib is not None and weight.shape == (hidden,)
+    out = torch.empty_like(x)
+    lib.rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place, as vLLM's fused_add_rms_norm: residual = x + residual; x = rms_norm(residual) * weight.
+
+    Args:
+        x, residual: [T, hidden] float32, contiguous, same shape, not overlapping; both are overwritten.
+        weight: [hidden] float32, contiguous.
+    """
+    lib = _library()
+    _check_f32(x, residual, weight)
+    hidden = x.shape[-1]
+    assert lib is not None and residual.shape == x.shape and weight.shape == (hidden,)
+    lib.fused_add_rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.numel() // hidden, hidden,
+                               eps)
+
+
+def rotary_qkv(qkv: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Rotary embedding (rotate-half layout) in place on the q and k heads of a fused qkv projection.
+
+    Args:
+        qkv: [T, (num_heads + 2 * num_kv_heads) * head_dim] float32, contiguous: q, k, v heads; v is not changed.
+        cos_sin: [T, 2, head_dim / 2] float32, contiguous: each token's cos and sin (RotaryEmbedding's output).
+    """
+    lib = _library()
+    _check_f32(qkv, cos_sin)
+    t = qkv.shape[0]
+    assert lib is not None and head_dim % 2 == 0 and qkv.shape == (t, (num_heads + 2 * num_kv_heads) * head_dim)
+    assert cos_sin.shape == (t, 2, head_dim // 2)
+    lib.rotary_qkv_f32(qkv.data_ptr(), cos_sin.data_ptr(), t, num_heads, num_kv_heads, head_dim)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up].
+
+    Args:
+        x: [T, 2 * I] float32, contiguous.
+    Returns:
+        out: [T, I] float32, a new tensor.
+    """
+    lib = _library()
+    _check_f32(x)
+    size = x.shape[-1] // 2
+    assert lib is not None and x.shape[-1] == 2 * size
+    out = x.new_empty(*x.shape[:-1], size)
+    lib.silu_and_mul_f32(x.data_ptr(), out.data_ptr(), out.numel() // size if size else 0, size)
+    return out

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.kernels import cpu_kernels
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -71,13 +73,34 @@ class RotaryEmbedding(nn.Module):
             freqs = positions[:, None] * inv_freq[None, :]  # [P, D / 2]
             self.cos_sin = torch.stack([freqs.cos(), freqs.sin()], dim=1).to(device)  # [P, 2, D / 2]
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T] -> cos, sin: [T, 1, D / 2] in `dtype`
-        cos_sin = self.cos_sin.index_select(0, positions).to(dtype)  # [T, 2, D / 2]
-        return cos_sin[:, 0:1], cos_sin[:, 1:2]
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # positions: [T] -> cos_sin: [T, 2, D / 2] in `dtype`, contiguous (this step's rows of the table)
+        return self.cos_sin.index_select(0, positions).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [T, heads, D]; cos, sin: [T, 1, D / 2] -> [T, heads, D]
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def apply_rotary_qkv(qkv: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                     head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split a fused qkv projection into heads and rotate q and k.
+
+    qkv: [T, (H + 2 * Hkv) * D]; cos_sin: [T, 2, D / 2] (RotaryEmbedding's output) -> q [T, H, D], k [T, Hkv, D],
+    v [T, Hkv, D]. On the CPU in fp32 the native kernel rotates q and k in place in qkv, one pass, and q, k, v
+    are views of it (rows strided by (H + 2 * Hkv) * D); elsewhere q and k are new tensors.
+    """
+    native = (qkv.dtype == torch.float32 and cos_sin.dtype == torch.float32 and qkv.is_contiguous()
+              and cos_sin.is_contiguous() and cpu_kernels.available(qkv.dtype, qkv.device))
+    if native:
+        cpu_kernels.rotary_qkv(qkv, cos_sin, num_heads, num_kv_heads, head_dim)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.view(-1, num_heads, head_dim)  # [T, H, D]
+    k = k.view(-1, num_kv_heads, head_dim)  # [T, Hkv, D]
+    v = v.view(-1, num_kv_heads, head_dim)  # [T, Hkv, D]
+    if not native:
+        cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]  # [T, 1, D / 2]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    return q, k, v

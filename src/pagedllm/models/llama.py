@@ -13,7 +13,7 @@ from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import PagedAttention
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
+from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary_qkv
 from pagedllm.models.model_info import ModelInfo
 
 
@@ -27,13 +27,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, info.hidden_size, bias=info.attention_bias)
         self.attn = PagedAttention(info.num_heads, info.num_kv_heads, info.head_dim, layer_idx)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden] -> [T, hidden]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        return self.o_proj(self.attn(q, k, v))
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden]; cos_sin: [T, 2, D / 2] -> [T, hidden]
+        q, k, v = apply_rotary_qkv(self.qkv_proj(x), cos_sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v))  # q: [T, H, D]; k, v: [T, Hkv, D]
 
 
 class LlamaMLP(nn.Module):
@@ -55,9 +52,24 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))  # [T, hidden]
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried unsummed, as in vLLM: each norm adds the previous sublayer's output to
+        it and normalizes in one fused op.
+
+        hidden_states: [T, hidden], the previous layer's MLP output (the embeddings for the first layer);
+        residual: [T, hidden], the stream before that output (None for the first layer).
+        Returns (this layer's MLP output, the stream before it), each [T, hidden]: their sum is the layer's
+        output. The native norms write into both inputs (callers pass tensors they no longer need).
+        """
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos_sin)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
@@ -74,11 +86,13 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T] int64 -> hidden_states [T, hidden]
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, x.dtype)  # [T, 1, D / 2] each
+        hidden_states = self.embed_tokens(input_ids)  # [T, hidden], a new tensor (the norms may write into it)
+        cos_sin = self.rotary_emb(positions, hidden_states.dtype)  # [T, 2, D / 2]
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
+            hidden_states, residual = layer(hidden_states, residual, cos_sin)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
 
 
 class LlamaForCausalLM(nn.Module):
