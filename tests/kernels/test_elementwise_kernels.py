@@ -141,7 +141,7 @@ def _all_kernels(x, residual, weight, qkv, cos_sin, gate_up):
 @pytest.mark.parametrize("hidden,size", [(576, 1536), (37, 13)])
 def test_rows_do_not_depend_on_batch_or_threads(two_threads, hidden, size):
     gen = torch.Generator().manual_seed(hidden)
-    tokens = 300  # big enough for two threads in every kernel
+    tokens = 600  # big enough for two threads in every kernel (PARALLEL_MIN_FLOATS)
     x, residual = torch.randn(2, tokens, hidden, generator=gen).unbind(0)
     weight = torch.randn(hidden, generator=gen)
     qkv = torch.randn(tokens, 12 * 20, generator=gen)
