@@ -101,6 +101,8 @@ class EngineCore:
                                  timestamp=time.time())
 
     def shutdown(self) -> None:
+        if self.runner.kv_prefault is not None:
+            self.runner.kv_prefault.stop()
         self.runner.kv_caches.clear()
 
     # ---- sizing ----------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from pagedllm.engine.messages import LogprobsEntry
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.forward_context import AttentionMetadata, kv_cache_shape, set_forward_context
 from pagedllm.layers.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs, logprobs_to_entries
-from pagedllm.worker.cpu_allocator import keep_freed_memory, zeroed_pool
+from pagedllm.worker.cpu_allocator import PoolPrefault, keep_freed_memory, zeroed_pool
 from pagedllm.worker.input_batch import InputBatch, RequestState
 from pagedllm.worker.runner_output import ModelRunnerOutput
 
@@ -35,6 +35,7 @@ class ModelRunner:
         self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.block_size)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_prefault: PoolPrefault | None = None
         # Generators of seeded requests survive preemption: sampling resumes where it stopped.
         self.generators: dict[str, torch.Generator] = {}
 
@@ -43,6 +44,9 @@ class ModelRunner:
         self.kv_caches = [_zeros(shape, self.dtype, self.device) for _ in range(self.info.num_layers)]
         if self.device.type == "cpu":
             keep_freed_memory()  # after the pool (its own calloc'd mmaps): step temporaries reuse the heap
+            # Fault the pool in from a background thread at the lowest priority, K and V of every layer in
+            # block order (the block pool hands out low ids first).
+            self.kv_prefault = PoolPrefault([half for kv in self.kv_caches for half in kv])
             # Build (first run on this machine, under a second) or load the native kernels now, not on the
             # first request; logs and falls back to the torch paths if there is no compiler.
             cpu_kernels.available(self.dtype, self.device)
