@@ -14,9 +14,11 @@ from pagedllm.kernels import cpu_kernels
 
 
 def _native(*tensors: torch.Tensor) -> bool:
-    x = tensors[0]
-    return (all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
-            and cpu_kernels.available(x.dtype, x.device))
+    """fp32 contiguous tensors on a device with the kernels (checked per call: tests switch them off)."""
+    for t in tensors:
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            return False
+    return cpu_kernels.available(tensors[0].dtype, tensors[0].device)
 
 
 class RMSNorm(nn.Module):
@@ -32,12 +34,13 @@ class RMSNorm(nn.Module):
         With `residual` [T, hidden]: (rms_norm(x + residual), x + residual), the new residual stream. The native
         path computes both in place, in x's and residual's storage: callers must not use either afterwards
         except through the returned tensors."""
+        weight = self.weight  # one nn.Module attribute lookup (~1 us): this runs 61 times per step for SmolLM2
         if residual is None:
-            if _native(x, self.weight):
-                return cpu_kernels.rms_norm(x, self.weight, self.eps)
+            if _native(x, weight):
+                return cpu_kernels.rms_norm(x, weight, self.eps)
             return self._norm(x)
-        if _native(x, residual, self.weight) and x.shape == residual.shape:
-            cpu_kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if _native(x, residual, weight) and x.shape == residual.shape:
+            cpu_kernels.fused_add_rms_norm(x, residual, weight, self.eps)
             return x, residual
         residual = x + residual
         return self._norm(residual), residual
