@@ -68,32 +68,3 @@ def test_result_does_not_depend_on_threads_or_batch():
     alone = cpu_kernels.paged_decode_attention(q[3:4], key_cache, value_cache, block_table[3:4], seq_lens[3:4], 0.125)
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(outs[0][3:4], alone)
-
-
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("in_features,out_features", [(576, 960), (24, 7), (1536, 576)])
-def test_linear_small_m_matches_blas(rows, in_features, out_features):
-    gen = torch.Generator().manual_seed(rows * in_features)
-    x = torch.randn(rows, in_features, generator=gen)
-    weight = torch.randn(out_features, in_features, generator=gen)
-    y = cpu_kernels.linear_small_m(x, weight)
-    torch.testing.assert_close(y, (x.double() @ weight.double().T).float(), atol=1e-4, rtol=1e-5)
-    single = torch.cat([cpu_kernels.linear_small_m(x[i:i + 1], weight) for i in range(rows)])
-    assert torch.equal(y, single)  # a row's result does not depend on the other rows
-
-
-def test_linear_small_m_declines_what_it_does_not_cover():
-    weight = torch.randn(8, 16)
-    assert cpu_kernels.linear_small_m(torch.randn(cpu_kernels.SMALL_M_MAX_ROWS + 1, 16), weight) is None
-    assert cpu_kernels.linear_small_m(torch.randn(2, 12), torch.randn(8, 12)) is None  # K not a multiple of 8
-    assert cpu_kernels.linear_small_m(torch.randn(2, 16, dtype=torch.bfloat16), weight.bfloat16()) is None
-
-
-def test_linear_layer_with_bias_uses_the_kernel_for_few_rows():
-    from pagedllm.layers.linear import Linear
-
-    layer = Linear(64, 40, bias=True)
-    x = torch.randn(3, 64)
-    with torch.no_grad():
-        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5,
-                                   rtol=1e-5)

@@ -8,7 +8,7 @@ from paged_runner import PagedRunner
 
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import cpu_kernels
-from pagedllm.layers import attention
+from pagedllm.layers import attention, linear
 from pagedllm.models.loader import load_model
 
 ATOL = 1e-4
@@ -16,11 +16,13 @@ ATOL = 1e-4
 
 @pytest.fixture(autouse=True, params=["native", "torch"])
 def attention_paths(request, monkeypatch):
-    """Every test runs twice: native CPU decode attention with grouped-matmul prefill (the CPU fp32 default),
-    and the portable paths (decode: gather + SDPA; prefill: SDPA), as on CUDA, in bf16 or for long chunks."""
+    """Every test runs twice: the CPU fp32 default (native decode attention and elementwise kernels,
+    grouped-matmul prefill, oneDNN linears) and the portable paths (decode: gather + SDPA; prefill: SDPA;
+    torch ops; F.linear), as on CUDA, in bf16 or for long chunks."""
     if request.param == "torch":
         monkeypatch.setattr(cpu_kernels, "available", lambda dtype, device: False)
         monkeypatch.setattr(attention, "GROUPED_SCORES_MAX_BYTES", 0)
+        monkeypatch.setattr(linear, "onednn_available", lambda weight: False)
     return request.param
 
 
@@ -31,8 +33,8 @@ def reference(tiny_llama_dir):
     return LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module")
-def model(tiny_llama_dir):
+@pytest.fixture
+def model(tiny_llama_dir, attention_paths):  # loaded per path: the linears are packed (or not) at load
     return load_model(ModelConfig(model=str(tiny_llama_dir)), torch.device("cpu"), torch.float32)
 
 

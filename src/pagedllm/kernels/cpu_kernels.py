@@ -25,11 +25,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention_cpu.c", "linear_cpu.c", "elementwise_cpu.c")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention_cpu.c", "elementwise_cpu.c")]
 _HEADER = Path(__file__).with_name("simd_cpu.h")  # included by the sources: part of the cache key
-SMALL_M_MAX_ROWS = 4
-"""Linear layers with at most this many rows use linear_small_m_f32 (measured: BLAS takes 3x longer at 4 rows
-than at 1 for SmolLM2's shapes; the kernel reads the weights once for all rows)."""
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 """Compile flags. -ffast-math lets gcc call glibc's vector expf (libmvec) in the softmax; it is NOT given when
 linking: there it would add crtfastmath.o, whose constructor turns on flush-to-zero and denormals-are-zero for
@@ -86,9 +83,6 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] \
         + [ctypes.c_int64] * 5 + [ctypes.c_float]
-    fn = lib.linear_small_m_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     _declare_elementwise(lib)
     return lib
 
@@ -139,26 +133,6 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         raise MemoryError("paged decode attention could not allocate its scratch buffer")
     return out
 
-
-def linear_small_m(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """x @ weight.T for x [M, K] with M <= SMALL_M_MAX_ROWS, fp32, contiguous, on the CPU; None where the
-    kernel does not apply (the caller uses F.linear)."""
-    if (x.dim() != 2 or x.shape[0] > SMALL_M_MAX_ROWS or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or x.device.type != "cpu" or not weight.is_contiguous() or x.shape[1] % 8):
-        return None
-    lib = _library()
-    if lib is None:
-        return None
-    x = x.contiguous()
-    m, k = x.shape
-    y = torch.empty(m, weight.shape[0], dtype=torch.float32)
-    if lib.linear_small_m_f32(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, weight.shape[0], k) != 0:
-        return None
-    return y
-
-
-# The elementwise kernels (elementwise_cpu.c). Callers check `available(x.dtype, x.device)` and pass CPU fp32
-# contiguous tensors; each row's result depends only on that row (batch invariant).
 
 def _check_f32(*tensors: torch.Tensor) -> None:
     for t in tensors:  # a loop, not all(...): these run ~120 times per decode step

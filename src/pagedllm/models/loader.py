@@ -18,6 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.layers.linear import pack_linear_weights
 from pagedllm.models.gguf_loader import gguf_model_info, gguf_tensors, open_gguf
 from pagedllm.models.model_info import ModelInfo, ModelLoadError, model_info_from_hf_config, token_ids
 from pagedllm.models.registry import get_model_class
@@ -204,6 +205,7 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     model.tie_weights()
     model.materialize(device)
     model.eval().requires_grad_(False)
+    pack_linear_weights(model)  # CPU fp32: oneDNN's layout, once
     logger.info("loaded %s (%s, %d layers) on %s in %s", resolved.name, info.architecture,
                 info.num_layers, device, dtype)
     return model

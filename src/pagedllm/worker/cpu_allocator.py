@@ -88,12 +88,16 @@ class PoolPrefault:
     def __init__(self, regions: list, chunk_bytes: int = PREFAULT_CHUNK_BYTES):
         self._stop = threading.Event()
         self.done = threading.Event()
+        # The thread gets addresses only: the tensors (and so the mappings) are owned by this object's owner on
+        # its thread. A daemon thread that dropped the last reference to a tensor could be killed inside torch's
+        # deallocator at interpreter exit, which aborts the process.
+        self.regions = regions
         spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in regions if t.numel()]
-        self._thread = threading.Thread(target=self._run, args=(spans, chunk_bytes, regions), name="kv-prefault",
+        self._thread = threading.Thread(target=self._run, args=(spans, chunk_bytes), name="kv-prefault",
                                         daemon=True)
         self._thread.start()
 
-    def _run(self, spans: list[tuple[int, int]], chunk: int, keepalive: list) -> None:
+    def _run(self, spans: list[tuple[int, int]], chunk: int) -> None:
         try:
             madvise = _madvise()
             if madvise is None:
@@ -104,7 +108,7 @@ class PoolPrefault:
                 pass
             for offset in range(0, max((n for _, n in spans), default=0), chunk):
                 for addr, nbytes in spans:
-                    if self._stop.is_set():
+                    if self._stop.is_set():  # the owner is freeing the pool
                         return
                     if offset >= nbytes:
                         continue
@@ -114,7 +118,6 @@ class PoolPrefault:
                         logger.debug("KV pool prefault stopped: madvise errno %d", ctypes.get_errno())
                         return
         finally:
-            del keepalive  # the mappings may go once the thread is done with them
             self.done.set()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -122,7 +125,10 @@ class PoolPrefault:
         return self.done.wait(timeout)
 
     def stop(self) -> None:
+        """Stop within one chunk; call before freeing the regions."""
         self._stop.set()
+        self._thread.join()
+        self.regions = []
 
 
 def _madvise():
