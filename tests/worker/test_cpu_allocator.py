@@ -50,3 +50,14 @@ def test_prefault_stops_when_asked():
     prefault.stop()
     assert prefault.wait(timeout=30)
     assert resident_fraction(pool) < 1.0
+
+
+def test_prefault_waits_while_the_engine_is_busy():
+    pool = zeroed_pool(16 << 20)
+    # It starts idle_s after construction at the earliest, so busy() below begins before any chunk.
+    prefault = PoolPrefault([torch.from_numpy(pool)], chunk_bytes=1 << 20, idle_s=0.5)
+    with prefault.busy():
+        assert not prefault.wait(timeout=1.0)
+        assert resident_fraction(pool) == 0.0
+    assert prefault.wait(timeout=30)
+    assert resident_fraction(pool) == 1.0

@@ -7,6 +7,7 @@ its own process (engine/core_proc.py) behind ZMQ sockets.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -83,8 +84,10 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time())
         scheduler_output = self.scheduler.schedule()
+        prefault = self.runner.kv_prefault
         try:
-            runner_output = self.runner.execute_model(scheduler_output)
+            with prefault.busy() if prefault is not None else contextlib.nullcontext():
+                runner_output = self.runner.execute_model(scheduler_output)
         except Exception:
             logger.exception("model execution failed; failing the %d requests of this step",
                              len(scheduler_output.num_scheduled_tokens))
@@ -99,6 +102,13 @@ class EngineCore:
                                     error="The engine failed while running this request.") for r in req_ids]
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
                                  timestamp=time.time())
+
+    def wait_kv_cache_resident(self) -> None:
+        """Block until the background prefault has faulted the KV pool in (CPU; a no-op elsewhere)."""
+        if self.runner.kv_prefault is not None:
+            start = time.perf_counter()
+            self.runner.kv_prefault.wait()
+            logger.info("KV cache resident in %.1f s", time.perf_counter() - start)
 
     def shutdown(self) -> None:
         if self.runner.kv_prefault is not None:

@@ -1,19 +1,21 @@
-"""CPU memory: the zeroed KV pool in huge pages, and freed memory kept in the process heap (glibc), so
+"""CPU memory: the zeroed KV pool, faulted in ahead of use, and freed memory kept in the process heap (glibc), so
 per-step temporaries do not page-fault.
 
-`zeroed_pool`: the KV pool is an anonymous mmap, so its pages come zeroed from the OS and are touched only
-when a block is first written: a 4 GiB pool costs no start-up time and no resident memory until used.
-It asks for transparent huge pages (MADV_HUGEPAGE; THP is in `madvise` mode on these VMs): first touch
-of 256 MiB took 0.97 s in 4 KiB pages and 0.58 s in 2 MiB pages here, and decode attention reads blocks
-scattered over the whole pool, where 4 KiB pages cost a TLB miss per block.
+`zeroed_pool`: the KV pool is an anonymous mmap, so its pages come zeroed from the OS and cost nothing until
+they are touched: no start-up time to allocate a 4 GiB pool.
 
-`PoolPrefault`: writing a block for the first time costs a page fault, ~15 us per 4 KiB page on these VMs
-(the host backs guest memory lazily): in the offline benchmark that was 7% of a prefill step and ~50 ms of
-each decode step at batch 128 (`index_copy_` of the new K/V into fresh pages). Faulting the pool in ahead
-of time in one madvise(MADV_POPULATE_WRITE) per 2 MiB costs a fraction of that (512 MiB: 0.6 s in huge
-pages) and can run while the engine idles: a background thread at the lowest CPU priority does it, in the
-order the block pool hands out blocks (lowest block ids first, every layer), so it never delays a step
-but shortens the ones after. vLLM's CPU build writes its whole pool (torch.zeros) before it serves.
+`PoolPrefault`: writing a block for the first time costs a page fault, ~15 us per 4 KiB page on these VMs (the
+host backs guest memory lazily): in the offline benchmark that was 7% of a prefill step and up to ~50 ms of a
+decode step at batch 128 (`index_copy_` of new K/V into fresh pages). One madvise(MADV_POPULATE_WRITE) per
+2 MiB faults the pool in far cheaper: 4 GiB in 2.0 s. A background thread does it while the engine is idle
+(no step for `PREFAULT_IDLE_S`), lowest block ids first (the order the block pool hands them out), every layer.
+It must not run during steps: a page fault holds its core in the hypervisor, so even at the lowest priority it
+stalled the other core's matmul threads (offline benchmark: 134 s with it running alongside, 120 s after it).
+The offline `LLM` waits for it at construction, as vLLM's CPU build writes its whole pool (torch.zeros) before
+it serves; the server lets it run between requests.
+Plain 4 KiB pages, not transparent huge pages: populating 4 GiB took 15.3 s in 2 MiB pages here (2.0 s in
+4 KiB ones), and decode attention over the pool measured no faster in huge pages (4.5-6.4 vs 4.5-4.6 ms per
+call at batch 128).
 
 `keep_freed_memory`:
 
@@ -29,6 +31,7 @@ Call after the long-lived tensors (weights, KV cache) exist: those stay in their
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -36,6 +39,8 @@ import mmap
 import os
 import sys
 import threading
+import time
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -46,7 +51,8 @@ MMAP_THRESHOLD_BYTES = 1 << 30  # allocations below 1 GiB come from (and return 
 TOP_PAD_BYTES = 256 << 20  # grow the heap in 256 MiB steps
 TRIM_THRESHOLD_BYTES = 1 << 34  # never give freed heap memory back to the OS while serving
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable, as a first write would
-PREFAULT_CHUNK_BYTES = 2 << 20  # one huge page per madvise call: the thread stops within one chunk
+PREFAULT_CHUNK_BYTES = 2 << 20  # per madvise call (~1 ms): the thread yields to a step within one chunk
+PREFAULT_IDLE_S = 0.05  # the engine counts as idle after this long without a step
 _PAGE = mmap.PAGESIZE
 
 
@@ -67,27 +73,25 @@ def keep_freed_memory() -> bool:
 
 
 def zeroed_pool(nbytes: int) -> np.ndarray:
-    """A zero-filled uint8 array of nbytes in its own anonymous mapping, backed by huge pages where the
-    kernel allows (the array keeps the mapping alive)."""
+    """A zero-filled uint8 array of nbytes in its own anonymous mapping (the array keeps the mapping alive)."""
     region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            region.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # THP off or unsupported: 4 KiB pages
-            pass
     return np.frombuffer(region, dtype=np.uint8, count=nbytes)
 
 
 class PoolPrefault:
-    """Faults in the pages of `regions` (host tensors: the K and V halves of every layer) from a daemon thread
-    at the lowest CPU priority: chunk i of every region before chunk i + 1 of any, so the blocks the pool
-    hands out first are resident first. Where MADV_POPULATE_WRITE is missing (Linux < 5.14, not Linux),
-    it does nothing and blocks are faulted in on first write as before.
+    """Faults in the pages of `regions` (host tensors: the K and V halves of every layer) from a daemon thread at
+    the lowest CPU priority, only while the owner is idle (`busy()` marks a step): chunk i of every region
+    before chunk i + 1 of any, so the blocks the pool hands out first are resident first. Where
+    MADV_POPULATE_WRITE is missing (Linux < 5.14, not Linux), it does nothing and blocks are faulted in on first
+    write.
     """
 
-    def __init__(self, regions: list, chunk_bytes: int = PREFAULT_CHUNK_BYTES):
+    def __init__(self, regions: list, chunk_bytes: int = PREFAULT_CHUNK_BYTES, idle_s: float = PREFAULT_IDLE_S):
         self._stop = threading.Event()
         self.done = threading.Event()
+        self._idle_s = idle_s
+        self._busy = False
+        self._last_busy = time.monotonic()  # when the last step ended; the first chunk waits idle_s from now
         # The thread gets addresses only: the tensors (and so the mappings) are owned by this object's owner on
         # its thread. A daemon thread that dropped the last reference to a tensor could be killed inside torch's
         # deallocator at interpreter exit, which aborts the process.
@@ -97,21 +101,38 @@ class PoolPrefault:
                                         daemon=True)
         self._thread.start()
 
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Around a step: no chunk starts until the engine has been idle for `idle_s` after it."""
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._last_busy = time.monotonic()
+            self._busy = False
+
+    def _wait_until_idle(self) -> bool:
+        """False when stopped."""
+        while self._busy or time.monotonic() - self._last_busy < self._idle_s:
+            if self._stop.wait(self._idle_s):
+                return False
+        return not self._stop.is_set()
+
     def _run(self, spans: list[tuple[int, int]], chunk: int) -> None:
         try:
             madvise = _madvise()
             if madvise is None:
                 return
-            try:  # this thread only: the steps keep their priority
+            try:  # this thread only: the engine keeps its priority
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             except (AttributeError, OSError):
                 pass
             for offset in range(0, max((n for _, n in spans), default=0), chunk):
                 for addr, nbytes in spans:
-                    if self._stop.is_set():  # the owner is freeing the pool
-                        return
                     if offset >= nbytes:
                         continue
+                    if not self._wait_until_idle():  # stopped: the owner is freeing the pool
+                        return
                     start = (addr + offset) // _PAGE * _PAGE  # madvise wants a page-aligned start
                     end = addr + min(offset + chunk, nbytes)
                     if madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
