@@ -44,8 +44,8 @@ class ModelRunner:
         self.kv_caches = [_zeros(shape, self.dtype, self.device) for _ in range(self.info.num_layers)]
         if self.device.type == "cpu":
             keep_freed_memory()  # after the pool (its own calloc'd mmaps): step temporaries reuse the heap
-            # Fault the pool in from a background thread at the lowest priority, K and V of every layer in
-            # block order (the block pool hands out low ids first).
+            # Fault the pool in from a background thread while the engine idles, K and V of every layer in
+            # block order (the block pool hands out low ids first); EngineCore.step marks it busy.
             self.kv_prefault = PoolPrefault([half for kv in self.kv_caches for half in kv])
             # Build (first run on this machine, under a second) or load the native kernels now, not on the
             # first request; logs and falls back to the torch paths if there is no compiler.
@@ -195,9 +195,9 @@ class ModelRunner:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor. On CPU the pages come zeroed from the OS and are touched only when a block is
-    first written (`cpu_allocator.zeroed_pool`); torch.zeros would write every byte: seconds at start-up,
-    and the whole pool resident at once. Zeros matter: the torch attention path multiplies masked
+    """A zeroed tensor. On CPU the pages come zeroed from the OS (`cpu_allocator.zeroed_pool`) and are faulted
+    in by `PoolPrefault` while the engine idles, or by a block's first write; torch.zeros would write every
+    byte on the start-up path (seconds for 4 GiB). Zeros matter: the torch attention path multiplies masked
     positions' V by 0, and 0 * NaN garbage would be NaN."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
