@@ -103,7 +103,7 @@ def _declare_elementwise(lib: ctypes.CDLL) -> None:
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the native decode attention can run for a KV cache of this dtype on this device."""
+    """Whether the native kernels (decode attention, elementwise ops) can run for this dtype on this device."""
     return device.type == "cpu" and dtype == torch.float32 and _library() is not None
 
 
