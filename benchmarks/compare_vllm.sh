@@ -20,7 +20,7 @@
 # tables and plot_results.py the PNG.
 #
 # Environment: RUNS (2), QUICK (0), STEPS (serve,offline,prefix), OUT (benchmarks/results; QUICK:
-# /tmp/pagedllm-compare-quick), RESULTS_MD (benchmarks/RESULTS.md; QUICK: $OUT/RESULTS.md), PAGEDLLM_PORT
+# /tmp/pagedllm-compare-quick), RESULTS_MD (benchmarks/RESULTS.md; QUICK or another OUT: $OUT/RESULTS.md), PAGEDLLM_PORT
 # (8001), PREFIX_OUTPUT_LEN (128), OFFLINE_N, PREFIX_N, WORKLOADS, ENGINES ("vllm pagedllm"), VLLM_DTYPE,
 # VLLM_OFFLINE_RUNS, PAGEDLLM_SERVE_ARGS (--health-check-timeout 60), PAGEDLLM_ARGS (--dtype auto: float32 on a CPU without AMX/AVX512-BF16), PEERS_SH, PEERS_DIR,
 # LOGS (server logs, /tmp/pagedllm-compare-logs).
@@ -54,7 +54,9 @@ if [ "$QUICK" = 1 ]; then
   OUT=${OUT:-/tmp/pagedllm-compare-quick}; RESULTS_MD=${RESULTS_MD:-$OUT/RESULTS.md}
 else
   WORKLOADS=${WORKLOADS:-"1:16 4:32 16:64 64:128"}; OFFLINE_N=${OFFLINE_N:-128}; PREFIX_N=${PREFIX_N:-64}
-  OUT=${OUT:-$ROOT/benchmarks/results}; RESULTS_MD=${RESULTS_MD:-$ROOT/benchmarks/RESULTS.md}
+  # A sweep into another OUT (a partial STEPS=... run) writes its tables there too, not over the committed ones.
+  if [ -z "${OUT:-}" ]; then OUT=$ROOT/benchmarks/results; RESULTS_MD=${RESULTS_MD:-$ROOT/benchmarks/RESULTS.md}; fi
+  RESULTS_MD=${RESULTS_MD:-$OUT/RESULTS.md}
 fi
 mkdir -p "$OUT" "$LOGS"
 rm -rf "$OUT/serve" "$OUT/offline" "$OUT/prefix" "$OUT/runs.jsonl" "$OUT/sweep.json"

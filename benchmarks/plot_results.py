@@ -52,6 +52,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     results = Path(args.results)
     series, sweep = load(results)
+    if not series:
+        print(f"no serving results in {results}: no plot")
+        return 0
     fig, axes = plt.subplots(1, len(PANELS), figsize=(15, 4.8))
     concs = sorted({c for s in series.values() for c in s})
     for ax, (metric, title, log) in zip(axes, PANELS, strict=True):
