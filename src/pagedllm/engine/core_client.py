@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import shutil
 import signal
 import subprocess
@@ -88,7 +87,7 @@ class EngineCoreClient:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "pagedllm.engine.core_proc", "--input-addr", f"ipc://{socket_dir}/input",
                  "--output-addr", f"ipc://{socket_dir}/output", "--log-level", log_level],
-                stdin=subprocess.PIPE, close_fds=True, env=engine_process_env())
+                stdin=subprocess.PIPE, close_fds=True)
             proc.stdin.write(msgspec.json.encode(config) + b"\n")
             proc.stdin.flush()
             ready = await _wait_ready(proc, output_socket, startup_timeout_s)
@@ -193,18 +192,6 @@ def _bind(ctx: zmq.asyncio.Context, kind: int, addr: str) -> zmq.asyncio.Socket:
     sock.setsockopt(zmq.SNDHWM if kind == zmq.PUSH else zmq.RCVHWM, 0)
     sock.bind(addr)
     return sock
-
-
-def engine_process_env() -> dict[str, str]:
-    """The engine core's environment: ours, with OpenMP threads that sleep instead of spin when idle.
-
-    GNU OpenMP's default active spinning made a decode step 4x slower whenever another process shared the
-    cores (benchmarks/RESULTS.md, "Step time"). It must be set before torch loads libgomp, hence here.
-    A user's own OMP_WAIT_POLICY wins.
-    """
-    env = dict(os.environ)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return env
 
 
 async def _wait_ready(proc: subprocess.Popen, output_socket: zmq.asyncio.Socket, timeout_s: float) -> Ready:

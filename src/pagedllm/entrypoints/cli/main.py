@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 # subcommand -> module exposing add_parser(subparsers) and cmd(args)
@@ -17,12 +16,6 @@ SUBCOMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if not a.startswith("-")), None)
-    if chosen == "serve":
-        # Before torch loads: OpenMP threads sleep instead of spinning when idle, so the engine does not starve
-        # the API server and other processes on the same cores (benchmarks/RESULTS.md, "Step time"). Not for
-        # `bench throughput` / `bench latency`, whose engine is the only work: there the sleep-and-wake of every
-        # parallel region cost 13% (offline 120.8 vs 138.1 output tok/s with libgomp's default short spin).
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = argparse.ArgumentParser(prog="pagedllm", description="Serve and benchmark LLMs with a paged KV cache.")
     parser.add_argument("--version", action="version", version=_version())
     subparsers = parser.add_subparsers(dest="subcommand", metavar="{" + ",".join(SUBCOMMANDS) + "}")
