@@ -385,8 +385,8 @@ def build(data: dict, results: Path, note: str | None = None) -> tuple[str, dict
     lines.append("Reproduce (`peers.sh setup` done once): these figures came from `" + " ".join(env)
                  + " benchmarks/compare_vllm.sh`; the standard-size sweep (16/32/64/128 prompts, 128 offline, 64 "
                  "prefix; results in benchmarks/results) is plain `benchmarks/compare_vllm.sh`. Each vLLM start "
-                 "costs 4-7 min here (it recompiles), so a full standard sweep takes hours on this busy 2-core "
-                 "machine. Per run the script calls:")
+                 "costs 2.5-4 min here (it recompiles); a RUNS=2 standard sweep took 71 min on 2026-11-30. "
+                 "Per run the script calls:")
     lines.append("")
     lines.append("```")
     vd = sweep.get("vllm_dtype", "bfloat16")
