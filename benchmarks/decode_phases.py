@@ -1,0 +1,75 @@
+"""Per-phase wall time of decode steps at batch B: B prompts of 256 random ids, 40 output tokens, greedy.
+
+    .venv/bin/python benchmarks/decode_phases.py [B]
+
+Wraps the model runner's phases and the layers' forward calls in timers, counts only steps where every running
+request decodes, and prints milliseconds per step for each phase: where a small-batch step's time goes
+besides the linear layers. Phases nest (a decoder layer contains its linears and attention; the LM head is a
+linear too).
+"""
+
+import collections
+import sys
+import time
+
+import numpy as np
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.core import EngineCore
+from pagedllm.layers.attention import PagedAttention
+from pagedllm.layers.linear import Linear
+from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from pagedllm.worker.model_runner import ModelRunner
+
+PHASES = [
+    (ModelRunner, "execute_model", "execute_model"),
+    (ModelRunner, "_update_states", "update_states"),
+    (ModelRunner, "_prepare_inputs", "prepare_inputs"),
+    (LlamaForCausalLM, "forward", "model forward"),
+    (LlamaDecoderLayer, "forward", "decoder layers"),
+    (Linear, "forward", "linears incl. LM head"),
+    (PagedAttention, "forward", "attention"),
+    (LlamaForCausalLM, "compute_logits", "LM head (compute_logits)"),
+    (ModelRunner, "_sample", "sample"),
+]
+
+
+def main() -> None:
+    batch = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    decoding = [False]
+
+    def wrap(cls, name: str, label: str) -> None:
+        orig = getattr(cls, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            result = orig(*args, **kwargs)
+            if decoding[0]:
+                times[label].append(time.perf_counter() - t0)
+            return result
+
+        setattr(cls, name, timed)
+
+    for cls, name, label in PHASES:
+        wrap(cls, name, label)
+    engine_step = EngineCore.step
+
+    def step(self):
+        running = self.scheduler.running
+        decoding[0] = bool(running) and all(r.num_computed_tokens >= r.num_prompt_tokens for r in running)
+        return engine_step(self)
+
+    EngineCore.step = step
+    llm = LLM(max_model_len=2048, kv_cache_memory=512 << 20)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 40000, 256).tolist() for _ in range(batch)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    steps = len(times["execute_model"])
+    print(f"batch {batch}: {steps} decode steps, ms per step")
+    for _, _, label in PHASES:
+        print(f"  {label:26s} {sum(times[label]) / steps * 1e3:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
