@@ -51,13 +51,13 @@ PREFIX_OUTPUT_LEN=${PREFIX_OUTPUT_LEN:-128}
 if grep -qwE 'amx_bf16|avx512_bf16' /proc/cpuinfo; then VLLM_DTYPE=${VLLM_DTYPE:-bfloat16}; else VLLM_DTYPE=${VLLM_DTYPE:-float32}; fi
 if [ "$QUICK" = 1 ]; then
   WORKLOADS=${WORKLOADS:-"1:4 4:8 16:16 64:64"}; OFFLINE_N=${OFFLINE_N:-32}; PREFIX_N=${PREFIX_N:-32}
-  OUT=${OUT:-/tmp/pagedllm-compare-quick}; RESULTS_MD=${RESULTS_MD:-$OUT/RESULTS.md}
+  OUT=${OUT:-/tmp/pagedllm-compare-quick}
 else
   WORKLOADS=${WORKLOADS:-"1:16 4:32 16:64 64:128"}; OFFLINE_N=${OFFLINE_N:-128}; PREFIX_N=${PREFIX_N:-64}
   # A sweep into another OUT (a partial STEPS=... run) writes its tables there too, not over the committed ones.
   if [ -z "${OUT:-}" ]; then OUT=$ROOT/benchmarks/results; RESULTS_MD=${RESULTS_MD:-$ROOT/benchmarks/RESULTS.md}; fi
-  RESULTS_MD=${RESULTS_MD:-$OUT/RESULTS.md}
 fi
+RESULTS_MD=${RESULTS_MD:-$OUT/RESULTS.md}
 mkdir -p "$OUT" "$LOGS"
 rm -rf "$OUT/serve" "$OUT/offline" "$OUT/prefix" "$OUT/runs.jsonl" "$OUT/sweep.json"
 mkdir -p "$OUT/serve" "$OUT/offline" "$OUT/prefix"
@@ -225,6 +225,11 @@ offline_pagedllm() {
   else tail -5 "$LOGS/pagedllm-offline-run$run.log"; record step=offline engine=pagedllm run="$run" failed=true load_before="$lb"; fi
 }
 
+serve_flag() {  # NAME DEFAULT -> the value of pagedllm serve's --NAME in PAGEDLLM_ARGS/PAGEDLLM_SERVE_ARGS, else DEFAULT
+  local args=("${PAGEDLLM_ARGS[@]}" "${PAGEDLLM_SERVE_ARGS[@]}") i value=$2
+  for i in "${!args[@]}"; do [ "${args[$i]}" = "--$1" ] && value=${args[$((i + 1))]}; done
+  echo "$value"
+}
 prefix_counters() { curl -s "http://127.0.0.1:$PORT/metrics" | awk '/^vllm:prefix_cache_queries_total/{q=$NF} /^vllm:prefix_cache_hits_total/{h=$NF} END{printf "%d %d\n", q, h}'; }
 prefix_run() {  # RUN on|off
   local run=$1 mode=$2 log=$LOGS/pagedllm-prefix-$2-run$1.log name=prefix-$2-run$1 extra=()
@@ -241,7 +246,8 @@ prefix_run() {  # RUN on|off
   after=($(prefix_counters))
   grep -E "Median TTFT|Output token throughput" "$LOGS/$name-bench.log"
   record step=prefix caching="$mode" run="$run" file="prefix/$name.json" num_prompts="$PREFIX_N" prefix_len=1024 \
-    suffix_len=128 output_len="$PREFIX_OUTPUT_LEN" num_prefixes=1 block_size=16 max_num_batched_tokens=2048 concurrency=16 \
+    suffix_len=128 output_len="$PREFIX_OUTPUT_LEN" num_prefixes=1 block_size="$(serve_flag block-size 16)" \
+    max_num_batched_tokens="$(serve_flag max-num-batched-tokens 2048)" concurrency=16 \
     queries_delta=$((after[0] - before[0])) hits_delta=$((after[1] - before[1])) started="$t0" \
     load_before="$lb" load_after="$(loadavg)"
   stop_pagedllm

@@ -322,10 +322,11 @@ def build(data: dict, results: Path, note: str | None = None) -> tuple[str, dict
                      "when caching is on) |")
         lines.append("")
         lines.append(f"Expected hit rate: each prompt can reuse its prefix's full blocks, "
-                     f"{hits[0]['per_request_hit_tokens'] if hits else '?'} tokens (block size 16), out of its "
+                     f"{hits[0]['per_request_hit_tokens'] if hits else '?'} tokens (block size "
+                     f"{r0['block_size']}), out of its "
                      f"{hits[0]['mean_prompt_len'] if hits else 0:.0f} tokens; only the prompts first scheduled in "
-                     "the step that computes the prefix miss: at least 1, at most ceil(max_num_batched_tokens 2048 "
-                     "/ prompt length) = "
+                     "the step that computes the prefix miss: at least 1, at most ceil(max_num_batched_tokens "
+                     f"{r0['max_num_batched_tokens']} / prompt length) = "
                      f"{hits[0]['max_first_step_misses'] if hits else '?'}. The best case (N-1)*1024/queries is the "
                      "upper figure. The client sends text, so a re-tokenized prompt can differ from the shared "
                      "prefix by a token near its end and lose a block or two of its hit; the implied misses are "
