@@ -77,6 +77,12 @@ class ServerSettings(RequestCaps):
     enable_debug_routes: bool = FLAG_DEFAULTS.enable_debug_routes
     max_request_bytes: int = FLAG_DEFAULTS.max_request_bytes
 
+    def __post_init__(self) -> None:
+        if not all(key and key.strip() == key for key in self.api_keys):
+            raise ValueError("api_keys must be non-empty strings without surrounding whitespace.")
+        if self.cache_salt_from_api_key and not self.api_keys:
+            raise ValueError("cache_salt_from_api_key needs api_keys: without a key there is no tenant.")
+
     @classmethod
     def from_flags(cls, server_config, served_model_names: list[str], api_keys: list[str]) -> ServerSettings:
         """The settings of a `pagedllm serve` (a ServerConfig): every field named like a flag takes its value."""
@@ -146,7 +152,9 @@ class GuardMiddleware:
 
     def _check(self, scope) -> errors.APIError | None:
         path = scope["path"]
-        headers = dict(scope["headers"])
+        headers: dict[bytes, bytes] = {}
+        for name, value in scope["headers"]:  # a repeated header counts once, first wins (as Starlette's and vLLM's)
+            headers.setdefault(name, value)
         settings = self.state.settings
         if self.expected and (path not in UNGUARDED_PATHS or (path == "/metrics" and settings.protect_metrics)):
             given = headers.get(b"authorization", b"")
@@ -379,7 +387,7 @@ def build_app(state: ServerState) -> FastAPI:
                  for name in settings.served_model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
-    @app.get("/health", response_class=Response,
+    @app.api_route("/health", methods=["GET", "HEAD"], response_class=Response,
              responses={200: {"description": "The engine is healthy (an empty body)."}, **_error_responses(503)})
     async def health():
         try:
