@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 from reliability_utils import MODEL_NAME, free_port
+
 from server_process import serve_command, serve_env
 
 pytestmark = pytest.mark.slow
