@@ -36,8 +36,8 @@ class ServerConfig:
     """Port to listen on."""
     api_key: str | None = None
     """Require `Authorization: Bearer KEY` on every route except /health (and /metrics unless
-    --protect-metrics). Several keys (one per tenant): comma-separated. Default: the VLLM_API_KEY
-    environment variable, if set (keeps the key out of ps)."""
+    --protect-metrics). Several keys (one per tenant): comma-separated; a blank key anywhere in the list is
+    refused at start-up. Default: the VLLM_API_KEY environment variable, if set (keeps the key out of ps)."""
     cache_salt_from_api_key: bool = False
     """Derive each request's cache_salt on the server from the caller's API key (HMAC-SHA256 under a
     per-process secret, combined with any client cache_salt), so tenants never share prefix-cache blocks,
