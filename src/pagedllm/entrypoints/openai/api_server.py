@@ -1,6 +1,6 @@
 """The API-server process: FastAPI routes over AsyncLLM, run by uvicorn next to an engine-core process.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /version,
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET (and HEAD) /health, GET /version,
 POST /tokenize, POST /detokenize, GET /metrics, GET /openapi.json and GET /docs (the OpenAPI document and its
 Swagger page, as vLLM serves them), and GET /debug/kv_cache with --enable-debug-routes. With --api-key every
 route but /health (and /metrics unless --protect-metrics) needs the key, the OpenAPI document included.
@@ -387,7 +387,7 @@ def build_app(state: ServerState) -> FastAPI:
                  for name in settings.served_model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
-    @app.api_route("/health", methods=["GET", "HEAD"], response_class=Response,
+    @app.get("/health", response_class=Response,
              responses={200: {"description": "The engine is healthy (an empty body)."}, **_error_responses(503)})
     async def health():
         try:
@@ -396,6 +396,9 @@ def build_app(state: ServerState) -> FastAPI:
             reason = str(e) or type(e).__name__
             return errors.unavailable(f"unhealthy: {reason}", "unhealthy").to_response()
         return Response(status_code=200)
+
+    # HEAD answers as GET does (load balancers probe with it); one operation in the OpenAPI document
+    app.add_api_route("/health", health, methods=["HEAD"], response_class=Response, include_in_schema=False)
 
     @app.get("/version")
     async def version():
