@@ -75,6 +75,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty.")
         if self.seed is not None:
             _check(-(2**63) <= self.seed < 2**64, "seed", f"seed {self.seed} does not fit in 64 bits.")
+            # choice i of n samples with seed + i (vLLM's children): the last one must fit too
+            _check(self.seed + self.n - 1 < 2**64, "seed",
+                   f"seed {self.seed} is too large for n={self.n}: choice i samples with seed + i, and "
+                   f"{self.seed + self.n - 1} does not fit in 64 bits (at most {2**64 - self.n} with this n).")
         if vocab_size is not None:
             for tid in self.stop_token_ids:
                 _check(0 <= tid < vocab_size, "stop_token_ids", f"stop token id {tid} is outside the vocabulary.")

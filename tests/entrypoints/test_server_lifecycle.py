@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 from server_utils import MODEL_NAME, RemoteServer, pid_alive
@@ -90,6 +91,9 @@ def test_queue_full_is_503_and_stuck_engine_is_unhealthy(remote_server_factory):
         start = time.monotonic()
         health = server.get("/health", timeout=10.0)
         assert health.status_code == 503 and time.monotonic() - start < 3.0
+        # it says what failed (before: "unhealthy: TimeoutError")
+        assert "did not answer a health check within 1 s" in health.json()["error"]["message"], health.text
+        assert httpx.head(server.url + "/health", timeout=10.0).status_code == 503
     finally:
         os.kill(engine_pid, signal.SIGCONT)
     assert _wait_for(lambda: server.get("/health").status_code == 200, 5.0)

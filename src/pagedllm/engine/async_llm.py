@@ -16,8 +16,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
-import msgspec
-
 from pagedllm.core.scheduler import QueueFullError
 from pagedllm.engine.core_client import EngineCoreClient, EngineDeadError
 from pagedllm.engine.core_proc import FromEngine, Outputs, Rejected, UtilityResult
@@ -116,9 +114,7 @@ class AsyncLLM:
         else:
             parent = ParentRequest(request_id, params.n)
             requests = []
-            for index in range(params.n):
-                seed = None if params.seed is None else params.seed + index
-                child = msgspec.structs.replace(params, n=1, seed=seed)
+            for index, child in enumerate(self.input_processor.child_params(params)):
                 requests.append(self.input_processor.process(parent.child_id(index), prompt_token_ids, child,
                                                              arrival_time, priority, cache_salt))
             for index, request in enumerate(requests):
@@ -288,7 +284,11 @@ class AsyncLLM:
         finished a step for timeout_s."""
         if self.is_dead:
             raise EngineDeadError(self.client.dead_reason)
-        await self.client.call_utility("ping", timeout_s)
+        try:
+            await self.client.call_utility("ping", timeout_s)
+        except TimeoutError:  # asyncio's carries no message: /health answered just "TimeoutError"
+            raise TimeoutError(f"the engine core did not answer a health check within {timeout_s:g} s "
+                               "(busy with a long step, stopped, or hung)") from None
         if self.queues and time.monotonic() - self.last_progress_time > timeout_s:
             raise TimeoutError(f"the engine core has made no progress for {timeout_s:.0f} s")
 

@@ -60,6 +60,23 @@ class InputProcessor:
         return {GENERATION_CONFIG_FIELDS[k]: v for k, v in self.limits.generation_defaults.items()
                 if k in GENERATION_CONFIG_FIELDS and v is not None}
 
+    def child_params(self, params: SamplingParams) -> list[SamplingParams]:
+        """The parameters of the n child requests of a request with n > 1: n = 1 each, child i seeded with
+        seed + i. The parent is validated first, so an error names what the user sent (not a child's seed).
+        Only child 0 computes prompt logprobs (the parent returns its): the others take the prompt from the
+        prefix cache instead of computing it again.
+
+        Raises:
+            InvalidRequestError: a parameter is out of range (HTTP 400).
+        """
+        try:
+            params.validate(self.limits.vocab_size)
+        except SamplingParamsError as e:
+            raise InvalidRequestError(str(e), param=e.param) from None
+        return [_replace(params, n=1, seed=None if params.seed is None else params.seed + index,
+                         prompt_logprobs=params.prompt_logprobs if index == 0 else None)
+                for index in range(params.n)]
+
     def process(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 arrival_time: float | None = None, priority: int = 0,
                 cache_salt: str | None = None) -> EngineCoreRequest:

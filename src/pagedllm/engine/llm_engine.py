@@ -6,8 +6,6 @@ sibling requests that share the prompt's blocks through the prefix cache.
 
 from __future__ import annotations
 
-import msgspec
-
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor
@@ -47,9 +45,7 @@ class LLMEngine:
             return
         parent = ParentRequest(request_id, params.n)
         children = []
-        for index in range(params.n):
-            seed = None if params.seed is None else params.seed + index
-            child_params = msgspec.structs.replace(params, n=1, seed=seed)
+        for index, child_params in enumerate(self.input_processor.child_params(params)):
             children.append((index, self.input_processor.process(parent.child_id(index), token_ids, child_params,
                                                                  priority=priority, cache_salt=cache_salt)))
         for index, request in children:

@@ -31,6 +31,8 @@ class ParentRequest:
     pending: list[EngineCoreRequest] = field(default_factory=list)
     outputs: dict[int, CompletionOutput] = field(default_factory=dict)
     num_finished: int = 0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    """Child 0's (the only child that computes them)."""
 
     def child_id(self, index: int) -> str:
         return f"{index}_{self.request_id}"
@@ -200,8 +202,12 @@ class OutputProcessor:
         parent = state.parent
         request_id = state.request_id
         outputs = [completion]
+        prompt_logprobs = state.prompt_logprobs
         if parent is not None:
             request_id = parent.request_id
+            if state.index == 0:
+                parent.prompt_logprobs = state.prompt_logprobs
+            prompt_logprobs = parent.prompt_logprobs
             parent.outputs[state.index] = completion
             parent.num_finished += finished
             finished = parent.num_finished == parent.n
@@ -214,5 +220,5 @@ class OutputProcessor:
             if getattr(state, name) is not None:
                 metrics[name] = getattr(state, name)
         return RequestOutput(request_id=request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
-                             outputs=outputs, finished=finished, prompt_logprobs=state.prompt_logprobs,
+                             outputs=outputs, finished=finished, prompt_logprobs=prompt_logprobs,
                              num_cached_tokens=state.num_cached_tokens, metrics=metrics, error=state.error)

@@ -5,8 +5,13 @@ a cache folder keyed by the source, the flags and the CPU, then loaded with ctyp
 build step at install time. The library links libgomp by soname, so it shares torch's OpenMP runtime
 (and its thread count, `torch.set_num_threads`) instead of starting a second pool.
 
-`PAGEDLLM_NATIVE_KERNELS=0` turns the kernels off (the torch paths run); a failed build logs once and
-falls back the same way.
+`PAGEDLLM_NATIVE_KERNELS=0` turns the kernels off (the torch paths run); a failed build, or a library that
+lacks a kernel, logs once and falls back the same way.
+
+Loading a library runs its code, so a cached one is loaded only if it and its folder belong to this user and
+no one else can write them, and its content has the SHA-256 recorded (in `<name>.sha256`) when it was built;
+else it is built again. When the cache folder itself is untrusted (e.g. a world-writable PAGEDLLM_CACHE_DIR),
+the library is built into a private temporary folder, loaded from there, and nothing is installed.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -34,12 +40,73 @@ the whole process when the library loads (Python would then read 5e-324 as 0).""
 _LINK_FLAGS = ["-shared", "-fopenmp", "-lmvec", "-lm"]
 
 
-def _cache_dir() -> Path:
+def _cache_dir() -> Path | None:
+    """The folder of built libraries, `$PAGEDLLM_CACHE_DIR/kernels` (default ~/.cache/pagedllm/kernels); None when
+    it cannot be trusted: not owned by this user, or writable by others (anyone who can write there could plant
+    a library that this process would load and run)."""
     root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm")
     path = Path(root) / "kernels"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        problem = _untrusted(path.stat())
+    except OSError as e:
+        problem = str(e)
+    if problem is not None:
+        logger.warning("not using the kernel cache %s (%s): building into a private temporary folder", path,
+                       problem)
+        return None
     return path
+
+
+def _untrusted(st: os.stat_result) -> str | None:
+    """Why a cached file or folder must not be used, or None."""
+    if st.st_uid != os.getuid():
+        return f"owned by uid {st.st_uid}, not {os.getuid()}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _load_cached(target: Path) -> ctypes.CDLL | None:
+    """The cached library if it is this user's, writable by no one else, and has the content hash recorded in
+    its `.sha256` file when it was built; else None (it is built again)."""
+    digest_file = target.with_name(target.name + ".sha256")
+    try:
+        problem = _untrusted(target.stat()) or _untrusted(digest_file.stat())
+        if problem is None and _sha256(target) != digest_file.read_text().strip():
+            problem = "its content is not what was built"
+    except FileNotFoundError:
+        return None
+    if problem is not None:
+        logger.warning("not loading the cached kernel library %s (%s): building it again", target, problem)
+        return None
+    return ctypes.CDLL(str(target))
+
+
+def _build(compiler: str, target_name: str, cache: Path | None) -> ctypes.CDLL:
+    """Compile into a fresh private folder and load the result from there; then, with a cache, install it and
+    its content hash there for the next process (atomic renames: concurrent builders each install whole files)."""
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:  # mode 0700
+        built = Path(tmp) / target_name
+        objects = [str(Path(tmp) / f"{src.stem}.o") for src in _SOURCES]
+        for src, obj in zip(_SOURCES, objects, strict=True):
+            subprocess.run([compiler, *_FLAGS, "-c", "-o", obj, str(src)], check=True, capture_output=True,
+                           timeout=120)
+        subprocess.run([compiler, "-o", str(built), *objects, *_LINK_FLAGS], check=True, capture_output=True,
+                       timeout=120)
+        digest = _sha256(built)
+        lib = ctypes.CDLL(str(built))
+        if cache is not None:
+            digest_file = Path(tmp) / "digest"
+            digest_file.write_text(digest + "\n")
+            os.replace(built, cache / target_name)
+            os.replace(digest_file, cache / (target_name + ".sha256"))
+    return lib
 
 
 def _cpu_signature() -> str:
@@ -50,6 +117,14 @@ def _cpu_signature() -> str:
         return ""
 
 
+def _library_name() -> str:
+    """The cached library's file name, keyed by the sources, the flags and the CPU."""
+    source = b"".join(path.read_bytes() for path in [*_SOURCES, _HEADER])
+    flags = " ".join(_FLAGS + _LINK_FLAGS).encode()
+    key = hashlib.sha256(source + flags + _cpu_signature().encode()).hexdigest()[:16]
+    return f"pagedllm_cpu-{key}.so"
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("PAGEDLLM_NATIVE_KERNELS", "1") == "0":
@@ -58,33 +133,32 @@ def _library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.info("no C compiler found: native CPU kernels off, torch paths used")
         return None
-    source = b"".join(path.read_bytes() for path in [*_SOURCES, _HEADER])
-    flags = " ".join(_FLAGS + _LINK_FLAGS).encode()
-    key = hashlib.sha256(source + flags + _cpu_signature().encode()).hexdigest()[:16]
+    target_name = _library_name()
     try:
-        target = _cache_dir() / f"pagedllm_cpu-{key}.so"
-        if not target.exists():
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                built = Path(tmp) / target.name
-                objects = [str(Path(tmp) / f"{src.stem}.o") for src in _SOURCES]
-                for src, obj in zip(_SOURCES, objects, strict=True):
-                    subprocess.run([compiler, *_FLAGS, "-c", "-o", obj, str(src)], check=True, capture_output=True,
-                                   timeout=120)
-                subprocess.run([compiler, "-o", str(built), *objects, *_LINK_FLAGS], check=True,
-                               capture_output=True, timeout=120)
-                os.replace(built, target)  # atomic: concurrent builders each install a whole file
-        lib = ctypes.CDLL(str(target))
+        cache = _cache_dir()
+        lib = _load_cached(cache / target_name) if cache is not None else None
+        if lib is None:
+            lib = _build(compiler, target_name, cache)
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
         logger.warning("could not build the native CPU kernels (%s %s): torch paths used", e,
                        detail.decode(errors="replace")[-500:])
         return None
+    try:
+        _declare(lib)
+    except AttributeError as e:  # a library without the expected symbols: the torch paths, not a crash
+        logger.warning("the native CPU kernel library lacks a kernel (%s): torch paths used", e)
+        return None
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """ctypes signatures of every kernel; raises AttributeError if the library lacks one."""
     fn = lib.paged_decode_attention_f32
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] \
         + [ctypes.c_int64] * 5 + [ctypes.c_float]
     _declare_elementwise(lib)
-    return lib
 
 
 def _declare_elementwise(lib: ctypes.CDLL) -> None:

@@ -36,8 +36,8 @@ class ServerConfig:
     """Port to listen on."""
     api_key: str | None = None
     """Require `Authorization: Bearer KEY` on every route except /health (and /metrics unless
-    --protect-metrics). Several keys (one per tenant): comma-separated. Default: the VLLM_API_KEY
-    environment variable, if set (keeps the key out of ps)."""
+    --protect-metrics). Several keys (one per tenant): comma-separated; a blank key anywhere in the list is
+    refused at start-up. Default: the VLLM_API_KEY environment variable, if set (keeps the key out of ps)."""
     cache_salt_from_api_key: bool = False
     """Derive each request's cache_salt on the server from the caller's API key (HMAC-SHA256 under a
     per-process secret, combined with any client cache_salt), so tenants never share prefix-cache blocks,
@@ -67,6 +67,9 @@ class ServerConfig:
     """Largest `n` (choices per request) accepted; checked before anything else is done."""
     max_prompts: int = 1024
     """Most prompts in one /v1/completions request (a list of prompts); checked before tokenization."""
+    max_choices: int = 1024
+    """Most choices in one request: prompts x n (64 prompts with n=128 are 8,192 sequences to generate); HTTP 400
+    beyond, checked before tokenization."""
     max_logit_bias: int = 1024
     """Most logit_bias entries in one request."""
     max_stop: int = 64
@@ -102,10 +105,13 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     """Raises ValueError (a message for the user) when the flags do not make a valid configuration."""
     engine_kwargs = engine_kwargs_from_args(args)
     server_kwargs = {k[len("server_"):]: v for k, v in vars(args).items() if k.startswith("server_")}
-    server_kwargs["api_key"] = server_kwargs.get("api_key") or os.environ.get("VLLM_API_KEY") or None
-    if server_kwargs.get("cache_salt_from_api_key") and not server_kwargs["api_key"]:
-        raise ValueError("--cache-salt-from-api-key needs --api-key (or VLLM_API_KEY).")
-    for name in ("max_n", "max_prompts", "max_logit_bias", "max_stop", "max_chat_template_chars",
+    api_key = server_kwargs.get("api_key")
+    server_kwargs["api_key"] = api_key if api_key is not None else os.environ.get("VLLM_API_KEY")
+    parse_api_keys(server_kwargs["api_key"], "--api-key" if api_key is not None else "VLLM_API_KEY")
+    if server_kwargs.get("cache_salt_from_api_key") and server_kwargs["api_key"] is None:
+        raise ValueError("--cache-salt-from-api-key needs --api-key (or VLLM_API_KEY): without a key there is "
+                         "no tenant to derive a salt from.")
+    for name in ("max_n", "max_prompts", "max_choices", "max_logit_bias", "max_stop", "max_chat_template_chars",
                  "max_request_bytes", "max_header_bytes"):
         if name in server_kwargs and server_kwargs[name] < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1.")
@@ -113,6 +119,20 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     if args.model and args.model_tag and args.model != args.model_tag:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}.")
     return EngineConfig.from_kwargs(model=model, **engine_kwargs), ServerConfig(**server_kwargs)
+
+
+def parse_api_keys(value: str | None, source: str = "--api-key") -> list[str]:
+    """The keys of --api-key (or VLLM_API_KEY): comma-separated, each stripped; None: no key needed.
+
+    Raises ValueError for a blank key anywhere in the list (`" "`, `"a,,b"`, `"a, "`): dropping it would
+    leave authentication off, or weaker than asked, without a word."""
+    if value is None:
+        return []
+    keys = [key.strip() for key in value.split(",")]
+    if not all(keys):
+        raise ValueError(f"{source} contains a blank key: every comma-separated key must be non-empty (leave "
+                         f"{source} unset to serve without authentication).")
+    return keys
 
 
 def cmd(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """The API-server process: FastAPI routes over AsyncLLM, run by uvicorn next to an engine-core process.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /version,
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET (and HEAD) /health, GET /version,
 POST /tokenize, POST /detokenize, GET /metrics, GET /openapi.json and GET /docs (the OpenAPI document and its
 Swagger page, as vLLM serves them), and GET /debug/kv_cache with --enable-debug-routes. With --api-key every
 route but /health (and /metrics unless --protect-metrics) needs the key, the OpenAPI document included.
@@ -77,6 +77,12 @@ class ServerSettings(RequestCaps):
     enable_debug_routes: bool = FLAG_DEFAULTS.enable_debug_routes
     max_request_bytes: int = FLAG_DEFAULTS.max_request_bytes
 
+    def __post_init__(self) -> None:
+        if not all(key and key.strip() == key for key in self.api_keys):
+            raise ValueError("api_keys must be non-empty strings without surrounding whitespace.")
+        if self.cache_salt_from_api_key and not self.api_keys:
+            raise ValueError("cache_salt_from_api_key needs api_keys: without a key there is no tenant.")
+
     @classmethod
     def from_flags(cls, server_config, served_model_names: list[str], api_keys: list[str]) -> ServerSettings:
         """The settings of a `pagedllm serve` (a ServerConfig): every field named like a flag takes its value."""
@@ -146,7 +152,9 @@ class GuardMiddleware:
 
     def _check(self, scope) -> errors.APIError | None:
         path = scope["path"]
-        headers = dict(scope["headers"])
+        headers: dict[bytes, bytes] = {}
+        for name, value in scope["headers"]:  # a repeated header counts once, first wins (as Starlette's and vLLM's)
+            headers.setdefault(name, value)
         settings = self.state.settings
         if self.expected and (path not in UNGUARDED_PATHS or (path == "/metrics" and settings.protect_metrics)):
             given = headers.get(b"authorization", b"")
@@ -388,6 +396,9 @@ def build_app(state: ServerState) -> FastAPI:
             reason = str(e) or type(e).__name__
             return errors.unavailable(f"unhealthy: {reason}", "unhealthy").to_response()
         return Response(status_code=200)
+
+    # HEAD answers as GET does (load balancers probe with it); one operation in the OpenAPI document
+    app.add_api_route("/health", health, methods=["HEAD"], response_class=Response, include_in_schema=False)
 
     @app.get("/version")
     async def version():

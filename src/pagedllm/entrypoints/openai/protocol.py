@@ -136,6 +136,8 @@ class SamplingFields(OpenAIBaseModel):
     request_id: str | None = Field(None, json_schema_extra={"minLength": 1, "maxLength": 256})
     return_token_ids: bool | None = False
     add_special_tokens: bool | None = None
+    prompt_logprobs: Int | None = _range(0, 20, description="Top-N logprobs of every prompt token (vLLM's); "
+                                                            "not with stream=true.")
 
     @field_validator("n", mode="after")
     @classmethod
@@ -154,9 +156,21 @@ class CompletionRequest(SamplingFields):
     max_tokens: Int | None = Field(16, json_schema_extra={"minimum": 1})
     echo: bool | None = False
     logprobs: Int | None = _range(0, 20)
-    prompt_logprobs: Int | None = _range(0, 20)
     suffix: str | None = None
     best_of: Int | None = None
+
+
+class Logprob(OpenAIBaseModel):
+    """One token's entry at one prompt position (vLLM's prompt_logprobs)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, Logprob] | None]
+"""vLLM's prompt_logprobs: per prompt token, None for the first, then token id -> Logprob (the prompt token and
+the top-N)."""
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -172,6 +186,7 @@ class CompletionResponseChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
 
@@ -264,6 +279,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     system_fingerprint: str | None = None
 

@@ -10,6 +10,7 @@ import uvicorn
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineCoreClient, EngineStartupError
+from pagedllm.entrypoints.cli.serve import parse_api_keys
 from pagedllm.entrypoints.openai.api_server import (
     DrainingServer,
     HeaderLimitedH11Protocol,
@@ -49,7 +50,7 @@ async def run_server(engine_config: EngineConfig, sc) -> int:
     names = [mc.served_model_name or client.ready.model_name]
     engine = AsyncLLM(client, tokenizer, names[0], engine_config.scheduler_config.max_num_queued_reqs,
                       log_stats=not sc.disable_log_stats, watchdog_timeout_s=sc.engine_hang_timeout or None)
-    api_keys = [key.strip() for key in (sc.api_key or "").split(",") if key.strip()]
+    api_keys = parse_api_keys(sc.api_key)
     settings = ServerSettings.from_flags(sc, names, api_keys)
     state = ServerState(engine, settings)
     config = uvicorn.Config(build_app(state), host=sc.host or "0.0.0.0", port=sc.port,

@@ -20,6 +20,8 @@ from pagedllm.engine.input_processor import InvalidRequestError, is_valid_unicod
 from pagedllm.entrypoints.cli.serve import ServerConfig
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.protocol import (
+    Logprob,
+    PromptLogprobs,
     PromptTokensDetails,
     SamplingFields,
     UsageInfo,
@@ -43,6 +45,7 @@ class RequestCaps:
 
     max_n: int = FLAG_DEFAULTS.max_n
     max_prompts: int = FLAG_DEFAULTS.max_prompts
+    max_choices: int = FLAG_DEFAULTS.max_choices
     max_logit_bias: int = FLAG_DEFAULTS.max_logit_bias
     max_stop: int = FLAG_DEFAULTS.max_stop
     chat_template_timeout: float = FLAG_DEFAULTS.chat_template_timeout
@@ -167,11 +170,15 @@ class OpenAIServing:
                                      "characters of valid Unicode.", param="request_id")
         return f"{prefix}-{given or random_uuid()}"
 
-    def check_request_caps(self, request: SamplingFields) -> None:
+    def check_request_caps(self, request: SamplingFields, num_prompts: int = 1) -> None:
         """The caps that bound one request's work, checked before any tokenization (each a serve flag)."""
         caps = self.settings
         if not 1 <= request.n <= caps.max_n:
             raise n_above_cap(request.n, caps)
+        if num_prompts * request.n > caps.max_choices:
+            raise errors.bad_request(f"{num_prompts} prompts x n={request.n} are {num_prompts * request.n} choices; "
+                                     f"at most {caps.max_choices} are allowed in one request (--max-choices).",
+                                     param="n")
         if request.logit_bias is not None and len(request.logit_bias) > caps.max_logit_bias:
             raise too_many("logit_bias", len(request.logit_bias), caps)
         stop = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
@@ -179,6 +186,16 @@ class OpenAIServing:
             raise too_many("stop", len(stop), caps)
         if request.stop_token_ids is not None and len(request.stop_token_ids) > caps.max_stop:
             raise too_many("stop_token_ids", len(request.stop_token_ids), caps)
+
+    @staticmethod
+    def check_stream_fields(request: SamplingFields, prompt_logprobs: int | None) -> None:
+        """vLLM's checks of the fields that need (or exclude) stream=True."""
+        if request.stream_options is not None and not request.stream:
+            raise errors.bad_request("Stream options can only be defined when `stream=True`.",
+                                     param="stream_options")
+        if request.stream and prompt_logprobs:
+            raise errors.bad_request("`prompt_logprobs` are not available when `stream=True`.",
+                                     param="prompt_logprobs")
 
     def sampling_params(self, request: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -214,14 +231,19 @@ class OpenAIServing:
     def add_requests(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
                      params: SamplingParams, request: SamplingFields,
                      output_kind: str) -> list[AsyncIterator[RequestOutput]]:
-        """Send every prompt as `{request_id}-{i}` (one prompt: `request_id`); all or none."""
+        """Send every prompt as `{engine_id}-{i}` (one prompt: `engine_id`); all or none.
+
+        The engine id is the response's id plus a random suffix, as vLLM does: a client-supplied request_id is
+        echoed in the response but never shared with another request, so two requests (two tenants) with the
+        same request_id both run and neither can tell that the other exists."""
         if not 1 <= params.n <= self.max_n:
             raise n_above_cap(params.n, self.settings)
+        engine_id = f"{request_id}-{random_uuid()[:8]}"
         if self.log_requests:
-            logger.info("Received request %s: %d prompt(s), %d prompt tokens, params %s", request_id,
+            logger.info("Received request %s: %d prompt(s), %d prompt tokens, params %s", engine_id,
                         len(prompts), sum(len(ids) for _, ids in prompts), _short(params))
         streams = []
-        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        ids = [engine_id] if len(prompts) == 1 else [f"{engine_id}-{i}" for i in range(len(prompts))]
         try:
             for sub_id, (text, token_ids) in zip(ids, prompts, strict=True):
                 streams.append(self.engine.add_request(sub_id, token_ids, params, text, output_kind,
@@ -317,6 +339,25 @@ def json_logprob(logprob: float) -> float:
     NaN (a degenerate distribution, e.g. a repetition_penalty that is 0.0 in float32, gives NaN logprobs: JSON
     cannot carry them, and rendering the response failed)."""
     return min(logprob, 0.0) if logprob > -9999.0 else -9999.0
+
+
+def prompt_logprobs_json(positions: list[PositionLogprobs | None] | None, num: int) -> PromptLogprobs | None:
+    """vLLM's `prompt_logprobs` of a response: one entry per prompt token (None for the first), each the prompt
+    token's logprob and rank plus the top `num`, logprobs floored at -9999.0 (vLLM's clamp)."""
+    if positions is None:
+        return None
+    result: PromptLogprobs = []
+    for position in positions:
+        if position is None:
+            result.append(None)
+            continue
+        entries = {}
+        for i, (token_id, lp) in enumerate(position.items()):  # the prompt token first, then the top-N by rank
+            if i == 0 or (lp.rank is not None and lp.rank <= num):
+                entries[token_id] = Logprob(logprob=json_logprob(lp.logprob), rank=lp.rank,
+                                            decoded_token=lp.decoded_token)
+        result.append(entries)
+    return result
 
 
 def chosen_entry(position: PositionLogprobs, token_id: int) -> tuple[float, str]:

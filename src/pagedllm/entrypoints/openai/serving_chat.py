@@ -27,6 +27,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     chosen_entry,
     json_logprob,
     merge_streams,
+    prompt_logprobs_json,
     sse,
     sse_error,
     top_entries,
@@ -102,6 +103,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_LOGPROBS:
             raise errors.bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {request.top_logprobs}.",
                                      param="top_logprobs")
+        self.check_stream_fields(request, request.prompt_logprobs)
         self.check_request_caps(request)
         self.engine.check_admission()
         prompt = render_chat(self.tokenizer, request.messages, request.add_generation_prompt,
@@ -111,7 +113,7 @@ class OpenAIServingChat(OpenAIServing):
         token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        params = self.sampling_params(request, max_tokens, logprobs)
+        params = self.sampling_params(request, max_tokens, logprobs, request.prompt_logprobs)
         request_id = self.request_id("chatcmpl", request)
         streams = self.add_requests(request_id, [(prompt, token_ids)], params, request,
                                     "delta" if request.stream else "final_only")
@@ -136,6 +138,7 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(
             id=request_id, model=self.model_name, choices=choices,
             usage=usage(len(token_ids), num_completion, final.num_cached_tokens),
+            prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs, request.prompt_logprobs or 0),
             prompt_token_ids=list(token_ids) if request.return_token_ids else None)
 
     def _logprobs(self, token_ids: list[int], positions: list[PositionLogprobs] | None,

@@ -20,6 +20,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     chosen_entry,
     json_logprob,
     merge_streams,
+    prompt_logprobs_json,
     sse,
     sse_error,
     too_many,
@@ -41,12 +42,13 @@ class OpenAIServingCompletion(OpenAIServing):
             raise errors.bad_request("suffix is not supported.", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise errors.bad_request("best_of is not supported.", param="best_of")
-        self.check_request_caps(request)
+        self.check_stream_fields(request, request.prompt_logprobs)
+        items = self._prompt_items(request)
+        self.check_request_caps(request, len(items))
         self.engine.check_admission()
-        prompts = self._prompts(request)
-        want_prompt_logprobs = request.echo and request.logprobs is not None
+        prompts = self._tokenize(request, items)
         params = self.sampling_params(request, request.max_tokens, request.logprobs,
-                                      request.logprobs if want_prompt_logprobs else request.prompt_logprobs)
+                                      _num_prompt_logprobs_computed(request))
         request_id = self.request_id("cmpl", request)
         streams = self.add_requests(request_id, prompts, params, request,
                                     "delta" if request.stream else "final_only")
@@ -61,7 +63,8 @@ class OpenAIServingCompletion(OpenAIServing):
             await merged.aclose()
         return self._response(request, request_id, prompts, [finals[i] for i in range(len(prompts))])
 
-    def _prompts(self, request: CompletionRequest) -> list[Prompt]:
+    def _prompt_items(self, request: CompletionRequest) -> list[str | list[int]]:
+        """The prompts as sent (text or token ids), checked but not tokenized."""
         prompt = request.prompt
         if isinstance(prompt, str):
             items: list = [prompt]
@@ -78,6 +81,9 @@ class OpenAIServingCompletion(OpenAIServing):
                                      "of lists of token ids.", param="prompt")
         if any(isinstance(item, str) and not is_valid_unicode(item) for item in items):
             raise errors.bad_request("prompt must be valid Unicode (no lone surrogates).", param="prompt")
+        return items
+
+    def _tokenize(self, request: CompletionRequest, items: list[str | list[int]]) -> list[Prompt]:
         add_special = True if request.add_special_tokens is None else request.add_special_tokens
         result: list[Prompt] = []
         for item in items:
@@ -120,9 +126,12 @@ class OpenAIServingCompletion(OpenAIServing):
         logprobs = None
         if request.logprobs is not None and positions is not None:
             logprobs = self._logprobs(token_ids, positions, request.logprobs)
+        num_prompt_logprobs = _num_prompt_logprobs_returned(request)
         return CompletionResponseChoice(
             index=index, text=text, logprobs=logprobs, finish_reason=output.finish_reason,
             stop_reason=output.stop_reason,
+            prompt_logprobs=(prompt_logprobs_json(final.prompt_logprobs, num_prompt_logprobs)
+                             if num_prompt_logprobs is not None else None),
             prompt_token_ids=list(final.prompt_token_ids) if request.return_token_ids else None,
             token_ids=list(output.token_ids) if request.return_token_ids else None)
 
@@ -202,6 +211,21 @@ class OpenAIServingCompletion(OpenAIServing):
         finally:
             await merged.aclose()
         yield SSE_DONE
+
+
+def _num_prompt_logprobs_returned(request: CompletionRequest) -> int | None:
+    """The top-N of the prompt_logprobs a response carries (vLLM's: prompt_logprobs, else with echo, logprobs);
+    None: none."""
+    if request.prompt_logprobs is not None:
+        return request.prompt_logprobs
+    return request.logprobs if request.echo else None
+
+
+def _num_prompt_logprobs_computed(request: CompletionRequest) -> int | None:
+    """What the engine computes: the returned prompt_logprobs, and with echo the top-`logprobs` of every prompt
+    token for the echoed logprobs."""
+    counts = [k for k in (request.prompt_logprobs, request.logprobs if request.echo else None) if k is not None]
+    return max(counts) if counts else None
 
 
 def _is_token_ids(item) -> bool:
