@@ -368,3 +368,20 @@ def test_1mb_header_is_431_and_memory_stays_flat(server, engine_pid):
     assert growth < 50 << 20
     assert elapsed < 2.0
     assert_server_intact(server, engine_pid)
+
+
+DEEP = 1000
+
+
+@pytest.mark.parametrize("path,field", [(COMPLETIONS, "prompt"), (COMPLETIONS, "logit_bias"), (CHAT, "messages"),
+                                        (CHAT, "no_such_field"), (COMPLETIONS, "stop")])
+def test_deeply_nested_json_is_400_without_a_traceback(server, engine_pid, path, field):
+    """1,000 nested lists (or objects) in any field: was a 500 with a RecursionError traceback in the log."""
+    body = json.dumps(_body(path, False, **{field: "NESTED"}))
+    nested = "[" * DEEP + "]" * DEEP if field != "logit_bias" else '{"a":' * DEEP + "1" + "}" * DEEP
+    tracebacks_before = server.log().count("Traceback")
+    response = server.http.post(path, content=body.replace('"NESTED"', nested),
+                                headers={"content-type": "application/json"})
+    assert_error_body(response, 400)
+    assert server.log().count("Traceback") == tracebacks_before
+    assert_server_intact(server, engine_pid)

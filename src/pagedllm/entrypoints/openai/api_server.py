@@ -53,7 +53,13 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagedllm.entrypoints.openai.serving_base import FLAG_DEFAULTS, RequestCaps, precheck_caps, to_api_error
+from pagedllm.entrypoints.openai.serving_base import (
+    FLAG_DEFAULTS,
+    RequestCaps,
+    precheck_caps,
+    to_api_error,
+    too_deep,
+)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
@@ -253,11 +259,14 @@ def _prechecked_route_class(caps: RequestCaps) -> type[APIRoute]:
                     return _too_large().to_response()  # GuardMiddleware sends its 413 in this one's place
                 except ClientDisconnect:  # gone while its body was being read: nothing to answer, nothing to log
                     return Response(status_code=499)
-                if body:
-                    parsed = precheck_caps(body, caps)
-                    if parsed is not None:
-                        request._json = parsed  # Starlette's cache of request.json(): FastAPI parses it once
-                return await handler(request)
+                try:
+                    if body:
+                        parsed = precheck_caps(body, caps)
+                        if parsed is not None:
+                            request._json = parsed  # Starlette's cache of request.json(): FastAPI parses it once
+                    return await handler(request)
+                except RecursionError:  # FastAPI's parse or validation of a body at the edge of precheck's depth
+                    return too_deep().to_response()
 
             return checked_handler
 

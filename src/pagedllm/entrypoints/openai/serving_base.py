@@ -66,6 +66,11 @@ def too_many(param: str, count: int, caps: RequestCaps) -> errors.APIError:
     return errors.bad_request(f"{param} has {count} ids; at most {caps.max_stop} are allowed.", param=param)
 
 
+def too_deep() -> errors.APIError:
+    """The error for a JSON body nested past what the parsers recurse into (~1,000 levels)."""
+    return errors.bad_request("The request body is nested too deeply to parse.", code="json_too_deep")
+
+
 def _cap_of(param: str, caps: RequestCaps) -> int:
     return {"prompt": caps.max_prompts, "logit_bias": caps.max_logit_bias}.get(param, caps.max_stop)
 
@@ -88,6 +93,8 @@ def precheck_caps(body: bytes, caps: RequestCaps) -> Any:
         fields = _RAW_FIELDS.decode(body)
     except msgspec.DecodeError:
         return _precheck_parsed(body, caps)
+    except RecursionError:  # msgspec, like Python's json, gives up near the interpreter's recursion limit
+        raise too_deep() from None
     raw_n = fields.get("n")
     if raw_n is not None and len(raw_n) <= 24:
         try:
@@ -123,8 +130,10 @@ def precheck_caps(body: bytes, caps: RequestCaps) -> Any:
 def _precheck_parsed(body: bytes, caps: RequestCaps) -> Any:
     try:
         data = json.loads(body)
-    except (ValueError, RecursionError):  # JSONDecodeError, bad UTF-8, an integer of too many digits
+    except ValueError:  # JSONDecodeError, bad UTF-8, an integer of too many digits
         return None  # the request's own parse answers it
+    except RecursionError:
+        raise too_deep() from None
     if isinstance(data, dict):
         n = data.get("n")
         if isinstance(n, int) and not isinstance(n, bool) and not 1 <= n <= caps.max_n:
