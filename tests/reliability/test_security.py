@@ -216,3 +216,22 @@ def test_openapi_document_and_docs_need_the_key(keyed_server):
     document = keyed_server.http.get("/openapi.json", headers=keyed_server.headers).json()
     assert "/v1/chat/completions" in document["paths"]
     assert not any(key in json.dumps(document) for key in KEYS)
+
+
+def test_control_characters_from_a_request_are_escaped_in_the_log(keyed_server):
+    """A request_id (or a stop string) with a newline, a NUL, an ANSI escape or U+2028 must not write them
+    raw: a newline forged a whole log line."""
+    forged = "INFO 12-01 00:00:00 [pagedllm.serving] forged line"
+    ids = [f"inject\n{forged}", "inject\r\0nul", "inject\x1b[31mred", "inject\u2028sep\x85nel"]
+    client = keyed_server.client(api_key=KEYS[1])
+    for request_id in ids:
+        client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=1,
+                                  extra_body={"request_id": request_id, "stop": ["\n\0x"]})
+    assert wait_for(lambda: keyed_server.log().count("Received request cmpl-inject") >= len(ids), 5)
+    log = keyed_server.log_path.read_bytes()
+    lines = [line for line in log.split(b"\n") if b"inject" in line]
+    assert len(lines) == len(ids), lines  # one line per request: nothing forged a line of its own
+    assert not any(line.startswith(forged.encode()) for line in log.split(b"\n"))
+    for raw in (b"\0", b"\r", b"\x1b", "\u2028".encode(), "\x85".encode()):
+        assert not any(raw in line for line in lines), raw
+    assert b"cmpl-inject\\nINFO 12-01" in log and b"cmpl-inject\\r\\x00nul" in log and b"inject\\x1b[31mred" in log

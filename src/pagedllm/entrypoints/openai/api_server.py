@@ -62,6 +62,7 @@ from pagedllm.entrypoints.openai.serving_base import (
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.log_escape import escape_control
 
 logger = logging.getLogger(__name__)
 
@@ -352,7 +353,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, e: Exception):
-        logger.exception("unexpected error serving %s", request.url.path)
+        logger.exception("unexpected error serving %s", escape_control(request.url.path))
         return to_api_error(e, value_error_is_bad_request=False).to_response()
 
     salt_secret = os.urandom(32)

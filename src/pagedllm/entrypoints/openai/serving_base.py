@@ -25,6 +25,7 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
     random_uuid,
 )
+from pagedllm.log_escape import escape_control
 from pagedllm.outputs import PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -227,8 +228,8 @@ class OpenAIServing:
         if not 1 <= params.n <= self.max_n:
             raise n_above_cap(params.n, self.settings)
         if self.log_requests:
-            logger.info("Received request %s: %d prompt(s), %d prompt tokens, params %s", request_id,
-                        len(prompts), sum(len(ids) for _, ids in prompts), _short(params))
+            logger.info("Received request %s: %d prompt(s), %d prompt tokens, params %s", escape_control(request_id),
+                        len(prompts), sum(len(ids) for _, ids in prompts), escape_control(_short(params)))
         streams = []
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         try:
@@ -272,7 +273,7 @@ def to_api_error(e: BaseException, value_error_is_bad_request: bool = True) -> e
     if isinstance(e, ValueError) and value_error_is_bad_request:
         return errors.bad_request(str(e))
     error_id = random_uuid()[:16]
-    logger.error("internal error %s: %s: %s", error_id, type(e).__name__, e, exc_info=e)
+    logger.error("internal error %s: %s: %s", error_id, type(e).__name__, escape_control(e), exc_info=e)
     return errors.internal(f"The server had an error while processing your request (error id {error_id}).")
 
 
