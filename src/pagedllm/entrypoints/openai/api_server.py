@@ -417,12 +417,12 @@ def build_app(state: ServerState) -> FastAPI:
         if body.messages is not None:
             text = render_chat(tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
                                timeout_s=settings.chat_template_timeout, max_chars=settings.max_chat_template_chars)
-            token_ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+            token_ids = await completions.encode(text, bool(body.add_special_tokens), check_length=False)
         else:
             if not is_valid_unicode(body.prompt):
                 raise errors.bad_request("prompt must be valid Unicode (no lone surrogates).", param="prompt")
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            token_ids = tokenizer.encode(body.prompt, add_special_tokens=add_special)
+            token_ids = await completions.encode(body.prompt, add_special, check_length=False)  # counts any length
         token_strs = tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
         return JSONResponse(TokenizeResponse(count=len(token_ids), max_model_len=engine.max_model_len,
                                              tokens=token_ids, token_strs=token_strs).model_dump())

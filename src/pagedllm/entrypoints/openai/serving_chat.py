@@ -108,7 +108,7 @@ class OpenAIServingChat(OpenAIServing):
                              request.continue_final_message, request.chat_template, request.chat_template_kwargs,
                              request.tools, self.settings.chat_template_timeout, self.settings.max_chat_template_chars)
         add_special = bool(request.add_special_tokens)
-        token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special)
+        token_ids = await self.encode(prompt, add_special)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         params = self.sampling_params(request, max_tokens, logprobs)

@@ -43,7 +43,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise errors.bad_request("best_of is not supported.", param="best_of")
         self.check_request_caps(request)
         self.engine.check_admission()
-        prompts = self._prompts(request)
+        prompts = await self._prompts(request)
         want_prompt_logprobs = request.echo and request.logprobs is not None
         params = self.sampling_params(request, request.max_tokens, request.logprobs,
                                       request.logprobs if want_prompt_logprobs else request.prompt_logprobs)
@@ -61,7 +61,7 @@ class OpenAIServingCompletion(OpenAIServing):
             await merged.aclose()
         return self._response(request, request_id, prompts, [finals[i] for i in range(len(prompts))])
 
-    def _prompts(self, request: CompletionRequest) -> list[Prompt]:
+    async def _prompts(self, request: CompletionRequest) -> list[Prompt]:
         prompt = request.prompt
         if isinstance(prompt, str):
             items: list = [prompt]
@@ -82,7 +82,7 @@ class OpenAIServingCompletion(OpenAIServing):
         result: list[Prompt] = []
         for item in items:
             if isinstance(item, str):
-                result.append((item, self.tokenizer.encode(item, add_special_tokens=add_special)))
+                result.append((item, await self.encode(item, add_special)))
             else:
                 result.append((None, list(item)))
         return result
