@@ -103,6 +103,11 @@ JSON_CASES = [
                               (CHAT, {"chat_template": "{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
                                                        "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}"})],
      400, "messages", None),
+    ("chat-template-compile-time", [(CHAT, {"chat_template": "{{ '%999999999s' % 'a' }}"}),
+                                    (CHAT, {"chat_template": "{{ 'a'|center(999999999) }}"}),
+                                    (CHAT, {"chat_template_kwargs": {"chat_template": "{{ 'a'|indent(999999999) }}"}})],
+     400, "messages", None),
+    ("chat-template-too-long", [(CHAT, {"chat_template": "x" * 100_001})], 400, "chat_template", None),
     ("unknown-model", _both(model="no-such-model"), 404, "model", "model_not_found"),
 ]
 
@@ -427,4 +432,44 @@ def test_prompt_too_long_for_any_tokenization_is_rejected_before_tokenizing(serv
     print(f"FIGURE 900 kB prompt rejected in {elapsed * 1000:.0f} ms")
     assert "maximum context length is 512 tokens" in error["message"]
     assert elapsed < 1.0
+    assert_server_intact(server, engine_pid)
+
+
+def test_request_chat_template_cannot_exhaust_the_api_server(server, engine_pid):
+    """Jinja folds `'%999999999s' % 'a'` while it compiles, outside the render sandbox's limits: in the API
+    server that blocked every route for 20.9 s and left it at 1.2 GB. A request's template now compiles and
+    renders in a child process with a memory limit: a quick 400, the API server's memory flat, /health
+    answering meanwhile; a good request template (here trusted by the server's flag) is still used."""
+    pid = server.proc.pid
+    rss_before = rss_bytes(pid)
+    result = {}
+
+    def send():
+        start = time.perf_counter()
+        result["response"] = server.http.post(CHAT, json=_body(CHAT, False, chat_template="{{ '%999999999s' % 'a' }}"))
+        result["elapsed"] = time.perf_counter() - start
+
+    worker = threading.Thread(target=send)
+    worker.start()
+    latencies = []
+    while worker.is_alive():
+        start = time.perf_counter()
+        assert server.http.get("/health", timeout=30).status_code == 200
+        latencies.append(time.perf_counter() - start)
+        time.sleep(0.05)
+    worker.join()
+    growth = rss_bytes(pid) - rss_before
+    print(f"FIGURE 1 GB compile-time template: 400 in {result['elapsed']:.2f} s, API-server RSS growth "
+          f"{growth / (1 << 20):.1f} MiB, /health worst {max(latencies, default=0) * 1000:.0f} ms")
+    assert_error_body(result["response"], 400, "messages")
+    assert "too much memory" in result["response"].json()["error"]["message"]
+    assert result["elapsed"] < 10.0 and growth < 50 << 20
+    assert max(latencies, default=0) < 2.0  # the child's start-up shares the 2 cores; the loop never blocks
+    template = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    expected = len(server.http.post("/tokenize", json={"prompt": "[hello there]", "add_special_tokens": False}
+                                    ).json()["tokens"])
+    for changes in ({"chat_template": template}, {"chat_template_kwargs": {"chat_template": template}}):
+        response = server.http.post(CHAT, json=_body(CHAT, False, add_special_tokens=False, **changes))
+        assert response.status_code == 200, response.text[:300]
+        assert response.json()["usage"]["prompt_tokens"] == expected
     assert_server_intact(server, engine_pid)

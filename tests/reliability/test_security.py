@@ -235,3 +235,21 @@ def test_control_characters_from_a_request_are_escaped_in_the_log(keyed_server):
     for raw in (b"\0", b"\r", b"\x1b", "\u2028".encode(), "\x85".encode()):
         assert not any(raw in line for line in lines), raw
     assert b"cmpl-inject\\nINFO 12-01" in log and b"cmpl-inject\\r\\x00nul" in log and b"inject\\x1b[31mred" in log
+
+
+def test_request_chat_template_is_refused_unless_trusted(keyed_server):
+    """A chat template in a request is code; as vLLM does, it is refused (400) unless the server runs with
+    --trust-request-chat-template (one request's template held the API server at 1.2 GB)."""
+    http, headers = keyed_server.http, keyed_server.headers
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for changes in ({"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"},
+                    {"chat_template": "{{ '%999999999s' % 'a' }}"},
+                    {"chat_template_kwargs": {"chat_template": "{{ messages[0].content }}"}}):
+        start = time.perf_counter()
+        response = http.post("/v1/chat/completions", headers=headers, json={**body, **changes})
+        error = assert_error_body(response, 400, "chat_template")
+        assert "--trust-request-chat-template" in error["message"]
+        assert time.perf_counter() - start < 1.0
+    response = http.post("/v1/chat/completions", headers=headers,
+                         json={**body, "chat_template_kwargs": {"enable_thinking": False}})
+    assert response.status_code == 200, response.text[:300]  # other template variables stay accepted

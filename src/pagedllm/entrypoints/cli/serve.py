@@ -75,6 +75,10 @@ class ServerConfig:
     """Seconds a chat template may take to render before the request is rejected (HTTP 400)."""
     max_chat_template_chars: int = 1 << 20
     """Most characters a chat template may render (or build in one value) before HTTP 400."""
+    trust_request_chat_template: bool = False
+    """Accept a chat template sent in a request (`chat_template`, or `chat_template_kwargs.chat_template`);
+    without this flag such a request is refused with HTTP 400, as vLLM does. A request's template is code:
+    it is compiled and rendered in a child process with a memory limit, killed past --chat-template-timeout."""
     max_request_bytes: int = 16 << 20
     """Largest request body accepted, in bytes (HTTP 413 beyond; chunked bodies are counted as they
     arrive)."""

@@ -53,6 +53,7 @@ class RequestCaps:
     max_stop: int = FLAG_DEFAULTS.max_stop
     chat_template_timeout: float = FLAG_DEFAULTS.chat_template_timeout
     max_chat_template_chars: int = FLAG_DEFAULTS.max_chat_template_chars
+    trust_request_chat_template: bool = FLAG_DEFAULTS.trust_request_chat_template
 
 
 def n_above_cap(n: int, caps: RequestCaps) -> errors.APIError:
