@@ -84,6 +84,14 @@ class ServerConfig:
     arrive)."""
     max_header_bytes: int = 64 << 10
     """Largest request head (request line and headers) accepted, in bytes (HTTP 431 beyond)."""
+    max_connections: int = 4096
+    """Most open client connections; beyond, a new connection gets HTTP 503 at once and is closed (kept
+    below the open-file limit, which start-up raises to its hard limit)."""
+    header_read_timeout: float = 10.0
+    """Seconds a connection has to deliver a request's head (request line and headers) from when it opens,
+    or from its first byte after a keep-alive pause; then HTTP 408 and the connection is closed."""
+    body_read_timeout: float = 60.0
+    """Seconds a request's body has to arrive in full after its head; then the connection is closed."""
     enable_debug_routes: bool = False
     """Serve GET /debug/kv_cache (free and total KV blocks, running and waiting requests) for tests."""
 
@@ -110,9 +118,12 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     if server_kwargs.get("cache_salt_from_api_key") and not server_kwargs["api_key"]:
         raise ValueError("--cache-salt-from-api-key needs --api-key (or VLLM_API_KEY).")
     for name in ("max_n", "max_prompts", "max_logit_bias", "max_stop", "max_chat_template_chars",
-                 "max_request_bytes", "max_header_bytes"):
+                 "max_request_bytes", "max_header_bytes", "max_connections"):
         if name in server_kwargs and server_kwargs[name] < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1.")
+    for name in ("header_read_timeout", "body_read_timeout"):
+        if name in server_kwargs and not server_kwargs[name] > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive.")
     model = args.model or args.model_tag
     if args.model and args.model_tag and args.model != args.model_tag:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}.")
