@@ -179,8 +179,12 @@ class OpenAIServing:
                 f"This model's maximum context length is {max_model_len} tokens. However, your prompt is "
                 f"{len(text)} characters long, more than {max_model_len} tokens of this tokenizer can hold.",
                 param="prompt", code="context_length_exceeded")
-        encode = functools.partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, encode)
+        return await self.in_tokenizer_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    async def in_tokenizer_thread(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs) in the tokenizer's worker thread (one at a time), off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool,
+                                                                functools.partial(fn, *args, **kwargs))
 
     @property
     def model_name(self) -> str:
