@@ -35,6 +35,8 @@ RESERVED_FDS = 128
 """Descriptors kept free of client connections (engine sockets, log files, the template process...)."""
 REJECT_LINGER_S = 1.0
 """How long a rejected connection stays half-closed, so that the client reads the 503 before the close."""
+MAX_LINGERING = RESERVED_FDS // 2
+"""Rejected connections that may linger at once; past them a rejected one is closed right after its 503."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,8 @@ class ConnectionLimitedH11Protocol(HeaderLimitedH11Protocol):
         self._write_error(errors.unavailable(
             f"The server has too many open connections (--max-connections {self.limits.max_connections}).",
             "too_many_connections", retry_after_s=1))
-        if self.transport.can_write_eof():
+        lingering = len(self.connections) - self.limits.max_connections  # this one included
+        if lingering <= MAX_LINGERING and self.transport.can_write_eof():
             self.transport.write_eof()  # half-close: the client reads the 503, then the linger timer closes
             self.loop.call_later(REJECT_LINGER_S, self.transport.close)
         else:
