@@ -62,6 +62,9 @@ class ChatTemplateProcess:
                                                f"{timeout_s:g} s to render.") from None
             except (ConnectionError, ValueError):  # the child died mid-write; an answer over MAX_ANSWER_BYTES
                 answer = b""
+            except BaseException:  # cancelled (the client left): the answer must not go to the next request
+                self._kill()
+                raise
             if not answer.endswith(b"\n"):
                 self._kill()
                 raise ChatTemplateProcessError("ChatTemplateLimitError: the chat template used too much memory.")
@@ -79,14 +82,19 @@ class ChatTemplateProcess:
                 ready = await asyncio.wait_for(self._proc.stdout.readline(), STARTUP_TIMEOUT_S)
             except TimeoutError:
                 ready = b""
+            except BaseException:
+                self._kill()
+                raise
             if ready != b"{}\n":
                 self._kill()
                 raise ChatTemplateProcessError("RuntimeError: the chat template process did not start.")
         return self._proc
 
     def _kill(self) -> None:
-        if self._proc is not None and self._proc.returncode is None:
-            self._proc.kill()
+        if self._proc is not None:
+            if self._proc.returncode is None:
+                self._proc.kill()
+            self._proc.stdin.close()
         self._proc = None
 
     def close(self) -> None:
