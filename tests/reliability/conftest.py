@@ -41,9 +41,10 @@ class Launcher:
 @pytest.fixture(scope="session")
 def shared_server(serve_model, tmp_path_factory):
     """One plain server for the whole session: bad inputs, the unconstrained KV reference, the disconnect
-    storm. Every test that uses it leaves it idle, with every KV block free."""
+    storm. Every test that uses it leaves it idle, with every KV block free. It trusts request chat templates,
+    so that the bad-input tests reach the template sandbox."""
     server = Server(serve_model, tmp_path_factory.mktemp("shared") / "server.log", "--max-num-seqs", "64",
-                    "--block-size", "8")
+                    "--block-size", "8", "--trust-request-chat-template")
     yield server
     server.close()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import socket
 import statistics
+import threading
 import time
 
 import openai
@@ -102,6 +103,11 @@ JSON_CASES = [
                               (CHAT, {"chat_template": "{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
                                                        "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}"})],
      400, "messages", None),
+    ("chat-template-compile-time", [(CHAT, {"chat_template": "{{ '%999999999s' % 'a' }}"}),
+                                    (CHAT, {"chat_template": "{{ 'a'|center(999999999) }}"}),
+                                    (CHAT, {"chat_template_kwargs": {"chat_template": "{{ 'a'|indent(999999999) }}"}})],
+     400, "messages", None),
+    ("chat-template-too-long", [(CHAT, {"chat_template": "x" * 100_001})], 400, "chat_template", None),
     ("unknown-model", _both(model="no-such-model"), 404, "model", "model_not_found"),
 ]
 
@@ -367,4 +373,103 @@ def test_1mb_header_is_431_and_memory_stays_flat(server, engine_pid):
     assert status == 431 and body["error"]["code"] == "headers_too_large"
     assert growth < 50 << 20
     assert elapsed < 2.0
+    assert_server_intact(server, engine_pid)
+
+
+DEEP = 1000
+
+
+@pytest.mark.parametrize("path,field", [(COMPLETIONS, "prompt"), (COMPLETIONS, "logit_bias"), (CHAT, "messages"),
+                                        (CHAT, "no_such_field"), (COMPLETIONS, "stop")])
+def test_deeply_nested_json_is_400_without_a_traceback(server, engine_pid, path, field):
+    """1,000 nested lists (or objects) in any field: was a 500 with a RecursionError traceback in the log."""
+    body = json.dumps(_body(path, False, **{field: "NESTED"}))
+    nested = "[" * DEEP + "]" * DEEP if field != "logit_bias" else '{"a":' * DEEP + "1" + "}" * DEEP
+    tracebacks_before = server.log().count("Traceback")
+    response = server.http.post(path, content=body.replace('"NESTED"', nested),
+                                headers={"content-type": "application/json"})
+    assert_error_body(response, 400)
+    assert server.log().count("Traceback") == tracebacks_before
+    assert_server_intact(server, engine_pid)
+
+
+def test_tokenization_runs_off_the_event_loop(server, engine_pid):
+    """While /tokenize works through 1 MB of text (seconds here), /health answers at once: the tokenizer
+    ran on the event loop and froze every route (a 15 MB /tokenize froze the server for 15 s)."""
+    text = "hello world " * (1_000_000 // 12)
+    result = {}
+
+    def tokenize():
+        result["response"] = server.http.post("/tokenize", json={"model": MODEL_NAME, "prompt": text}, timeout=120)
+
+    worker = threading.Thread(target=tokenize)
+    worker.start()
+    time.sleep(0.3)  # the body is sent and tokenization is under way
+    latencies = []
+    for _ in range(3):
+        start = time.perf_counter()
+        assert server.http.get("/health", timeout=30).status_code == 200
+        latencies.append(time.perf_counter() - start)
+    overlapped = worker.is_alive()
+    worker.join()
+    print(f"FIGURE /health during a 1 MB /tokenize: worst {max(latencies) * 1000:.0f} ms")
+    assert max(latencies) < 0.5, latencies
+    assert overlapped, "the tokenization ended before /health was asked: make the text longer"
+    assert result["response"].status_code == 200 and result["response"].json()["count"] > 500_000
+    assert_server_intact(server, engine_pid)
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_prompt_too_long_for_any_tokenization_is_rejected_before_tokenizing(server, engine_pid, path):
+    """900 kB of text cannot fit in max_model_len (512) tokens of at most 13 characters: 400 at once, as
+    vLLM words it, instead of seconds of tokenization first (13.8 MB took 13 s, every route frozen)."""
+    text = "hello world " * (900_000 // 12)  # under --max-chat-template-chars (1 MiB)
+    changes = {"prompt": text} if path == COMPLETIONS else {"messages": [{"role": "user", "content": text}]}
+    start = time.perf_counter()
+    response = server.http.post(path, json=_body(path, False, **changes))
+    elapsed = time.perf_counter() - start
+    error = assert_error_body(response, 400, "prompt", "context_length_exceeded")
+    print(f"FIGURE 900 kB prompt rejected in {elapsed * 1000:.0f} ms")
+    assert "maximum context length is 512 tokens" in error["message"]
+    assert elapsed < 1.0
+    assert_server_intact(server, engine_pid)
+
+
+def test_request_chat_template_cannot_exhaust_the_api_server(server, engine_pid):
+    """Jinja folds `'%999999999s' % 'a'` while it compiles, outside the render sandbox's limits: in the API
+    server that blocked every route for 20.9 s and left it at 1.2 GB. A request's template now compiles and
+    renders in a child process with a memory limit: a quick 400, the API server's memory flat, /health
+    answering meanwhile; a good request template (here trusted by the server's flag) is still used."""
+    pid = server.proc.pid
+    rss_before = rss_bytes(pid)
+    result = {}
+
+    def send():
+        start = time.perf_counter()
+        result["response"] = server.http.post(CHAT, json=_body(CHAT, False, chat_template="{{ '%999999999s' % 'a' }}"))
+        result["elapsed"] = time.perf_counter() - start
+
+    worker = threading.Thread(target=send)
+    worker.start()
+    latencies = []
+    while worker.is_alive():
+        start = time.perf_counter()
+        assert server.http.get("/health", timeout=30).status_code == 200
+        latencies.append(time.perf_counter() - start)
+        time.sleep(0.05)
+    worker.join()
+    growth = rss_bytes(pid) - rss_before
+    print(f"FIGURE 1 GB compile-time template: 400 in {result['elapsed']:.2f} s, API-server RSS growth "
+          f"{growth / (1 << 20):.1f} MiB, /health worst {max(latencies, default=0) * 1000:.0f} ms")
+    assert_error_body(result["response"], 400, "messages")
+    assert "too much memory" in result["response"].json()["error"]["message"]
+    assert result["elapsed"] < 10.0 and growth < 50 << 20
+    assert max(latencies, default=0) < 2.0  # the child's start-up shares the 2 cores; the loop never blocks
+    template = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    expected = len(server.http.post("/tokenize", json={"prompt": "[hello there]", "add_special_tokens": False}
+                                    ).json()["tokens"])
+    for changes in ({"chat_template": template}, {"chat_template_kwargs": {"chat_template": template}}):
+        response = server.http.post(CHAT, json=_body(CHAT, False, add_special_tokens=False, **changes))
+        assert response.status_code == 200, response.text[:300]
+        assert response.json()["usage"]["prompt_tokens"] == expected
     assert_server_intact(server, engine_pid)

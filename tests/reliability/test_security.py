@@ -216,3 +216,40 @@ def test_openapi_document_and_docs_need_the_key(keyed_server):
     document = keyed_server.http.get("/openapi.json", headers=keyed_server.headers).json()
     assert "/v1/chat/completions" in document["paths"]
     assert not any(key in json.dumps(document) for key in KEYS)
+
+
+def test_control_characters_from_a_request_are_escaped_in_the_log(keyed_server):
+    """A request_id (or a stop string) with a newline, a NUL, an ANSI escape or U+2028 must not write them
+    raw: a newline forged a whole log line."""
+    forged = "INFO 12-01 00:00:00 [pagedllm.serving] forged line"
+    ids = [f"inject\n{forged}", "inject\r\0nul", "inject\x1b[31mred", "inject\u2028sep\x85nel"]
+    client = keyed_server.client(api_key=KEYS[1])
+    for request_id in ids:
+        client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=1,
+                                  extra_body={"request_id": request_id, "stop": ["\n\0x"]})
+    assert wait_for(lambda: keyed_server.log().count("Received request cmpl-inject") >= len(ids), 5)
+    log = keyed_server.log_path.read_bytes()
+    lines = [line for line in log.split(b"\n") if b"inject" in line]
+    assert len(lines) == len(ids), lines  # one line per request: nothing forged a line of its own
+    assert not any(line.startswith(forged.encode()) for line in log.split(b"\n"))
+    for raw in (b"\0", b"\r", b"\x1b", "\u2028".encode(), "\x85".encode()):
+        assert not any(raw in line for line in lines), raw
+    assert b"cmpl-inject\\nINFO 12-01" in log and b"cmpl-inject\\r\\x00nul" in log and b"inject\\x1b[31mred" in log
+
+
+def test_request_chat_template_is_refused_unless_trusted(keyed_server):
+    """A chat template in a request is code; as vLLM does, it is refused (400) unless the server runs with
+    --trust-request-chat-template (one request's template held the API server at 1.2 GB)."""
+    http, headers = keyed_server.http, keyed_server.headers
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for changes in ({"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"},
+                    {"chat_template": "{{ '%999999999s' % 'a' }}"},
+                    {"chat_template_kwargs": {"chat_template": "{{ messages[0].content }}"}}):
+        start = time.perf_counter()
+        response = http.post("/v1/chat/completions", headers=headers, json={**body, **changes})
+        error = assert_error_body(response, 400, "chat_template")
+        assert "--trust-request-chat-template" in error["message"]
+        assert time.perf_counter() - start < 1.0
+    response = http.post("/v1/chat/completions", headers=headers,
+                         json={**body, "chat_template_kwargs": {"enable_thinking": False}})
+    assert response.status_code == 200, response.text[:300]  # other template variables stay accepted

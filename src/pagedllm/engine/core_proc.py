@@ -39,6 +39,7 @@ import zmq
 
 from pagedllm.engine.input_processor import ModelLimits
 from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.log_escape import escape_control
 from pagedllm.metrics.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ class EngineCoreProc:
         except ValueError as e:
             self.send(Rejected(request.request_id, "invalid", str(e)))
         except Exception:  # one bad request must not take the engine down
-            logger.exception("could not add request %s", request.request_id)
+            logger.exception("could not add request %s", escape_control(request.request_id))
             self.send(Rejected(request.request_id, "invalid", "The engine could not accept this request."))
         return False
 

@@ -78,11 +78,23 @@ class ServerConfig:
     """Seconds a chat template may take to render before the request is rejected (HTTP 400)."""
     max_chat_template_chars: int = 1 << 20
     """Most characters a chat template may render (or build in one value) before HTTP 400."""
+    trust_request_chat_template: bool = False
+    """Accept a chat template sent in a request (`chat_template`, or `chat_template_kwargs.chat_template`);
+    without this flag such a request is refused with HTTP 400, as vLLM does. A request's template is code:
+    it is compiled and rendered in a child process with a memory limit, killed past --chat-template-timeout."""
     max_request_bytes: int = 16 << 20
     """Largest request body accepted, in bytes (HTTP 413 beyond; chunked bodies are counted as they
     arrive)."""
     max_header_bytes: int = 64 << 10
     """Largest request head (request line and headers) accepted, in bytes (HTTP 431 beyond)."""
+    max_connections: int = 4096
+    """Most open client connections; beyond, a new connection gets HTTP 503 at once and is closed (kept
+    below the open-file limit, which start-up raises to its hard limit)."""
+    header_read_timeout: float = 10.0
+    """Seconds a connection has to deliver a request's head (request line and headers) from when it opens,
+    or from its first byte after a keep-alive pause; then HTTP 408 and the connection is closed."""
+    body_read_timeout: float = 60.0
+    """Seconds a request's body has to arrive in full after its head; then the connection is closed."""
     enable_debug_routes: bool = False
     """Serve GET /debug/kv_cache (free and total KV blocks, running and waiting requests) for tests."""
 
@@ -112,9 +124,12 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         raise ValueError("--cache-salt-from-api-key needs --api-key (or VLLM_API_KEY): without a key there is "
                          "no tenant to derive a salt from.")
     for name in ("max_n", "max_prompts", "max_choices", "max_logit_bias", "max_stop", "max_chat_template_chars",
-                 "max_request_bytes", "max_header_bytes"):
+                 "max_request_bytes", "max_header_bytes", "max_connections"):
         if name in server_kwargs and server_kwargs[name] < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1.")
+    for name in ("header_read_timeout", "body_read_timeout"):
+        if name in server_kwargs and not server_kwargs[name] > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive.")
     model = args.model or args.model_tag
     if args.model and args.model_tag and args.model != args.model_tag:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}.")

@@ -53,9 +53,16 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagedllm.entrypoints.openai.serving_base import FLAG_DEFAULTS, RequestCaps, precheck_caps, to_api_error
+from pagedllm.entrypoints.openai.serving_base import (
+    FLAG_DEFAULTS,
+    RequestCaps,
+    precheck_caps,
+    to_api_error,
+    too_deep,
+)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.log_escape import escape_control
 
 logger = logging.getLogger(__name__)
 
@@ -261,11 +268,14 @@ def _prechecked_route_class(caps: RequestCaps) -> type[APIRoute]:
                     return _too_large().to_response()  # GuardMiddleware sends its 413 in this one's place
                 except ClientDisconnect:  # gone while its body was being read: nothing to answer, nothing to log
                     return Response(status_code=499)
-                if body:
-                    parsed = precheck_caps(body, caps)
-                    if parsed is not None:
-                        request._json = parsed  # Starlette's cache of request.json(): FastAPI parses it once
-                return await handler(request)
+                try:
+                    if body:
+                        parsed = precheck_caps(body, caps)
+                        if parsed is not None:
+                            request._json = parsed  # Starlette's cache of request.json(): FastAPI parses it once
+                    return await handler(request)
+                except RecursionError:  # FastAPI's parse or validation of a body at the edge of precheck's depth
+                    return too_deep().to_response()
 
             return checked_handler
 
@@ -351,7 +361,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, e: Exception):
-        logger.exception("unexpected error serving %s", request.url.path)
+        logger.exception("unexpected error serving %s", escape_control(request.url.path))
         return to_api_error(e, value_error_is_bad_request=False).to_response()
 
     salt_secret = os.urandom(32)
@@ -418,15 +428,19 @@ def build_app(state: ServerState) -> FastAPI:
         if body.messages is not None:
             text = render_chat(tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
                                timeout_s=settings.chat_template_timeout, max_chars=settings.max_chat_template_chars)
-            token_ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+            token_ids = await completions.encode(text, bool(body.add_special_tokens), check_length=False)
         else:
             if not is_valid_unicode(body.prompt):
                 raise errors.bad_request("prompt must be valid Unicode (no lone surrogates).", param="prompt")
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            token_ids = tokenizer.encode(body.prompt, add_special_tokens=add_special)
-        token_strs = tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
-        return JSONResponse(TokenizeResponse(count=len(token_ids), max_model_len=engine.max_model_len,
-                                             tokens=token_ids, token_strs=token_strs).model_dump())
+            token_ids = await completions.encode(body.prompt, add_special, check_length=False)  # counts any length
+
+        def response_json() -> str:  # ~1 s for a million tokens: in the tokenizer's thread too
+            token_strs = tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
+            return TokenizeResponse(count=len(token_ids), max_model_len=engine.max_model_len, tokens=token_ids,
+                                    token_strs=token_strs).model_dump_json()
+
+        return Response(await completions.in_tokenizer_thread(response_json), media_type="application/json")
 
     @app.post("/detokenize", responses={200: {"model": DetokenizeResponse},
                                          **_error_responses(400, 401, 404, 503)})

@@ -7,6 +7,10 @@ hours or builds a string of gigabytes. Here the same sandbox also:
 - caps the size of every `*`, `**`, `+` and `~` result and of the output (`max_chars`),
 - stops rendering after `timeout_s` (a trace function on the template's own frames checks the clock).
 
+None of this bounds what Jinja computes while it *compiles* (it folds constant expressions), so a template
+sent in a request is accepted only with --trust-request-chat-template and then compiled and rendered in a
+child process with a memory limit (chat_template_process.py); the model's own template renders here.
+
 `render` takes the same arguments as `tokenizer.apply_chat_template(..., tokenize=False)` and renders the
 same text (continue_final_message cuts after the final message's content, as transformers does).
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 import uvicorn
@@ -11,12 +12,13 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineCoreClient, EngineStartupError
 from pagedllm.entrypoints.cli.serve import parse_api_keys
-from pagedllm.entrypoints.openai.api_server import (
-    DrainingServer,
-    HeaderLimitedH11Protocol,
-    ServerSettings,
-    ServerState,
-    build_app,
+from pagedllm.entrypoints.openai.api_server import DrainingServer, ServerSettings, ServerState, build_app
+from pagedllm.entrypoints.openai.connection_limits import (
+    ConnectionLimitedH11Protocol,
+    ConnectionLimits,
+    RateLimitedLoopErrors,
+    effective_max_connections,
+    raise_fd_limit,
 )
 
 logger = logging.getLogger(__name__)
@@ -33,6 +35,8 @@ def run(engine_config: EngineConfig, server_config) -> int:
 async def run_server(engine_config: EngineConfig, sc) -> int:
     from pagedllm.tokenizer import get_tokenizer
 
+    fd_limit = raise_fd_limit()
+    asyncio.get_running_loop().set_exception_handler(RateLimitedLoopErrors())
     mc = engine_config.model_config
     tokenizer_task = asyncio.ensure_future(asyncio.to_thread(get_tokenizer, mc.tokenizer or mc.model))
     try:
@@ -53,9 +57,11 @@ async def run_server(engine_config: EngineConfig, sc) -> int:
     api_keys = parse_api_keys(sc.api_key)
     settings = ServerSettings.from_flags(sc, names, api_keys)
     state = ServerState(engine, settings)
+    limits = ConnectionLimits(effective_max_connections(sc.max_connections, fd_limit), sc.header_read_timeout,
+                              sc.body_read_timeout)
     config = uvicorn.Config(build_app(state), host=sc.host or "0.0.0.0", port=sc.port,
                             log_level=sc.uvicorn_log_level, timeout_graceful_shutdown=5,
-                            timeout_keep_alive=5, http=HeaderLimitedH11Protocol,
+                            timeout_keep_alive=5, http=functools.partial(ConnectionLimitedH11Protocol, limits=limits),
                             h11_max_incomplete_event_size=sc.max_header_bytes)
     server = DrainingServer(config, state, sc.drain_timeout)
     engine.on_death = lambda reason: server.exit_later(sc.engine_death_exit_delay)

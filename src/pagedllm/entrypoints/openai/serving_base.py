@@ -4,9 +4,11 @@ engine errors to HTTP errors, logprobs and usage, merged output streams, and SSE
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,12 +29,16 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
     random_uuid,
 )
+from pagedllm.log_escape import escape_control
 from pagedllm.outputs import PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_LEN = 256
+PROMPT_CHARS_MARGIN = 2
+"""A prompt longer than max_model_len x (the longest token's characters) x this is rejected before it is
+tokenized: no tokenization of it can fit (the margin covers normalizers that merge characters)."""
 
 
 FLAG_DEFAULTS = ServerConfig()
@@ -50,6 +56,7 @@ class RequestCaps:
     max_stop: int = FLAG_DEFAULTS.max_stop
     chat_template_timeout: float = FLAG_DEFAULTS.chat_template_timeout
     max_chat_template_chars: int = FLAG_DEFAULTS.max_chat_template_chars
+    trust_request_chat_template: bool = FLAG_DEFAULTS.trust_request_chat_template
 
 
 def n_above_cap(n: int, caps: RequestCaps) -> errors.APIError:
@@ -67,6 +74,11 @@ def too_many(param: str, count: int, caps: RequestCaps) -> errors.APIError:
     if param == "stop":
         return errors.bad_request(f"stop has {count} strings; at most {caps.max_stop} are allowed.", param="stop")
     return errors.bad_request(f"{param} has {count} ids; at most {caps.max_stop} are allowed.", param=param)
+
+
+def too_deep() -> errors.APIError:
+    """The error for a JSON body nested past what the parsers recurse into (~1,000 levels)."""
+    return errors.bad_request("The request body is nested too deeply to parse.", code="json_too_deep")
 
 
 def _cap_of(param: str, caps: RequestCaps) -> int:
@@ -91,6 +103,8 @@ def precheck_caps(body: bytes, caps: RequestCaps) -> Any:
         fields = _RAW_FIELDS.decode(body)
     except msgspec.DecodeError:
         return _precheck_parsed(body, caps)
+    except RecursionError:  # msgspec, like Python's json, gives up near the interpreter's recursion limit
+        raise too_deep() from None
     raw_n = fields.get("n")
     if raw_n is not None and len(raw_n) <= 24:
         try:
@@ -126,8 +140,10 @@ def precheck_caps(body: bytes, caps: RequestCaps) -> Any:
 def _precheck_parsed(body: bytes, caps: RequestCaps) -> Any:
     try:
         data = json.loads(body)
-    except (ValueError, RecursionError):  # JSONDecodeError, bad UTF-8, an integer of too many digits
+    except ValueError:  # JSONDecodeError, bad UTF-8, an integer of too many digits
         return None  # the request's own parse answers it
+    except RecursionError:
+        raise too_deep() from None
     if isinstance(data, dict):
         n = data.get("n")
         if isinstance(n, int) and not isinstance(n, bool) and not 1 <= n <= caps.max_n:
@@ -153,6 +169,25 @@ class OpenAIServing:
         self.settings = settings if settings is not None else RequestCaps()
         self.log_requests = getattr(settings, "log_requests", False)
         self.max_n = self.settings.max_n
+        self.max_prompt_chars = engine.max_model_len * longest_token_chars(self.tokenizer) * PROMPT_CHARS_MARGIN
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+    async def encode(self, text: str, add_special_tokens: bool, check_length: bool = True) -> list[int]:
+        """The token ids of `text`, tokenized in a worker thread: the event loop serves every other route
+        meanwhile (HF tokenizers release the GIL; 15 MB took 15 s). check_length: first reject (400,
+        context_length_exceeded) a text too long to fit in max_model_len tokens however it tokenizes."""
+        if check_length and len(text) > self.max_prompt_chars:
+            max_model_len = self.engine.max_model_len
+            raise errors.bad_request(
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt is "
+                f"{len(text)} characters long, more than {max_model_len} tokens of this tokenizer can hold.",
+                param="prompt", code="context_length_exceeded")
+        return await self.in_tokenizer_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    async def in_tokenizer_thread(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs) in the tokenizer's worker thread (one at a time), off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool,
+                                                                functools.partial(fn, *args, **kwargs))
 
     @property
     def model_name(self) -> str:
@@ -240,8 +275,8 @@ class OpenAIServing:
             raise n_above_cap(params.n, self.settings)
         engine_id = f"{request_id}-{random_uuid()[:8]}"
         if self.log_requests:
-            logger.info("Received request %s: %d prompt(s), %d prompt tokens, params %s", engine_id,
-                        len(prompts), sum(len(ids) for _, ids in prompts), _short(params))
+            logger.info("Received request %s: %d prompt(s), %d prompt tokens, params %s", escape_control(engine_id),
+                        len(prompts), sum(len(ids) for _, ids in prompts), escape_control(_short(params)))
         streams = []
         ids = [engine_id] if len(prompts) == 1 else [f"{engine_id}-{i}" for i in range(len(prompts))]
         try:
@@ -253,6 +288,11 @@ class OpenAIServing:
                 self.engine.abort(sub_id)
             raise
         return streams
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token of the vocabulary stands for (byte-level tokens: bytes, at least as many)."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1)
 
 
 def _short(params: SamplingParams, limit: int = 1000) -> str:
@@ -285,7 +325,7 @@ def to_api_error(e: BaseException, value_error_is_bad_request: bool = True) -> e
     if isinstance(e, ValueError) and value_error_is_bad_request:
         return errors.bad_request(str(e))
     error_id = random_uuid()[:16]
-    logger.error("internal error %s: %s: %s", error_id, type(e).__name__, e, exc_info=e)
+    logger.error("internal error %s: %s: %s", error_id, type(e).__name__, escape_control(e), exc_info=e)
     return errors.internal(f"The server had an error while processing your request (error id {error_id}).")
 
 

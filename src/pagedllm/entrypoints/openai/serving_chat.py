@@ -9,6 +9,7 @@ from typing import Any
 from pagedllm.engine.input_processor import is_valid_unicode
 from pagedllm.entrypoints.openai import chat_template as chat_template_module
 from pagedllm.entrypoints.openai import errors
+from pagedllm.entrypoints.openai.chat_template_process import ChatTemplateProcess, ChatTemplateProcessError
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -36,15 +37,79 @@ from pagedllm.entrypoints.openai.serving_base import (
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.sampling_params import MAX_LOGPROBS
 
+MAX_REQUEST_CHAT_TEMPLATE_CHARS = 100_000
+"""Longest chat template a request may send (with --trust-request-chat-template); models' own are ~1-20 kB."""
+
+
+def request_chat_template(request: ChatCompletionRequest, trusted: bool) -> str | None:
+    """The template the request sends, in chat_template or in chat_template_kwargs["chat_template"] (None: the
+    model's own). Refused (400), as vLLM does, unless the server trusts request templates."""
+    from_kwargs = (request.chat_template_kwargs or {}).get("chat_template")
+    source = request.chat_template if request.chat_template is not None else from_kwargs
+    if source is None:
+        return None
+    if not trusted:
+        raise errors.bad_request("Chat template is passed with request, but --trust-request-chat-template is not "
+                                 "set. Refused request with untrusted chat template.", param="chat_template")
+    if not isinstance(source, str) or len(source) > MAX_REQUEST_CHAT_TEMPLATE_CHARS:
+        raise errors.bad_request(f"chat_template must be a string of at most {MAX_REQUEST_CHAT_TEMPLATE_CHARS} "
+                                 "characters.", param="chat_template")
+    return source
+
 
 def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
                 continue_final_message: bool, chat_template: str | None = None,
                 chat_template_kwargs: dict[str, Any] | None = None, tools: list | None = None,
                 timeout_s: float = chat_template_module.DEFAULT_TIMEOUT_S,
                 max_chars: int = chat_template_module.DEFAULT_MAX_CHARS) -> str:
-    """The prompt text for a conversation, rendered in the limited sandbox of chat_template.py.
+    """The prompt text for a conversation, rendered in the limited sandbox of chat_template.py (in this
+    process: for the model's own template; a request's goes through ChatTemplateProcess).
 
     Raises APIError(400) for messages or a template that cannot render, or that break a limit."""
+    source, conversation, kwargs = _render_inputs(tokenizer, messages, add_generation_prompt, continue_final_message,
+                                                  chat_template, chat_template_kwargs)
+    try:
+        text = chat_template_module.render(source, conversation, add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message,
+                                           special_tokens=tokenizer.special_tokens_map, tools=tools,
+                                           timeout_s=timeout_s, max_chars=max_chars, **kwargs)
+    except Exception as e:  # jinja2 TemplateError (SecurityError, limits), ValueError, TypeError, ...
+        raise _render_error(f"{type(e).__name__}: {e}") from None
+    return _checked_text(text)
+
+
+async def render_request_template(process: ChatTemplateProcess, tokenizer, messages: list[dict[str, Any]],
+                                  add_generation_prompt: bool, continue_final_message: bool, chat_template: str,
+                                  chat_template_kwargs: dict[str, Any] | None, tools: list | None, timeout_s: float,
+                                  max_chars: int) -> str:
+    """render_chat of a request-supplied template, in the child process of chat_template_process.py (the
+    event loop serves other requests meanwhile)."""
+    source, conversation, kwargs = _render_inputs(tokenizer, messages, add_generation_prompt, continue_final_message,
+                                                  chat_template, chat_template_kwargs)
+    try:
+        text = await process.render(source, conversation, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message,
+                                    special_tokens=tokenizer.special_tokens_map, tools=tools, timeout_s=timeout_s,
+                                    max_chars=max_chars, **kwargs)
+    except ChatTemplateProcessError as e:
+        raise _render_error(str(e)) from None
+    return _checked_text(text)
+
+
+def _render_error(reason: str) -> errors.APIError:
+    return errors.bad_request(f"The chat template could not render these messages: {reason}", param="messages")
+
+
+def _checked_text(text: str) -> str:
+    if not is_valid_unicode(text):
+        raise errors.bad_request("messages must be valid Unicode (no lone surrogates).", param="messages")
+    return text
+
+
+def _render_inputs(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                   continue_final_message: bool, chat_template: str | None,
+                   chat_template_kwargs: dict[str, Any] | None) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+    """(template source, normalized messages, extra template variables); raises APIError(400)."""
     if add_generation_prompt and continue_final_message:
         raise errors.bad_request("add_generation_prompt and continue_final_message cannot both be true.",
                                  param="continue_final_message")
@@ -56,21 +121,11 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt
     conversation = [_normalize_message(m, i) for i, m in enumerate(messages)]
     source = chat_template if chat_template is not None else tokenizer.chat_template
     if not isinstance(source, str):
-        raise errors.bad_request("The model has no chat template; send one in chat_template.",
-                                 param="chat_template")
+        raise errors.bad_request("The model has no chat template; send one in chat_template (the server needs "
+                                 "--trust-request-chat-template).", param="chat_template")
     kwargs = {k: v for k, v in (chat_template_kwargs or {}).items()
-              if k not in ("messages", "add_generation_prompt", "continue_final_message", "tools")}
-    try:
-        text = chat_template_module.render(source, conversation, add_generation_prompt=add_generation_prompt,
-                                           continue_final_message=continue_final_message,
-                                           special_tokens=tokenizer.special_tokens_map, tools=tools,
-                                           timeout_s=timeout_s, max_chars=max_chars, **kwargs)
-    except Exception as e:  # jinja2 TemplateError (SecurityError, limits), ValueError, TypeError, ...
-        raise errors.bad_request(f"The chat template could not render these messages: {type(e).__name__}: {e}",
-                                 param="messages") from None
-    if not is_valid_unicode(text):
-        raise errors.bad_request("messages must be valid Unicode (no lone surrogates).", param="messages")
-    return text
+              if k not in ("messages", "add_generation_prompt", "continue_final_message", "tools", "chat_template")}
+    return source, conversation, kwargs
 
 
 def _normalize_message(message: dict[str, Any], index: int) -> dict[str, Any]:
@@ -95,6 +150,11 @@ def _normalize_message(message: dict[str, Any], index: int) -> dict[str, Any]:
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.template_process = ChatTemplateProcess()
+        """Renders request-supplied templates (with --trust-request-chat-template); started on first use."""
+
     async def create_chat_completion(self, request: ChatCompletionRequest
                                      ) -> ChatCompletionResponse | AsyncIterator[str]:
         self.check_model(request.model)
@@ -106,11 +166,16 @@ class OpenAIServingChat(OpenAIServing):
         self.check_stream_fields(request, request.prompt_logprobs)
         self.check_request_caps(request)
         self.engine.check_admission()
-        prompt = render_chat(self.tokenizer, request.messages, request.add_generation_prompt,
-                             request.continue_final_message, request.chat_template, request.chat_template_kwargs,
-                             request.tools, self.settings.chat_template_timeout, self.settings.max_chat_template_chars)
+        template = request_chat_template(request, self.settings.trust_request_chat_template)
+        render_args = (self.tokenizer, request.messages, request.add_generation_prompt, request.continue_final_message,
+                       template, request.chat_template_kwargs, request.tools, self.settings.chat_template_timeout,
+                       self.settings.max_chat_template_chars)
+        if template is None:
+            prompt = render_chat(*render_args)
+        else:
+            prompt = await render_request_template(self.template_process, *render_args)
         add_special = bool(request.add_special_tokens)
-        token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special)
+        token_ids = await self.encode(prompt, add_special)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         params = self.sampling_params(request, max_tokens, logprobs, request.prompt_logprobs)

@@ -46,7 +46,7 @@ class OpenAIServingCompletion(OpenAIServing):
         items = self._prompt_items(request)
         self.check_request_caps(request, len(items))
         self.engine.check_admission()
-        prompts = self._tokenize(request, items)
+        prompts = await self._tokenize(request, items)
         params = self.sampling_params(request, request.max_tokens, request.logprobs,
                                       _num_prompt_logprobs_computed(request))
         request_id = self.request_id("cmpl", request)
@@ -83,12 +83,12 @@ class OpenAIServingCompletion(OpenAIServing):
             raise errors.bad_request("prompt must be valid Unicode (no lone surrogates).", param="prompt")
         return items
 
-    def _tokenize(self, request: CompletionRequest, items: list[str | list[int]]) -> list[Prompt]:
+    async def _tokenize(self, request: CompletionRequest, items: list[str | list[int]]) -> list[Prompt]:
         add_special = True if request.add_special_tokens is None else request.add_special_tokens
         result: list[Prompt] = []
         for item in items:
             if isinstance(item, str):
-                result.append((item, self.tokenizer.encode(item, add_special_tokens=add_special)))
+                result.append((item, await self.encode(item, add_special)))
             else:
                 result.append((None, list(item)))
         return result

@@ -1,0 +1,181 @@
+"""Limits on the API server's connections, against slowloris and descriptor exhaustion.
+
+Before these, an idle, partial-header or partial-body connection stayed open forever: 21,000 of them used up
+the file descriptors, /health and completions timed out, and asyncio logged a traceback for every failed
+accept (111 MB of log in 45 s). Now:
+- a connection must deliver its request head within --header-read-timeout of opening (or of its first byte
+  after a keep-alive pause: uvicorn's keep-alive timeout closes idle ones), else a 408 and close;
+- a request's body must arrive within --body-read-timeout of its head, else the connection closes (the
+  handler sees a disconnect);
+- past --max-connections open connections, a new one gets a JSON 503 at once and is closed;
+- the descriptor soft limit is raised to the hard limit at start, and the cap is kept under it;
+- the loop's repeated error reports (a failed accept) are logged once per interval, not once per attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+import resource
+import time
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import h11
+
+from pagedllm.entrypoints.openai import errors
+from pagedllm.entrypoints.openai.api_server import HeaderLimitedH11Protocol
+
+logger = logging.getLogger(__name__)
+
+RESERVED_FDS = 128
+"""Descriptors kept free of client connections (engine sockets, log files, the template process...)."""
+REJECT_LINGER_S = 1.0
+"""How long a rejected connection stays half-closed, so that the client reads the 503 before the close."""
+MAX_LINGERING = RESERVED_FDS // 2
+"""Rejected connections that may linger at once; past them a rejected one is closed right after its 503."""
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    max_connections: int
+    header_read_timeout: float
+    body_read_timeout: float
+
+
+class ConnectionLimitedH11Protocol(HeaderLimitedH11Protocol):
+    """uvicorn's h11 protocol with the connection cap and the head and body read deadlines of `limits`."""
+
+    def __init__(self, *args: Any, limits: ConnectionLimits, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.limits = limits
+        self._deadline: asyncio.TimerHandle | None = None
+        self._waiting_for: str | None = None  # "head", "body" or None (nothing to wait for: no deadline)
+        self._rejected = False
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self._reject()
+        else:
+            self._wait_for("head")
+
+    def data_received(self, data: bytes) -> None:
+        if self._rejected:
+            return  # the 503 is on its way; what the client sends is dropped
+        if self._waiting_for is None and self.conn.their_state is h11.IDLE:
+            self._wait_for("head")  # the first bytes of the next request on a kept-alive connection
+        super().data_received(data)
+        state = self.conn.their_state
+        if state is h11.SEND_BODY:
+            if self._waiting_for != "body":
+                self._wait_for("body")
+        elif state is not h11.IDLE:  # DONE (the whole request is in), MUST_CLOSE, CLOSED, ERROR
+            self._wait_for(None)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # may start a pipelined request
+        if self.conn.their_state is h11.SEND_BODY:
+            if self._waiting_for != "body":
+                self._wait_for("body")
+        else:
+            self._wait_for(None)  # idle until the next request: uvicorn's keep-alive timeout applies
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._wait_for(None)
+        super().connection_lost(exc)
+
+    def _wait_for(self, what: str | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self._waiting_for = what
+        if what == "head":
+            self._deadline = self.loop.call_later(self.limits.header_read_timeout, self._head_timed_out)
+        elif what == "body":
+            self._deadline = self.loop.call_later(self.limits.body_read_timeout, self.transport.close)
+
+    def _head_timed_out(self) -> None:
+        self._deadline = None
+        if not self.transport.is_closing():
+            self._write_error(errors.APIError(
+                HTTPStatus.REQUEST_TIMEOUT, f"The request head did not arrive within "
+                f"{self.limits.header_read_timeout:g} s.", "invalid_request_error", code="request_timeout"))
+            self.transport.close()
+
+    def _reject(self) -> None:
+        self._rejected = True
+        self._write_error(errors.unavailable(
+            f"The server has too many open connections (--max-connections {self.limits.max_connections}).",
+            "too_many_connections", retry_after_s=1))
+        lingering = len(self.connections) - self.limits.max_connections  # this one included
+        if lingering <= MAX_LINGERING and self.transport.can_write_eof():
+            self.transport.write_eof()  # half-close: the client reads the 503, then the linger timer closes
+            self.loop.call_later(REJECT_LINGER_S, self.transport.close)
+        else:
+            self.transport.close()
+
+    def _write_error(self, error: errors.APIError) -> None:
+        """An error response written raw: no request was parsed, so h11 has no response to send."""
+        body = json.dumps({"error": error.to_info().model_dump()}).encode()
+        headers = {"content-type": "application/json", "content-length": str(len(body)), "connection": "close",
+                   **(error.headers or {})}
+        head = f"HTTP/1.1 {int(error.status)} {HTTPStatus(error.status).phrase}\r\n" + "".join(
+            f"{name}: {value}\r\n" for name, value in headers.items()) + "\r\n"
+        self.transport.write(head.encode() + body)
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft limit on open descriptors to the hard limit, as servers do; returns the soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:
+            logger.warning("could not raise the open-file limit from %d to %d: %s", soft, target, e)
+    return soft
+
+
+def effective_max_connections(max_connections: int, fd_limit: int) -> int:
+    """The connection cap, lowered to leave RESERVED_FDS descriptors free under fd_limit."""
+    room = max(fd_limit - RESERVED_FDS, 1)
+    if max_connections > room:
+        logger.warning("--max-connections %d is above what the open-file limit (%d) allows: capping at %d",
+                       max_connections, fd_limit, room)
+        return room
+    return max_connections
+
+
+class RateLimitedLoopErrors:
+    """An asyncio exception handler that reports each kind of error at most once per `interval_s`.
+
+    A failed accept (EMFILE: out of descriptors) is reported on one line, without a traceback; asyncio's
+    selector loop reports it (and the retries it schedules) hundreds of times a second."""
+
+    def __init__(self, interval_s: float = 10.0):
+        self.interval_s = interval_s
+        self._last: dict[tuple[str, str], float] = {}
+        self._suppressed: dict[tuple[str, str], int] = {}
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exception = context.get("exception")
+        message = context.get("message", "")
+        if message.startswith("Exception in callback"):
+            message = message.split("(", 1)[0]  # the callback's arguments differ between repeats
+        key = (message, type(exception).__name__)
+        now = time.monotonic()
+        if now - self._last.get(key, -self.interval_s) < self.interval_s:
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return
+        self._last[key] = now
+        repeats = self._suppressed.pop(key, 0)
+        more = f" ({repeats} more like it in the last {self.interval_s:g} s)" if repeats else ""
+        if isinstance(exception, OSError) and exception.errno in (errno.EMFILE, errno.ENFILE):
+            logger.error("%s: %s%s; new connections wait until descriptors are free", message, exception, more)
+        else:
+            loop.default_exception_handler({**context, "message": context.get("message", "") + more})

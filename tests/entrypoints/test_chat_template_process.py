@@ -1,0 +1,50 @@
+"""ChatTemplateProcess: request templates render in a child process, as in-process, within memory and time."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pagedllm.entrypoints.openai import chat_template
+from pagedllm.entrypoints.openai.chat_template_process import (
+    KILL_SLACK_S,
+    ChatTemplateProcess,
+    ChatTemplateProcessError,
+)
+
+pytestmark = pytest.mark.slow  # starts a child process
+
+MESSAGES = [{"role": "user", "content": "hi \ud83d"}, {"role": "assistant", "content": "ok"}]
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+OPTIONS = {"add_generation_prompt": True, "continue_final_message": False, "special_tokens": {}, "max_chars": 10**6}
+
+
+def test_renders_like_in_process_and_survives_bombs_timeouts_and_cancellation():
+    async def scenario():
+        process = ChatTemplateProcess()
+        try:
+            text = await process.render(TEMPLATE, MESSAGES, timeout_s=5.0, **OPTIONS)
+            assert text == chat_template.render(TEMPLATE, MESSAGES, timeout_s=5.0, **OPTIONS)
+            with pytest.raises(ChatTemplateProcessError, match="too much memory"):  # folded while compiling
+                await process.render("{{ '%999999999s' % 'a' }}", MESSAGES, timeout_s=5.0, **OPTIONS)
+            with pytest.raises(ChatTemplateProcessError, match="SecurityError"):
+                await process.render("{{ ''.__class__ }}", MESSAGES, timeout_s=5.0, **OPTIONS)
+            start = time.monotonic()  # seconds in a filter, where the child's own timeout never looks: killed
+            with pytest.raises(ChatTemplateProcessError, match="longer than 0.2 s"):
+                await process.render("{{ ('ab' * 300000)|list|sort|length }}", MESSAGES, timeout_s=0.2, **OPTIONS)
+            assert time.monotonic() - start < 0.2 + KILL_SLACK_S + 1.0
+            slow = asyncio.ensure_future(process.render("{% for i in range(10**5) %}{% for j in range(10**5) %}"
+                                                        "{% endfor %}{% endfor %}", MESSAGES, timeout_s=5.0,
+                                                        **OPTIONS))
+            await asyncio.sleep(0.5)
+            slow.cancel()  # the client left mid-render: its answer must not reach the next request
+            with pytest.raises(asyncio.CancelledError):
+                await slow
+            assert await process.render(TEMPLATE, MESSAGES, timeout_s=5.0, **OPTIONS) == text
+        finally:
+            process.close()
+            await asyncio.sleep(0.2)  # the loop sees the killed children exit
+
+    asyncio.run(scenario())
