@@ -25,8 +25,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention_cpu.c", "elementwise_cpu.c")]
-_HEADER = Path(__file__).with_name("simd_cpu.h")  # included by the sources: part of the cache key
+_SOURCES = [Path(__file__).with_name(name)
+            for name in ("paged_attention_cpu.c", "kv_cache_cpu.c", "elementwise_cpu.c")]
+_HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the cache key
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 """Compile flags. -ffast-math lets gcc call glibc's vector expf (libmvec) in the softmax; it is NOT given when
 linking: there it would add crtfastmath.o, whose constructor turns on flush-to-zero and denormals-are-zero for
@@ -58,7 +59,7 @@ def _library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.info("no C compiler found: native CPU kernels off, torch paths used")
         return None
-    source = b"".join(path.read_bytes() for path in [*_SOURCES, _HEADER])
+    source = b"".join(path.read_bytes() for path in [*_SOURCES, *_HEADERS])
     flags = " ".join(_FLAGS + _LINK_FLAGS).encode()
     key = hashlib.sha256(source + flags + _cpu_signature().encode()).hexdigest()[:16]
     try:
@@ -79,12 +80,25 @@ def _library() -> ctypes.CDLL | None:
         logger.warning("could not build the native CPU kernels (%s %s): torch paths used", e,
                        detail.decode(errors="replace")[-500:])
         return None
-    fn = lib.paged_decode_attention_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] \
-        + [ctypes.c_int64] * 5 + [ctypes.c_float]
+    _declare_attention(lib)
     _declare_elementwise(lib)
     return lib
+
+
+def _declare_attention(lib: ctypes.CDLL) -> None:
+    """ctypes signatures of paged_attention_cpu.c's and kv_cache_cpu.c's kernels."""
+    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    signatures = {
+        "paged_decode_attention": (ctypes.c_int, [ptr] * 4 + [i64, ptr, ptr, ptr, ptr, i64, ptr] + [i64] * 5
+                                   + [f32, i32]),
+        "kv_cache_write": (None, [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i32]),
+        "kv_encode": (None, [ptr, i64, i32, ptr]),
+        "kv_decode": (None, [ptr, i64, i32, i32, ptr]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
 
 
 def _declare_elementwise(lib: ctypes.CDLL) -> None:
@@ -107,30 +121,91 @@ def available(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and _library() is not None
 
 
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+"""KV cache storage dtypes the kernels read and write, and their codes in kv_dtype_cpu.h."""
+
+
+def kv_cache_native(kv_dtype: torch.dtype, compute_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the native KV cache write and decode attention run for fp32 activations over a cache of kv_dtype."""
+    return (device.type == "cpu" and compute_dtype == torch.float32 and kv_dtype in KV_FORMATS
+            and _library() is not None)
+
+
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Decode attention read in place through the block table.
+                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+                           slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention read in place through the block table; with k_new, v_new and slot_mapping it first writes
+    each query's own K and V into the cache (one call instead of a write and an attention).
 
     Args:
         q: [S, H, D] float32, contiguous.
-        key_cache, value_cache: [num_blocks, block_size, Hkv, D] float32, contiguous.
+        key_cache, value_cache: [num_blocks, block_size, Hkv, D], contiguous, a dtype of KV_FORMATS.
         block_table: [S, max_blocks] int32, contiguous rows (the row stride may exceed the blocks used).
-        seq_lens: [S] int32: context length of each query, its own token included.
+        seq_lens: [S] int32, contiguous: context length of each query, its own token included.
+        k_new, v_new: [S, Hkv, D] float32, each row contiguous (rows may be strided: views of a fused qkv).
+        slot_mapping: [S] int64, contiguous: the slot of each query's own token.
     Returns:
         out: [S, H, D] float32.
     """
     lib = _library()
-    assert lib is not None and q.is_contiguous() and key_cache.is_contiguous() and value_cache.is_contiguous()
-    assert block_table.dtype == torch.int32 and block_table.stride(1) == 1 and seq_lens.dtype == torch.int32
     s, h, d = q.shape
     num_blocks, block_size, hkv, _ = key_cache.shape
     out = torch.empty_like(q)
-    seq_lens = seq_lens.contiguous()
-    rc = lib.paged_decode_attention_f32(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                                        block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
-                                        out.data_ptr(), s, h, hkv, d, block_size, scale)
+    new_args = (None, None, 0, None)
+    if k_new is not None:
+        assert k_new.stride() == v_new.stride() and k_new.stride()[1:] == (d, 1) and slot_mapping.dtype == torch.int64
+        new_args = (k_new.data_ptr(), v_new.data_ptr(), k_new.stride(0), slot_mapping.data_ptr())
+    rc = lib.paged_decode_attention(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                                    block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
+                                    out.data_ptr(), *new_args, s, h, hkv, d, block_size, scale,
+                                    KV_FORMATS[key_cache.dtype])
     if rc != 0:
         raise MemoryError("paged decode attention could not allocate its scratch buffer")
+    return out
+
+
+def check_decode_args(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+                      seq_lens: torch.Tensor) -> None:
+    """The layout paged_decode_attention assumes (checked once per step by the caller, not per layer)."""
+    assert q.dtype == torch.float32 and q.is_contiguous() and key_cache.is_contiguous()
+    assert value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype and key_cache.dtype in KV_FORMATS
+    assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
+    assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """key_cache[slot_mapping[t]] = k[t] (and v), encoded in the cache's dtype (round to nearest even, saturating).
+
+    Args:
+        k, v: [T, Hkv, D] float32, each row contiguous (rows may be strided: views of a fused qkv).
+        key_cache, value_cache: [num_blocks, block_size, Hkv, D], contiguous, a dtype of KV_FORMATS.
+        slot_mapping: [T] int64, contiguous.
+    """
+    lib = _library()
+    t, hkv, d = k.shape
+    assert k.dtype == v.dtype == torch.float32 and k.stride() == v.stride() and k.stride()[1:] == (d, 1)
+    assert key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == (t,)
+    lib.kv_cache_write(k.data_ptr(), v.data_ptr(), k.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+                       slot_mapping.data_ptr(), t, hkv * d, KV_FORMATS[key_cache.dtype])
+
+
+def kv_encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x (float32, contiguous) encoded as the KV cache stores it in `dtype`: a new tensor of that dtype."""
+    assert x.dtype == torch.float32 and x.is_contiguous()
+    out = torch.empty(x.shape, dtype=dtype)
+    _library().kv_encode(x.data_ptr(), x.numel(), KV_FORMATS[dtype], out.data_ptr())
+    return out
+
+
+def kv_decode(codes: torch.Tensor, vector: bool = True) -> torch.Tensor:
+    """codes (a KV_FORMATS dtype, contiguous) as float32, through the attention kernel's vector loads (vector)
+    or the scalar conversion."""
+    assert codes.is_contiguous()
+    out = torch.empty(codes.shape, dtype=torch.float32)
+    _library().kv_decode(codes.data_ptr(), codes.numel(), KV_FORMATS[codes.dtype], int(vector), out.data_ptr())
     return out
 
 
