@@ -115,7 +115,8 @@ def test_decode_attention_over_a_quantized_pool(dtype, heads, kv_heads, head_dim
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, *KV_DTYPES])
-def test_fused_write_then_attend_matches_write_and_attend(dtype):
+def test_fused_rotary_write_attend_matches_the_separate_kernels(dtype):
+    """One call per layer (rotary on the fused qkv, K/V write, attention) gives the bits of the three calls."""
     gen = torch.Generator().manual_seed(2)
     cache = _pool(dtype, 40, 16, 3, 64, gen)
     seq_lens = torch.tensor([1, 17, 50, 64], dtype=torch.int32)
@@ -123,13 +124,17 @@ def test_fused_write_then_attend_matches_write_and_attend(dtype):
     # each query's own token: the last position of its context
     slots = torch.stack([block_table[s, (n - 1) // 16].long() * 16 + (n - 1) % 16
                          for s, n in enumerate(seq_lens.tolist())])
-    qkv = torch.randn(4, 15, 64, generator=gen)
-    q, k, v = qkv[:, :9].contiguous(), qkv[:, 9:12], qkv[:, 12:]
-    separate = cache.clone()
-    cpu_kernels.write_kv_cache(k, v, separate[0], separate[1], slots)
-    expected = cpu_kernels.paged_decode_attention(q, separate[0], separate[1], block_table, seq_lens, 0.125)
-    fused = cache.clone()
-    out = cpu_kernels.paged_decode_attention(q, fused[0], fused[1], block_table, seq_lens, 0.125, k, v, slots)
+    qkv = torch.randn(4, 15 * 64, generator=gen)  # [S, (H + 2 Hkv) * D]
+    angles = torch.rand(4, 32, generator=gen) * 6
+    cos_sin = torch.stack([angles.cos(), angles.sin()], dim=1)  # [S, 2, D / 2]
+    separate, qkv_separate = cache.clone(), qkv.clone()
+    cpu_kernels.rotary_qkv(qkv_separate, cos_sin, 9, 3, 64)
+    rows = qkv_separate.view(4, 15, 64)
+    cpu_kernels.write_kv_cache(rows[:, 9:12], rows[:, 12:], separate[0], separate[1], slots)
+    expected = cpu_kernels.paged_decode_attention(rows[:, :9], separate[0], separate[1], block_table, seq_lens, 0.125)
+    fused, qkv_fused = cache.clone(), qkv.clone()
+    out = cpu_kernels.fused_decode_attention(qkv_fused, cos_sin, slots, fused, block_table, seq_lens, 0.125, 9)
+    assert torch.equal(qkv_fused, qkv_separate)  # rotated in place, as rotary_qkv does
     assert torch.equal(fused.float(), separate.float())
     assert torch.equal(out, expected)
 
@@ -160,3 +165,15 @@ def test_resolve_names_and_refuse_unknown_ones():
     assert resolve_kv_cache_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
     with pytest.raises(ValueError, match="fp8_inc"):
         resolve_kv_cache_dtype("fp8_inc", torch.float32, cpu)
+
+
+def test_a_device_that_cannot_convert_fails_with_the_reason(monkeypatch):
+    """As CUDA builds without float8 kernels would: start-up stops with torch's reason, no fallback dtype."""
+    from pagedllm.layers import kv_cache_dtype
+
+    def no_fp8(x, dtype):
+        raise RuntimeError(f'"copy_" not implemented for {dtype}')
+
+    monkeypatch.setattr(kv_cache_dtype, "to_cache_dtype", no_fp8)
+    with pytest.raises(ValueError, match="cannot store or read a torch.float8_e5m2 KV cache.*not implemented"):
+        resolve_kv_cache_dtype("fp8_e5m2", torch.float32, torch.device("cpu"))

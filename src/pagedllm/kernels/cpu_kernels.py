@@ -89,7 +89,7 @@ def _declare_attention(lib: ctypes.CDLL) -> None:
     """ctypes signatures of paged_attention_cpu.c's and kv_cache_cpu.c's kernels."""
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     signatures = {
-        "paged_decode_attention": (ctypes.c_int, [ptr] * 4 + [i64, ptr, ptr, ptr, ptr, i64, ptr] + [i64] * 5
+        "paged_decode_attention": (ctypes.c_int, [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr] + [i64] * 5
                                    + [f32, i32]),
         "kv_cache_write": (None, [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i32]),
         "kv_encode": (None, [ptr, i64, i32, ptr]),
@@ -127,51 +127,72 @@ KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch
 
 def kv_cache_native(kv_dtype: torch.dtype, compute_dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the native KV cache write and decode attention run for fp32 activations over a cache of kv_dtype."""
-    return (device.type == "cpu" and compute_dtype == torch.float32 and kv_dtype in KV_FORMATS
-            and _library() is not None)
+    return kv_dtype in KV_FORMATS and available(compute_dtype, device)
 
 
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-                           slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention read in place through the block table; with k_new, v_new and slot_mapping it first writes
-    each query's own K and V into the cache (one call instead of a write and an attention).
+                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention read in place through the block table.
 
     Args:
-        q: [S, H, D] float32, contiguous.
+        q: [S, H, D] float32, each row contiguous (the row stride may exceed H * D).
         key_cache, value_cache: [num_blocks, block_size, Hkv, D], contiguous, a dtype of KV_FORMATS.
         block_table: [S, max_blocks] int32, contiguous rows (the row stride may exceed the blocks used).
         seq_lens: [S] int32, contiguous: context length of each query, its own token included.
-        k_new, v_new: [S, Hkv, D] float32, each row contiguous (rows may be strided: views of a fused qkv).
-        slot_mapping: [S] int64, contiguous: the slot of each query's own token.
     Returns:
         out: [S, H, D] float32.
     """
-    lib = _library()
     s, h, d = q.shape
-    num_blocks, block_size, hkv, _ = key_cache.shape
-    out = torch.empty_like(q)
-    new_args = (None, None, 0, None)
-    if k_new is not None:
-        assert k_new.stride() == v_new.stride() and k_new.stride()[1:] == (d, 1) and slot_mapping.dtype == torch.int64
-        new_args = (k_new.data_ptr(), v_new.data_ptr(), k_new.stride(0), slot_mapping.data_ptr())
-    rc = lib.paged_decode_attention(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                                    block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
-                                    out.data_ptr(), *new_args, s, h, hkv, d, block_size, scale,
-                                    KV_FORMATS[key_cache.dtype])
+    assert q.dtype == torch.float32 and q.stride()[1:] == (d, 1)
+    check_decode_args(key_cache, value_cache, block_table, seq_lens)
+    return _decode(q, q.stride(0), None, None, key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[1:],
+                   key_cache.dtype, block_table, seq_lens, scale, h)
+
+
+def fused_decode_attention(qkv: torch.Tensor, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
+                           kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           num_heads: int) -> torch.Tensor:
+    """One call for a layer's batch of decodes: rotary on q and k in place in qkv (as rotary_qkv does), the K/V
+    write at slot_mapping (as write_kv_cache does), then paged_decode_attention.
+
+    Args:
+        qkv: [S, (H + 2 * Hkv) * D] float32, contiguous: the fused qkv projection, not yet rotated.
+        cos_sin: [S, 2, D / 2] float32, contiguous (RotaryEmbedding's output).
+        slot_mapping: [S] int64, contiguous: the slot of each query's own token.
+        kv_cache: [2, num_blocks, block_size, Hkv, D], contiguous: key_cache = kv_cache[0], value_cache = kv_cache[1].
+        block_table, seq_lens: as paged_decode_attention's. The caller checks these and the cache once per step
+            with check_decode_args: this runs once per layer.
+    Returns:
+        out: [S, H, D] float32.
+    """
+    key = kv_cache.data_ptr()
+    value = key + kv_cache.stride(0) * kv_cache.element_size()
+    return _decode(qkv, qkv.shape[1], cos_sin.data_ptr(), slot_mapping.data_ptr(), key, value, kv_cache.shape[2:],
+                   kv_cache.dtype, block_table, seq_lens, scale, num_heads)
+
+
+def _decode(q: torch.Tensor, q_stride: int, cos_sin: int | None, slot_mapping: int | None, key_cache: int,
+            value_cache: int, block_shape: torch.Size, kv_dtype: torch.dtype, block_table: torch.Tensor,
+            seq_lens: torch.Tensor, scale: float, num_heads: int) -> torch.Tensor:
+    block_size, hkv, d = block_shape  # of the cache: [block_size, Hkv, D]
+    s = q.shape[0]
+    out = q.new_empty(s, num_heads, d)
+    rc = _library().paged_decode_attention(q.data_ptr(), q_stride, cos_sin, slot_mapping, key_cache, value_cache,
+                                           block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
+                                           out.data_ptr(), s, num_heads, hkv, d, block_size, scale,
+                                           KV_FORMATS[kv_dtype])
     if rc != 0:
         raise MemoryError("paged decode attention could not allocate its scratch buffer")
     return out
 
 
-def check_decode_args(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+def check_decode_args(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                       seq_lens: torch.Tensor) -> None:
-    """The layout paged_decode_attention assumes (checked once per step by the caller, not per layer)."""
-    assert q.dtype == torch.float32 and q.is_contiguous() and key_cache.is_contiguous()
-    assert value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype and key_cache.dtype in KV_FORMATS
+    """The layouts the decode attention kernel assumes of the cache and the step's metadata."""
+    assert key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype
+    assert key_cache.dtype in KV_FORMATS and key_cache.is_cpu and block_table.is_cpu and seq_lens.is_cpu
     assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
-    assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
+    assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and len(seq_lens) == len(block_table)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

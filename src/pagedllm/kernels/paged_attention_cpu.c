@@ -3,16 +3,19 @@
  * values (kv_dtype_cpu.h), converted to fp32 in registers as they are read.
  *
  * Layouts (row-major):
- *   q            [num_seqs, num_heads, head_dim] fp32, contiguous
+ *   q            [num_seqs, q_stride] fp32: row s starts with the query's num_heads * head_dim floats
  *   key_cache    [num_blocks, block_size, num_kv_heads, head_dim] in `fmt` (value_cache the same)
  *   block_table  [num_seqs, block_table_stride] int32
  *   seq_lens     [num_seqs] int32: tokens of context, the query's own token included
  *   out          [num_seqs, num_heads, head_dim] fp32
- *   k_new, v_new [num_seqs, new_stride] fp32, row s holding num_kv_heads * head_dim floats (or NULL)
- *   slot_mapping [num_seqs] int64: the cache slot of each query's own token
+ *   slot_mapping [num_seqs] int64: the cache slot of each query's own token, or NULL
+ *   cos_sin      [num_seqs, 2, head_dim / 2] fp32: each query's rotary cos and sin, or NULL
  *
- * With k_new given, each sequence first writes its own token's K and V (encoded in `fmt`) at its slot, then reads
- * its context, that token included: the cache write and the attention are one call per layer.
+ * Fused use, one call per layer for a batch of decodes: q is the fused qkv projection (q_stride =
+ * (num_heads + 2 * num_kv_heads) * head_dim: q heads, then k heads, then v heads). Each sequence rotates its q and
+ * k heads in place (cos_sin given; elementwise_cpu.c's rotary_heads_f32, so exactly as rotary_qkv_f32 would),
+ * writes its K and V (encoded in `fmt`) at its slot (slot_mapping given), then attends to its context, that token
+ * included.
  *
  * One OpenMP task per sequence: it reads each context token's K row once for all query heads, keeps the
  * scores in a scratch buffer, takes the softmax per head, then reads each V row once. Sums run in a fixed
@@ -25,6 +28,8 @@
 #include "kv_dtype_cpu.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+void rotary_heads_f32(float *row, const float *c, int64_t num_heads, int64_t head_dim); /* elementwise_cpu.c */
 
 #if defined(KV_SIMD)
 #include "simd_cpu.h"
@@ -126,17 +131,20 @@ ALWAYS_INLINE void pv_head(const float *p, int64_t len, const uint8_t *const *v_
     }
 }
 
-/* One sequence: write its new token (if k_new), then attend. Returns -1 when the scratch cannot be allocated. */
-ALWAYS_INLINE int attend_seq(const float *qs, const uint8_t *key_cache, const uint8_t *value_cache,
-                             const int32_t *blocks, int64_t len, float *os, const float *k_new, const float *v_new,
-                             int64_t slot, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                             int64_t block_size, float scale, int fmt) {
+/* One sequence: rotate and write its new token (fused use), then attend. Returns -1 when the scratch cannot be
+ * allocated. */
+ALWAYS_INLINE int attend_seq(float *qs, const float *cos_sin, const int64_t *slot, const uint8_t *key_cache,
+                             const uint8_t *value_cache, const int32_t *blocks, int64_t len, float *os,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                             float scale, int fmt) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t es = kv_elem_size(fmt);
     const int64_t row = num_kv_heads * head_dim * es; /* bytes per cached token */
-    if (k_new != NULL) {
-        kv_store_row(k_new, num_kv_heads * head_dim, fmt, (uint8_t *)key_cache + slot * row);
-        kv_store_row(v_new, num_kv_heads * head_dim, fmt, (uint8_t *)value_cache + slot * row);
+    if (cos_sin != NULL) rotary_heads_f32(qs, cos_sin, num_heads + num_kv_heads, head_dim);
+    if (slot != NULL) {
+        const float *k = qs + num_heads * head_dim, *v = k + num_kv_heads * head_dim;
+        kv_store_row(k, num_kv_heads * head_dim, fmt, (uint8_t *)key_cache + *slot * row);
+        kv_store_row(v, num_kv_heads * head_dim, fmt, (uint8_t *)value_cache + *slot * row);
     }
     const int64_t n = len > 0 ? len : 1;
     /* scratch: where each context token's K and V rows are (n pointers each), then [num_heads, n] scores */
@@ -178,38 +186,37 @@ ALWAYS_INLINE int attend_seq(const float *qs, const uint8_t *key_cache, const ui
     return 0;
 }
 
-int paged_decode_attention(const float *q, void *key_cache, void *value_cache, const int32_t *block_table,
-                           int64_t block_table_stride, const int32_t *seq_lens, float *out, const float *k_new,
-                           const float *v_new, int64_t new_stride, const int64_t *slot_mapping, int64_t num_seqs,
+int paged_decode_attention(float *q, int64_t q_stride, const float *cos_sin, const int64_t *slot_mapping,
+                           void *key_cache, void *value_cache, const int32_t *block_table,
+                           int64_t block_table_stride, const int32_t *seq_lens, float *out, int64_t num_seqs,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                            float scale, int fmt) {
     const uint8_t *kc = (const uint8_t *)key_cache, *vc = (const uint8_t *)value_cache;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t s = 0; s < num_seqs; s++) {
-        const float *qs = q + s * num_heads * head_dim;
-        float *os = out + s * num_heads * head_dim;
+        float *qs = q + s * q_stride, *os = out + s * num_heads * head_dim;
+        const float *cs = cos_sin != NULL ? cos_sin + s * head_dim : NULL;
+        const int64_t *slot = slot_mapping != NULL ? slot_mapping + s : NULL;
         const int32_t *blocks = block_table + s * block_table_stride;
-        const float *kn = k_new != NULL ? k_new + s * new_stride : NULL;
-        const float *vn = k_new != NULL ? v_new + s * new_stride : NULL;
-        const int64_t slot = k_new != NULL ? slot_mapping[s] : 0;
+        const int64_t len = seq_lens[s];
         int rc; /* one specialized copy of the loop nest per storage format */
         switch (fmt) {
         case KV_BF16:
-            rc = attend_seq(qs, kc, vc, blocks, seq_lens[s], os, kn, vn, slot, num_heads, num_kv_heads, head_dim,
-                            block_size, scale, KV_BF16);
+            rc = attend_seq(qs, cs, slot, kc, vc, blocks, len, os, num_heads, num_kv_heads, head_dim, block_size,
+                            scale, KV_BF16);
             break;
         case KV_FP8_E4M3:
-            rc = attend_seq(qs, kc, vc, blocks, seq_lens[s], os, kn, vn, slot, num_heads, num_kv_heads, head_dim,
-                            block_size, scale, KV_FP8_E4M3);
+            rc = attend_seq(qs, cs, slot, kc, vc, blocks, len, os, num_heads, num_kv_heads, head_dim, block_size,
+                            scale, KV_FP8_E4M3);
             break;
         case KV_FP8_E5M2:
-            rc = attend_seq(qs, kc, vc, blocks, seq_lens[s], os, kn, vn, slot, num_heads, num_kv_heads, head_dim,
-                            block_size, scale, KV_FP8_E5M2);
+            rc = attend_seq(qs, cs, slot, kc, vc, blocks, len, os, num_heads, num_kv_heads, head_dim, block_size,
+                            scale, KV_FP8_E5M2);
             break;
         default:
-            rc = attend_seq(qs, kc, vc, blocks, seq_lens[s], os, kn, vn, slot, num_heads, num_kv_heads, head_dim,
-                            block_size, scale, KV_F32);
+            rc = attend_seq(qs, cs, slot, kc, vc, blocks, len, os, num_heads, num_kv_heads, head_dim, block_size,
+                            scale, KV_F32);
         }
         if (rc != 0) failed = 1;
     }

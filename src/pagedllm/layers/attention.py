@@ -1,8 +1,9 @@
 """Paged attention over a flattened batch that mixes prefill chunks and decodes.
 
-Per call: (1) write this step's K/V into the cache at `slot_mapping` (in the cache's dtype: layers/kv_cache_dtype.py);
-(2) each query attends to its request's cached tokens, read through the block table, plus the causal part of its
-own chunk. When every row is a decode and the native kernel runs, (1) and (2) are one call.
+Per call, from the fused qkv projection: (1) rotary on q and k; (2) write this step's K/V into the cache at
+`slot_mapping` (in the cache's dtype: layers/kv_cache_dtype.py); (3) each query attends to its request's cached
+tokens, read through the block table, plus the causal part of its own chunk. When every row is a decode and the
+native kernel runs, (1) to (3) are one call per layer (`cpu_kernels.fused_decode_attention`).
 
 Plan, built once per step (`AttentionMetadata.plan`) and reused by every layer:
 - decode rows (query length 1) are batched. On the CPU in fp32 the native kernel
@@ -33,6 +34,7 @@ from torch import nn
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.forward_context import AttentionMetadata, get_forward_context
 from pagedllm.layers.kv_cache_dtype import index_copy, to_cache_dtype
+from pagedllm.layers.rotary import apply_rotary_qkv
 
 GROUPED_SCORES_MAX_BYTES = 64 << 20  # scores [Hkv, G * Tq, seq_len] above this go through SDPA
 
@@ -106,37 +108,46 @@ class PagedAttention(nn.Module):
         self.layer_idx = layer_idx
         self.scale = head_dim**-0.5
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [T, H, D]; k, v: [T, Hkv, D] -> out [T, H * D]
+    def forward(self, qkv: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        # qkv: [T, (H + 2 * Hkv) * D], the fused projection before rotary; cos_sin: [T, 2, D / 2] -> out [T, H * D]
         ctx = get_forward_context()
         md = ctx.attn_metadata
         kv_cache = ctx.kv_caches[self.layer_idx]  # [2, num_blocks, block_size, Hkv, D]
-        num_padded, n = q.shape[0], md.num_actual_tokens
-        q, k, v = q[:n], k[:n], v[:n]
-        if md.plan is None:
-            md.plan = build_plan(md, kv_cache.shape[2], cpu_kernels.kv_cache_native(kv_cache.dtype, q.dtype, q.device),
-                                 always_read_cache=kv_cache.dtype != q.dtype)
-        plan: _AttentionPlan = md.plan
-        slots = md.slot_mapping[:n]
-        if plan.native and (k.stride()[1:] != (self.head_dim, 1) or v.stride() != k.stride()):
-            k, v = k.contiguous(), v.contiguous()  # the kernels take K and V rows with one shared stride
-        if plan.native and plan.all_decode:  # the cache write and the attention in one call
-            out = cpu_kernels.paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1], plan.decode_block_table,
-                                                     plan.decode_seq_lens, self.scale, k, v, slots)
+        num_padded, n = qkv.shape[0], md.num_actual_tokens
+        plan: _AttentionPlan | None = md.plan
+        if plan is None:
+            plan = md.plan = build_plan(md, kv_cache.shape[2],
+                                        cpu_kernels.kv_cache_native(kv_cache.dtype, qkv.dtype, qkv.device),
+                                        always_read_cache=kv_cache.dtype != qkv.dtype)
+            if plan.native and plan.decode_rows is not None:  # once per step, not per layer
+                cpu_kernels.check_decode_args(kv_cache[0], kv_cache[1], plan.decode_block_table, plan.decode_seq_lens)
+        if plan.native and plan.all_decode and qkv.is_contiguous() and cos_sin.is_contiguous():  # one native call
+            if num_padded > n:
+                qkv, cos_sin = qkv[:n], cos_sin[:n]
+            out = cpu_kernels.fused_decode_attention(qkv, cos_sin, md.slot_mapping, kv_cache, plan.decode_block_table,
+                                                     plan.decode_seq_lens, self.scale, self.num_heads)
         else:
-            self._write(k, v, kv_cache, slots, plan.native)
-            if plan.all_decode:
-                out = self._decode(q, kv_cache, plan)
-            else:
-                out = q.new_empty(q.shape[0], self.num_heads, self.head_dim)  # [n, H, D]
-            if plan.decode_rows is not None and plan.prefills:
-                out[plan.decode_rows] = self._decode(q.index_select(0, plan.decode_rows), kv_cache, plan)
-            for p in plan.prefills:
-                out[p.start : p.end] = self._prefill(q[p.start : p.end], k[p.start : p.end],
-                                                     v[p.start : p.end], kv_cache, p)
+            out = self._attend(*apply_rotary_qkv(qkv[:n], cos_sin[:n], self.num_heads, self.num_kv_heads,
+                                                 self.head_dim), kv_cache, md.slot_mapping[:n], plan)
         out = out.view(n, self.num_heads * self.head_dim)
         if num_padded > n:  # rows past num_actual_tokens (padding) get zeros
             out = torch.cat([out, out.new_zeros(num_padded - n, out.shape[1])])
+        return out
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                plan: _AttentionPlan) -> torch.Tensor:
+        # q: [n, H, D]; k, v: [n, Hkv, D] -> [n, H, D]
+        if plan.native and (k.stride()[1:] != (self.head_dim, 1) or v.stride() != k.stride()):
+            k, v = k.contiguous(), v.contiguous()  # the kernels take K and V rows with one shared stride
+        self._write(k, v, kv_cache, slots, plan.native)
+        if plan.all_decode:
+            return self._decode(q, kv_cache, plan)
+        out = q.new_empty(q.shape[0], self.num_heads, self.head_dim)  # [n, H, D]
+        if plan.decode_rows is not None:
+            out[plan.decode_rows] = self._decode(q.index_select(0, plan.decode_rows), kv_cache, plan)
+        for p in plan.prefills:
+            out[p.start : p.end] = self._prefill(q[p.start : p.end], k[p.start : p.end], v[p.start : p.end],
+                                                 kv_cache, p)
         return out
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
@@ -152,8 +163,8 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
         # q: [B, H, D] -> [B, H, D]
         if plan.native:
-            return cpu_kernels.paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1],
-                                                      plan.decode_block_table, plan.decode_seq_lens, self.scale)
+            return cpu_kernels.paged_decode_attention(q, kv_cache[0], kv_cache[1], plan.decode_block_table,
+                                                      plan.decode_seq_lens, self.scale)
         b = q.shape[0]
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
