@@ -1,6 +1,6 @@
 """Per-phase wall time of decode steps at batch B: B prompts of 256 random ids, 40 output tokens, greedy.
 
-    .venv/bin/python benchmarks/decode_phases.py [B] [output tokens, default 40]
+    .venv/bin/python benchmarks/decode_phases.py [B] [output tokens, default 40] [wall|cpu]
 
 Wraps the model runner's phases and the layers' forward calls in timers, counts only steps where every running
 request decodes, and prints milliseconds per step for each phase, the median over steps (robust to a shared
@@ -8,6 +8,10 @@ machine's preemptions) and the mean: where a small-batch step's time goes beside
 nest (a decoder layer contains its linears and attention; the LM head is a linear too). "attention" includes
 rotary (PagedAttention takes the fused qkv projection since the rotary + KV write + attention fusion; before
 it, rotary ran outside, in "decoder layers").
+
+`cpu` times the phases in CPU time of the calling thread (time.thread_time) instead of wall time: with
+OMP_NUM_THREADS=1 all the work runs on that thread, so the figures do not count the time other processes hold
+the core (on a crowded machine wall time measures the queue, not the code).
 """
 
 import collections
@@ -40,6 +44,7 @@ PHASES = [
 def main() -> None:
     batch = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     max_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+    clock = time.thread_time if len(sys.argv) > 3 and sys.argv[3] == "cpu" else time.perf_counter
     steps: list[dict[str, float]] = []  # per decode step: seconds per phase
     decoding = [False]
 
@@ -47,10 +52,10 @@ def main() -> None:
         orig = getattr(cls, name)
 
         def timed(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = clock()
             result = orig(*args, **kwargs)
             if decoding[0]:
-                steps[-1][label] += time.perf_counter() - t0
+                steps[-1][label] += clock() - t0
             return result
 
         setattr(cls, name, timed)
@@ -72,7 +77,7 @@ def main() -> None:
     prompts = [rng.integers(100, 40000, 256).tolist() for _ in range(batch)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
     steps = [s for s in steps if "execute_model" in s]
-    print(f"batch {batch}: {len(steps)} decode steps, ms per step: median, mean")
+    print(f"batch {batch}: {len(steps)} decode steps, {clock.__name__} ms per step: median, mean")
     for _, _, label in PHASES:
         values = [s[label] * 1e3 for s in steps]
         print(f"  {label:26s} {statistics.median(values):7.2f} {statistics.fmean(values):7.2f}")
