@@ -1,14 +1,21 @@
 """Per-phase wall time of decode steps at batch B: B prompts of 256 random ids, 40 output tokens, greedy.
 
-    .venv/bin/python benchmarks/decode_phases.py [B]
+    .venv/bin/python benchmarks/decode_phases.py [B] [output tokens, default 40] [wall|cpu]
 
 Wraps the model runner's phases and the layers' forward calls in timers, counts only steps where every running
-request decodes, and prints milliseconds per step for each phase: where a small-batch step's time goes
-besides the linear layers. Phases nest (a decoder layer contains its linears and attention; the LM head is a
-linear too).
+request decodes, and prints milliseconds per step for each phase, the median over steps (robust to a shared
+machine's preemptions) and the mean: where a small-batch step's time goes besides the linear layers. Phases
+nest (a decoder layer contains its linears and attention; the LM head is a linear too). "attention" includes
+rotary (PagedAttention takes the fused qkv projection since the rotary + KV write + attention fusion; before
+it, rotary ran outside, in "decoder layers").
+
+`cpu` times the phases in CPU time of the calling thread (time.thread_time) instead of wall time: with
+OMP_NUM_THREADS=1 all the work runs on that thread, so the figures do not count the time other processes hold
+the core (on a crowded machine wall time measures the queue, not the code).
 """
 
 import collections
+import statistics
 import sys
 import time
 
@@ -36,17 +43,19 @@ PHASES = [
 
 def main() -> None:
     batch = int(sys.argv[1]) if len(sys.argv) > 1 else 1
-    times: dict[str, list[float]] = collections.defaultdict(list)
+    max_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+    clock = time.thread_time if len(sys.argv) > 3 and sys.argv[3] == "cpu" else time.perf_counter
+    steps: list[dict[str, float]] = []  # per decode step: seconds per phase
     decoding = [False]
 
     def wrap(cls, name: str, label: str) -> None:
         orig = getattr(cls, name)
 
         def timed(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = clock()
             result = orig(*args, **kwargs)
             if decoding[0]:
-                times[label].append(time.perf_counter() - t0)
+                steps[-1][label] += clock() - t0
             return result
 
         setattr(cls, name, timed)
@@ -58,17 +67,20 @@ def main() -> None:
     def step(self):
         running = self.scheduler.running
         decoding[0] = bool(running) and all(r.num_computed_tokens >= r.num_prompt_tokens for r in running)
+        if decoding[0]:
+            steps.append(collections.defaultdict(float))
         return engine_step(self)
 
     EngineCore.step = step
     llm = LLM(max_model_len=2048, kv_cache_memory=512 << 20)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 40000, 256).tolist() for _ in range(batch)]
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
-    steps = len(times["execute_model"])
-    print(f"batch {batch}: {steps} decode steps, ms per step")
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    steps = [s for s in steps if "execute_model" in s]
+    print(f"batch {batch}: {len(steps)} decode steps, {clock.__name__} ms per step: median, mean")
     for _, _, label in PHASES:
-        print(f"  {label:26s} {sum(times[label]) / steps * 1e3:7.2f}")
+        values = [s[label] * 1e3 for s in steps]
+        print(f"  {label:26s} {statistics.median(values):7.2f} {statistics.fmean(values):7.2f}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 workload (batch 64, ~320 tokens of context) by default.
 
     .venv/bin/python benchmarks/decode_step.py [--batch 64 --prompt-len 304 --steps 32] [--dtype float32]
-        [--threads N] [--profile-steps 4]
+        [--threads N] [--profile-steps 4] [--kv-cache-memory BYTES]
 
 Prints one JSON line: median / min / max ms per decode step, tokens per second at that batch, and the median
 process CPU time per step (all threads; on a shared machine it moves less with other jobs than wall time does).
@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before running")
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache (default: the engine's)")
     parser.add_argument("--profile-steps", type=int, default=0, help="profile this many extra decode steps")
     args = parser.parse_args()
 
@@ -35,7 +36,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(dtype=args.dtype, max_model_len=2048, seed=0, max_num_seqs=max(args.batch, 1),
-              max_num_batched_tokens=8192)
+              max_num_batched_tokens=8192, kv_cache_memory=args.kv_cache_memory)
     engine = llm.llm_engine
     rng = random.Random(0)
     total = args.steps + args.profile_steps + 4

@@ -54,12 +54,20 @@ class CacheConfig:
     """Fraction of GPU memory for weights, activations and KV cache (CUDA only)."""
     num_gpu_blocks_override: int | None = None
     """Use exactly this many KV blocks, whatever the memory budget (for tests and experiments)."""
+    kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    """KV cache storage dtype. auto: the model dtype. bfloat16 holds 2x and fp8 4x the tokens of a float32 cache in
+    the same memory; fp8 means fp8_e4m3 (OCP E4M3FN, largest value 448), fp8_e5m2 has more range and less
+    precision. Values are rounded to nearest and saturated, with scale 1.0; attention computes in the model
+    dtype."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("--gpu-memory-utilization must be in (0, 1].")
+        choices = typing.get_args(typing.get_type_hints(CacheConfig)["kv_cache_dtype"])
+        if self.kv_cache_dtype not in choices:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(choices)}, got {self.kv_cache_dtype!r}.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError("--num-gpu-blocks-override must be at least 1.")
 

@@ -196,6 +196,10 @@ def test_metrics_have_vllm_names(client, server):
     assert f'model_name="{MODEL_NAME}"' in text
     assert server.metric("vllm:generation_tokens_total") >= 3
     assert 'vllm:request_success_total{finished_reason="length"' in text
+    # the pool's capacity, as vLLM labels it (num_gpu_blocks * block_size tokens)
+    info = next(line for line in text.splitlines() if line.startswith("vllm:cache_config_info{"))
+    assert 'block_size="16"' in info and 'cache_dtype="auto"' in info and info.endswith("} 1.0")
+    assert int(info.split('num_gpu_blocks="')[1].split('"')[0]) == server.metric("pagedllm:kv_cache_total_blocks")
 
 
 # ---- errors ------------------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ class AsyncLLM:
         self.input_processor = InputProcessor(client.ready.limits)
         self.output_processor = OutputProcessor(tokenizer)
         self.stats_tracker = RequestStatsTracker()
-        self.prometheus = PrometheusStatLogger(model_name)
+        self.prometheus = PrometheusStatLogger(model_name, cache_config_info=client.ready.cache_config_info)
         self.log_logger = LoggingStatLogger() if log_stats else None
         self.scheduler_stats = SchedulerStats(num_total_blocks=client.ready.num_blocks,
                                               num_free_blocks=client.ready.num_blocks)

@@ -19,6 +19,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.input_processor import ModelLimits
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from pagedllm.layers.forward_context import kv_cache_bytes_per_block
+from pagedllm.layers.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedllm.models.loader import load_model, resolve_device, resolve_dtype, resolve_model
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -46,8 +47,9 @@ class EngineCore:
         info = self.model_info = model.info
         self.max_model_len = _resolve_max_model_len(mc.max_model_len, info.max_position_embeddings)
         sc.max_model_len = self.max_model_len
+        self.kv_cache_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, self.dtype, self.device)
         self.num_blocks = self._determine_num_blocks()
-        self.runner = ModelRunner(config, model, info, self.device, self.dtype)
+        self.runner = ModelRunner(config, model, info, self.device, self.dtype, self.kv_cache_dtype)
         self.runner.initialize_kv_cache(self.num_blocks)
         self.scheduler = Scheduler(sc, cc, self.num_blocks)
         logger.info("EngineCore ready in %.1f s: %s on %s in %s", time.perf_counter() - start,
@@ -63,6 +65,16 @@ class EngineCore:
         return ModelLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len,
                            eos_token_id=eos_ids[0] if eos_ids else None, extra_stop_token_ids=eos_ids[1:],
                            generation_defaults=self._generation_defaults())
+
+    def cache_config_info(self) -> dict[str, str]:
+        """The labels of vLLM's `vllm:cache_config_info` gauge (its CacheConfig's names, values as strings): the
+        pool's token capacity is num_gpu_blocks * block_size."""
+        cc = self.config.cache_config
+        return {"block_size": str(cc.block_size), "cache_dtype": cc.kv_cache_dtype,
+                "enable_prefix_caching": str(cc.enable_prefix_caching),
+                "gpu_memory_utilization": str(cc.gpu_memory_utilization),
+                "kv_cache_memory_bytes": str(cc.kv_cache_memory), "num_gpu_blocks": str(self.num_blocks),
+                "num_gpu_blocks_override": str(cc.num_gpu_blocks_override)}
 
     def _generation_defaults(self) -> dict:
         return dict(self.model_info.generation_config or {})  # the loader honours --generation-config
@@ -119,7 +131,7 @@ class EngineCore:
     def _determine_num_blocks(self) -> int:
         cc = self.config.cache_config
         info = self.model_info
-        per_block = kv_cache_bytes_per_block(cc.block_size, info.num_kv_heads, info.head_dim, self.dtype,
+        per_block = kv_cache_bytes_per_block(cc.block_size, info.num_kv_heads, info.head_dim, self.kv_cache_dtype,
                                              info.num_layers)
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
@@ -134,9 +146,10 @@ class EngineCore:
                 f"{self.max_model_len} tokens needs {blocks_per_max_request} blocks "
                 f"({blocks_per_max_request * per_block / (1 << 20):.1f} MiB). Raise --kv-cache-memory "
                 f"or lower --max-model-len.")
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB); maximum concurrency at "
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s); maximum concurrency at "
                     "max_model_len %d: %.2fx", num_blocks, cc.block_size, num_tokens,
-                    num_blocks * per_block / (1 << 20), self.max_model_len, num_tokens / self.max_model_len)
+                    num_blocks * per_block / (1 << 20), str(self.kv_cache_dtype).removeprefix("torch."),
+                    self.max_model_len, num_tokens / self.max_model_len)
         return num_blocks
 
     def _kv_cache_budget(self) -> int:

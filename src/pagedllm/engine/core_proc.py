@@ -79,6 +79,8 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     model_name: str
     """The model's default served name."""
     pid: int
+    cache_config_info: dict[str, str] = msgspec.field(default_factory=dict)
+    """Labels of the `vllm:cache_config_info` gauge (EngineCore.cache_config_info)."""
 
 
 class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):
@@ -303,7 +305,7 @@ def run_engine_core(config, input_addr: str, output_addr: str) -> int:
         proc.send(Ready(num_blocks=engine_core.num_blocks, block_size=config.cache_config.block_size,
                         max_model_len=engine_core.max_model_len, limits=engine_core.model_limits(),
                         model_name=getattr(resolved, "name", None) or str(config.model_config.model),
-                        pid=os.getpid()))
+                        pid=os.getpid(), cache_config_info=engine_core.cache_config_info()))
         ready = True
         proc.run_busy_loop()
     except SystemExit:

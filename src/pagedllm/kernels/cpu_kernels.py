@@ -31,8 +31,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention_cpu.c", "elementwise_cpu.c")]
-_HEADER = Path(__file__).with_name("simd_cpu.h")  # included by the sources: part of the cache key
+_SOURCES = [Path(__file__).with_name(name)
+            for name in ("paged_attention_cpu.c", "kv_cache_cpu.c", "elementwise_cpu.c")]
+_HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the cache key
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 """Compile flags. -ffast-math lets gcc call glibc's vector expf (libmvec) in the softmax; it is NOT given when
 linking: there it would add crtfastmath.o, whose constructor turns on flush-to-zero and denormals-are-zero for
@@ -119,7 +120,7 @@ def _cpu_signature() -> str:
 
 def _library_name() -> str:
     """The cached library's file name, keyed by the sources, the flags and the CPU."""
-    source = b"".join(path.read_bytes() for path in [*_SOURCES, _HEADER])
+    source = b"".join(path.read_bytes() for path in [*_SOURCES, *_HEADERS])
     flags = " ".join(_FLAGS + _LINK_FLAGS).encode()
     key = hashlib.sha256(source + flags + _cpu_signature().encode()).hexdigest()[:16]
     return f"pagedllm_cpu-{key}.so"
@@ -145,20 +146,28 @@ def _library() -> ctypes.CDLL | None:
                        detail.decode(errors="replace")[-500:])
         return None
     try:
-        _declare(lib)
+        _declare_attention(lib)
+        _declare_elementwise(lib)
     except AttributeError as e:  # a library without the expected symbols: the torch paths, not a crash
         logger.warning("the native CPU kernel library lacks a kernel (%s): torch paths used", e)
         return None
     return lib
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    """ctypes signatures of every kernel; raises AttributeError if the library lacks one."""
-    fn = lib.paged_decode_attention_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] \
-        + [ctypes.c_int64] * 5 + [ctypes.c_float]
-    _declare_elementwise(lib)
+def _declare_attention(lib: ctypes.CDLL) -> None:
+    """ctypes signatures of paged_attention_cpu.c's and kv_cache_cpu.c's kernels."""
+    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    signatures = {
+        "paged_decode_attention": (ctypes.c_int, [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr] + [i64] * 5
+                                   + [f32, i32]),
+        "kv_cache_write": (None, [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i32]),
+        "kv_encode": (None, [ptr, i64, i32, ptr]),
+        "kv_decode": (None, [ptr, i64, i32, i32, ptr]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
 
 
 def _declare_elementwise(lib: ctypes.CDLL) -> None:
@@ -181,30 +190,112 @@ def available(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and _library() is not None
 
 
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+"""KV cache storage dtypes the kernels read and write, and their codes in kv_dtype_cpu.h."""
+
+
+def kv_cache_native(kv_dtype: torch.dtype, compute_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the native KV cache write and decode attention run for fp32 activations over a cache of kv_dtype."""
+    return kv_dtype in KV_FORMATS and available(compute_dtype, device)
+
+
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Decode attention read in place through the block table.
 
     Args:
-        q: [S, H, D] float32, contiguous.
-        key_cache, value_cache: [num_blocks, block_size, Hkv, D] float32, contiguous.
+        q: [S, H, D] float32, each row contiguous (the row stride may exceed H * D).
+        key_cache, value_cache: [num_blocks, block_size, Hkv, D], contiguous, a dtype of KV_FORMATS.
         block_table: [S, max_blocks] int32, contiguous rows (the row stride may exceed the blocks used).
-        seq_lens: [S] int32: context length of each query, its own token included.
+        seq_lens: [S] int32, contiguous: context length of each query, its own token included.
     Returns:
         out: [S, H, D] float32.
     """
-    lib = _library()
-    assert lib is not None and q.is_contiguous() and key_cache.is_contiguous() and value_cache.is_contiguous()
-    assert block_table.dtype == torch.int32 and block_table.stride(1) == 1 and seq_lens.dtype == torch.int32
     s, h, d = q.shape
-    num_blocks, block_size, hkv, _ = key_cache.shape
-    out = torch.empty_like(q)
-    seq_lens = seq_lens.contiguous()
-    rc = lib.paged_decode_attention_f32(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                                        block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
-                                        out.data_ptr(), s, h, hkv, d, block_size, scale)
+    assert q.dtype == torch.float32 and q.stride()[1:] == (d, 1)
+    check_decode_args(key_cache, value_cache, block_table, seq_lens)
+    return _decode(q, q.stride(0), None, None, key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[1:],
+                   key_cache.dtype, block_table, seq_lens, scale, h)
+
+
+def fused_decode_attention(qkv: torch.Tensor, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
+                           kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           num_heads: int) -> torch.Tensor:
+    """One call for a layer's batch of decodes: rotary on q and k in place in qkv (as rotary_qkv does), the K/V
+    write at slot_mapping (as write_kv_cache does), then paged_decode_attention.
+
+    Args:
+        qkv: [S, (H + 2 * Hkv) * D] float32, contiguous: the fused qkv projection, not yet rotated.
+        cos_sin: [S, 2, D / 2] float32, contiguous (RotaryEmbedding's output).
+        slot_mapping: [S] int64, contiguous: the slot of each query's own token.
+        kv_cache: [2, num_blocks, block_size, Hkv, D], contiguous: key_cache = kv_cache[0], value_cache = kv_cache[1].
+        block_table, seq_lens: as paged_decode_attention's. The caller checks these and the cache once per step
+            with check_decode_args: this runs once per layer.
+    Returns:
+        out: [S, H, D] float32.
+    """
+    key = kv_cache.data_ptr()
+    value = key + kv_cache.stride(0) * kv_cache.element_size()
+    return _decode(qkv, qkv.shape[1], cos_sin.data_ptr(), slot_mapping.data_ptr(), key, value, kv_cache.shape[2:],
+                   kv_cache.dtype, block_table, seq_lens, scale, num_heads)
+
+
+def _decode(q: torch.Tensor, q_stride: int, cos_sin: int | None, slot_mapping: int | None, key_cache: int,
+            value_cache: int, block_shape: torch.Size, kv_dtype: torch.dtype, block_table: torch.Tensor,
+            seq_lens: torch.Tensor, scale: float, num_heads: int) -> torch.Tensor:
+    block_size, hkv, d = block_shape  # of the cache: [block_size, Hkv, D]
+    s = q.shape[0]
+    out = q.new_empty(s, num_heads, d)
+    rc = _library().paged_decode_attention(q.data_ptr(), q_stride, cos_sin, slot_mapping, key_cache, value_cache,
+                                           block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
+                                           out.data_ptr(), s, num_heads, hkv, d, block_size, scale,
+                                           KV_FORMATS[kv_dtype])
     if rc != 0:
         raise MemoryError("paged decode attention could not allocate its scratch buffer")
+    return out
+
+
+def check_decode_args(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+                      seq_lens: torch.Tensor) -> None:
+    """The layouts the decode attention kernel assumes of the cache and the step's metadata."""
+    assert key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype
+    assert key_cache.dtype in KV_FORMATS and key_cache.is_cpu and block_table.is_cpu and seq_lens.is_cpu
+    assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
+    assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and len(seq_lens) == len(block_table)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """key_cache[slot_mapping[t]] = k[t] (and v), encoded in the cache's dtype (round to nearest even, saturating).
+
+    Args:
+        k, v: [T, Hkv, D] float32, each row contiguous (rows may be strided: views of a fused qkv).
+        key_cache, value_cache: [num_blocks, block_size, Hkv, D], contiguous, a dtype of KV_FORMATS.
+        slot_mapping: [T] int64, contiguous.
+    """
+    lib = _library()
+    t, hkv, d = k.shape
+    assert k.dtype == v.dtype == torch.float32 and k.stride() == v.stride() and k.stride()[1:] == (d, 1)
+    assert key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == (t,)
+    lib.kv_cache_write(k.data_ptr(), v.data_ptr(), k.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+                       slot_mapping.data_ptr(), t, hkv * d, KV_FORMATS[key_cache.dtype])
+
+
+def kv_encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x (float32, contiguous) encoded as the KV cache stores it in `dtype`: a new tensor of that dtype."""
+    assert x.dtype == torch.float32 and x.is_contiguous()
+    out = torch.empty(x.shape, dtype=dtype)
+    _library().kv_encode(x.data_ptr(), x.numel(), KV_FORMATS[dtype], out.data_ptr())
+    return out
+
+
+def kv_decode(codes: torch.Tensor, vector: bool = True) -> torch.Tensor:
+    """codes (a KV_FORMATS dtype, contiguous) as float32, through the attention kernel's vector loads (vector)
+    or the scalar conversion."""
+    assert codes.is_contiguous()
+    out = torch.empty(codes.shape, dtype=torch.float32)
+    _library().kv_decode(codes.data_ptr(), codes.numel(), KV_FORMATS[codes.dtype], int(vector), out.data_ptr())
     return out
 
 

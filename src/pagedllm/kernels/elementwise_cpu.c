@@ -117,43 +117,48 @@ void fused_add_rms_norm_f32(float *x, float *residual, const float *weight, int6
     }
 }
 
-/* Rotary embedding, rotate-half (neox) layout, in place on the first num_heads + num_kv_heads heads (q and k)
- * of each qkv row; v is left alone. For a head x = [x1 | x2] (D / 2 floats each) at a token with cos c, sin s:
+/* Rotary embedding, rotate-half (neox) layout, in place on `num_heads` consecutive heads of one token (row), whose
+ * cos and sin are c and c + D / 2. For a head x = [x1 | x2] (D / 2 floats each):
  *   x1' = x1 * c - x2 * s,   x2' = x2 * c + x1 * s
+ * Not inlined: the decode attention kernel calls this same code for its fused rotary, so both round alike. */
+__attribute__((noinline)) void rotary_heads_f32(float *row, const float *c, int64_t num_heads, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+    const float *s = c + half;
+    for (int64_t h = 0; h < num_heads; h++) {
+        float *x1 = row + h * head_dim, *x2 = x1 + half;
+#if defined(__AVX2__) && defined(__FMA__)
+        int64_t i = 0;
+        for (; i + 8 <= half; i += 8) {
+            const __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
+            const __m256 a = _mm256_loadu_ps(x1 + i), b = _mm256_loadu_ps(x2 + i);
+            _mm256_storeu_ps(x1 + i, _mm256_fmsub_ps(a, cv, _mm256_mul_ps(b, sv)));
+            _mm256_storeu_ps(x2 + i, _mm256_fmadd_ps(b, cv, _mm256_mul_ps(a, sv)));
+        }
+        if (i < half) { /* the same, masked */
+            const __m256i m = first_lanes(half - i);
+            const __m256 cv = _mm256_maskload_ps(c + i, m), sv = _mm256_maskload_ps(s + i, m);
+            const __m256 a = _mm256_maskload_ps(x1 + i, m), b = _mm256_maskload_ps(x2 + i, m);
+            _mm256_maskstore_ps(x1 + i, m, _mm256_fmsub_ps(a, cv, _mm256_mul_ps(b, sv)));
+            _mm256_maskstore_ps(x2 + i, m, _mm256_fmadd_ps(b, cv, _mm256_mul_ps(a, sv)));
+        }
+#else
+        for (int64_t i = 0; i < half; i++) {
+            const float a = x1[i], b = x2[i];
+            x1[i] = a * c[i] - b * s[i];
+            x2[i] = b * c[i] + a * s[i];
+        }
+#endif
+    }
+}
+
+/* Rotary embedding in place on the first num_heads + num_kv_heads heads (q and k) of each qkv row; v is left alone.
  * Example, H = 9, Hkv = 3, D = 64: a row is 15 * 64 floats; heads 0-8 (q) and 9-11 (k) are rotated. */
 void rotary_qkv_f32(float *qkv, const float *cos_sin, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
                     int64_t head_dim) {
-    const int64_t half = head_dim / 2, rotated = num_heads + num_kv_heads;
+    const int64_t rotated = num_heads + num_kv_heads;
     const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
 #pragma omp parallel for schedule(static) if (num_tokens * rotated * head_dim >= PARALLEL_MIN_FLOATS)
-    for (int64_t t = 0; t < num_tokens; t++) {
-        const float *c = cos_sin + t * head_dim, *s = c + half;
-        for (int64_t h = 0; h < rotated; h++) {
-            float *x1 = qkv + t * row + h * head_dim, *x2 = x1 + half;
-#if defined(__AVX2__) && defined(__FMA__)
-            int64_t i = 0;
-            for (; i + 8 <= half; i += 8) {
-                const __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
-                const __m256 a = _mm256_loadu_ps(x1 + i), b = _mm256_loadu_ps(x2 + i);
-                _mm256_storeu_ps(x1 + i, _mm256_fmsub_ps(a, cv, _mm256_mul_ps(b, sv)));
-                _mm256_storeu_ps(x2 + i, _mm256_fmadd_ps(b, cv, _mm256_mul_ps(a, sv)));
-            }
-            if (i < half) { /* the same, masked */
-                const __m256i m = first_lanes(half - i);
-                const __m256 cv = _mm256_maskload_ps(c + i, m), sv = _mm256_maskload_ps(s + i, m);
-                const __m256 a = _mm256_maskload_ps(x1 + i, m), b = _mm256_maskload_ps(x2 + i, m);
-                _mm256_maskstore_ps(x1 + i, m, _mm256_fmsub_ps(a, cv, _mm256_mul_ps(b, sv)));
-                _mm256_maskstore_ps(x2 + i, m, _mm256_fmadd_ps(b, cv, _mm256_mul_ps(a, sv)));
-            }
-#else
-            for (int64_t i = 0; i < half; i++) {
-                const float a = x1[i], b = x2[i];
-                x1[i] = a * c[i] - b * s[i];
-                x2[i] = b * c[i] + a * s[i];
-            }
-#endif
-        }
-    }
+    for (int64_t t = 0; t < num_tokens; t++) rotary_heads_f32(qkv + t * row, cos_sin + t * head_dim, rotated, head_dim);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)

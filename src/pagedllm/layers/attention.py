@@ -1,20 +1,25 @@
 """Paged attention over a flattened batch that mixes prefill chunks and decodes.
 
-Per call: (1) write this step's K/V into the cache at `slot_mapping`; (2) each query attends to its
-request's cached tokens, read through the block table, plus the causal part of its own chunk.
+Per call, from the fused qkv projection: (1) rotary on q and k; (2) write this step's K/V into the cache at
+`slot_mapping` (in the cache's dtype: layers/kv_cache_dtype.py); (3) each query attends to its request's cached
+tokens, read through the block table, plus the causal part of its own chunk. When every row is a decode and the
+native kernel runs, (1) to (3) are one call per layer (`cpu_kernels.fused_decode_attention`).
 
 Plan, built once per step (`AttentionMetadata.plan`) and reused by every layer:
 - decode rows (query length 1) are batched. On the CPU in fp32 the native kernel
   (`kernels/paged_attention_cpu.c`) reads each request's blocks in place through the block table, K and V
-  once each. Elsewhere only the blocks each one needs are gathered with one `index_select` over whole
-  blocks (contiguous block_size-token rows, a memcpy each), then one SDPA call with the query heads of
-  each KV group as its query rows ([B, kv_heads, group, D]) and a length mask for the partly used last
-  block;
+  once each, converting bf16 / fp8 values in registers. Elsewhere only the blocks each one needs are
+  gathered with one `index_select` over whole blocks (contiguous block_size-token rows, a memcpy each), then
+  one SDPA call with the query heads of each KV group as its query rows ([B, kv_heads, group, D]) and a
+  length mask for the partly used last block;
 - prefill chunks run one request at a time; a chunk with no cached prefix reads its own K/V directly (no
-  cache read at all). Where the scores fit in `GROUPED_SCORES_MAX_BYTES`, it is two batched matmuls per KV
-  group (its query heads stacked as rows, an additive causal mask built once per step): 2.7x faster than
-  SDPA with enable_gqa for a 256-token prompt on the CPU, which falls back to its unfused math path for
-  GQA. Longer chunks go through SDPA, whose memory does not grow with the square of the chunk.
+  cache read at all) when the cache holds the model dtype. A cache of another dtype (`--kv-cache-dtype`) is
+  always read back (`.to` the model dtype), own chunk included, so a token's K/V are the same stored values
+  whether they came from this chunk, an earlier one or the prefix cache (DESIGN invariant 2 within a KV
+  dtype). Where the scores fit in `GROUPED_SCORES_MAX_BYTES`, it is two batched matmuls per KV group (its
+  query heads stacked as rows, an additive causal mask built once per step): 2.7x faster than SDPA with
+  enable_gqa for a 256-token prompt on the CPU, which falls back to its unfused math path for GQA. Longer
+  chunks go through SDPA, whose memory does not grow with the square of the chunk.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from torch import nn
 
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.forward_context import AttentionMetadata, get_forward_context
+from pagedllm.layers.kv_cache_dtype import index_copy, to_cache_dtype
+from pagedllm.layers.rotary import apply_rotary_qkv
 
 GROUPED_SCORES_MAX_BYTES = 64 << 20  # scores [Hkv, G * Tq, seq_len] above this go through SDPA
 
@@ -43,6 +50,8 @@ class _Prefill:
 
 @dataclass
 class _AttentionPlan:
+    native: bool  # the native kernels write the cache and run the decode rows
+    all_decode: bool  # every row a decode, in order (the decode rows are the whole batch)
     decode_rows: torch.Tensor | None  # [B] int64 rows of single-token queries
     decode_block_table: torch.Tensor | None  # [B, nb] int32 (native kernel)
     decode_seq_lens: torch.Tensor | None  # [B] int32 (native kernel)
@@ -52,10 +61,11 @@ class _AttentionPlan:
     prefills: list[_Prefill]
 
 
-def build_plan(md: AttentionMetadata, block_size: int, native: bool) -> _AttentionPlan:
+def build_plan(md: AttentionMetadata, block_size: int, native: bool, always_read_cache: bool = False) -> _AttentionPlan:
     """Split the batch into decode rows and prefill chunks (host-side numpy, once per step).
 
-    native: the decode rows run the native kernel (block table and lengths) instead of gather + SDPA."""
+    native: the decode rows run the native kernel (block table and lengths) instead of gather + SDPA.
+    always_read_cache: prefill chunks read their whole context from the cache, their own tokens included."""
     qsl = np.asarray(md.query_start_loc_cpu, dtype=np.int64)  # [R + 1]
     seq_lens = np.asarray(md.seq_lens_cpu, dtype=np.int64)  # [R]
     query_lens = qsl[1:] - qsl[:-1]  # [R]
@@ -79,11 +89,12 @@ def build_plan(md: AttentionMetadata, block_size: int, native: bool) -> _Attenti
     for r in np.nonzero(query_lens > 1)[0]:
         start, end, seq_len = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
         block_ids = None
-        if seq_len > end - start:
+        if seq_len > end - start or always_read_cache:
             block_ids = md.block_table[r, : -(-seq_len // block_size)].long()
         prefills.append(_Prefill(start, end, seq_len, block_ids))
-    return _AttentionPlan(decode_rows, decode_block_table, decode_seq_lens, decode_block_ids, nb, decode_mask,
-                          prefills)
+    all_decode = decode_rows is not None and not prefills
+    return _AttentionPlan(native, all_decode, decode_rows, decode_block_table, decode_seq_lens, decode_block_ids, nb,
+                          decode_mask, prefills)
 
 
 class PagedAttention(nn.Module):
@@ -97,43 +108,63 @@ class PagedAttention(nn.Module):
         self.layer_idx = layer_idx
         self.scale = head_dim**-0.5
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [T, H, D]; k, v: [T, Hkv, D] -> out [T, H * D]
+    def forward(self, qkv: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        # qkv: [T, (H + 2 * Hkv) * D], the fused projection before rotary; cos_sin: [T, 2, D / 2] -> out [T, H * D]
         ctx = get_forward_context()
         md = ctx.attn_metadata
         kv_cache = ctx.kv_caches[self.layer_idx]  # [2, num_blocks, block_size, Hkv, D]
-        num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
-        num_padded, n = q.shape[0], md.num_actual_tokens
-        q, k, v = q[:n], k[:n], v[:n]
-        key_cache = kv_cache[0].view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
-        value_cache = kv_cache[1].view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
-        slots = md.slot_mapping[:n]
-        key_cache.index_copy_(0, slots, k.to(key_cache.dtype))
-        value_cache.index_copy_(0, slots, v.to(value_cache.dtype))
-
-        if md.plan is None:
-            md.plan = build_plan(md, block_size, cpu_kernels.available(kv_cache.dtype, kv_cache.device)
-                                 and q.dtype == kv_cache.dtype)
-        plan: _AttentionPlan = md.plan
-        if plan.decode_rows is not None and not plan.prefills:  # every row a decode, in order: no scatter
-            out = self._decode(q, kv_cache, plan)
+        num_padded, n = qkv.shape[0], md.num_actual_tokens
+        plan: _AttentionPlan | None = md.plan
+        if plan is None:
+            plan = md.plan = build_plan(md, kv_cache.shape[2],
+                                        cpu_kernels.kv_cache_native(kv_cache.dtype, qkv.dtype, qkv.device),
+                                        always_read_cache=kv_cache.dtype != qkv.dtype)
+            if plan.native and plan.decode_rows is not None:  # once per step, not per layer
+                cpu_kernels.check_decode_args(kv_cache[0], kv_cache[1], plan.decode_block_table, plan.decode_seq_lens)
+        if plan.native and plan.all_decode and qkv.is_contiguous() and cos_sin.is_contiguous():  # one native call
+            if num_padded > n:
+                qkv, cos_sin = qkv[:n], cos_sin[:n]
+            out = cpu_kernels.fused_decode_attention(qkv, cos_sin, md.slot_mapping, kv_cache, plan.decode_block_table,
+                                                     plan.decode_seq_lens, self.scale, self.num_heads)
         else:
-            out = q.new_empty(q.shape[0], self.num_heads, self.head_dim)  # [n, H, D]
-        if plan.decode_rows is not None and plan.prefills:
-            out[plan.decode_rows] = self._decode(q.index_select(0, plan.decode_rows), kv_cache, plan)
-        for p in plan.prefills:
-            out[p.start : p.end] = self._prefill(q[p.start : p.end], k[p.start : p.end],
-                                                 v[p.start : p.end], kv_cache, p)
+            out = self._attend(*apply_rotary_qkv(qkv[:n], cos_sin[:n], self.num_heads, self.num_kv_heads,
+                                                 self.head_dim), kv_cache, md.slot_mapping[:n], plan)
         out = out.view(n, self.num_heads * self.head_dim)
         if num_padded > n:  # rows past num_actual_tokens (padding) get zeros
             out = torch.cat([out, out.new_zeros(num_padded - n, out.shape[1])])
         return out
 
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                plan: _AttentionPlan) -> torch.Tensor:
+        # q: [n, H, D]; k, v: [n, Hkv, D] -> [n, H, D]
+        if plan.native and (k.stride()[1:] != (self.head_dim, 1) or v.stride() != k.stride()):
+            k, v = k.contiguous(), v.contiguous()  # the kernels take K and V rows with one shared stride
+        self._write(k, v, kv_cache, slots, plan.native)
+        if plan.all_decode:
+            return self._decode(q, kv_cache, plan)
+        out = q.new_empty(q.shape[0], self.num_heads, self.head_dim)  # [n, H, D]
+        if plan.decode_rows is not None:
+            out[plan.decode_rows] = self._decode(q.index_select(0, plan.decode_rows), kv_cache, plan)
+        for p in plan.prefills:
+            out[p.start : p.end] = self._prefill(q[p.start : p.end], k[p.start : p.end], v[p.start : p.end],
+                                                 kv_cache, p)
+        return out
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+               native: bool) -> None:
+        # k, v: [T, Hkv, D] -> the cache's slots, in its dtype
+        if native:
+            cpu_kernels.write_kv_cache(k, v, kv_cache[0], kv_cache[1], slots)
+            return
+        shape = (kv_cache.shape[1] * kv_cache.shape[2], self.num_kv_heads, self.head_dim)  # [num_slots, Hkv, D]
+        index_copy(kv_cache[0].view(shape), slots, to_cache_dtype(k, kv_cache.dtype))
+        index_copy(kv_cache[1].view(shape), slots, to_cache_dtype(v, kv_cache.dtype))
+
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
         # q: [B, H, D] -> [B, H, D]
-        if plan.decode_block_table is not None:
-            return cpu_kernels.paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1],
-                                                      plan.decode_block_table, plan.decode_seq_lens, self.scale)
+        if plan.native:
+            return cpu_kernels.paged_decode_attention(q, kv_cache[0], kv_cache[1], plan.decode_block_table,
+                                                      plan.decode_seq_lens, self.scale)
         b = q.shape[0]
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv

@@ -25,8 +25,12 @@ _ITERATION_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1
 class PrometheusStatLogger:
     """Owns the metrics; `record` applies one step's stats, `render` is the /metrics body."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
+                 cache_config_info: dict[str, str] | None = None):
         self.registry = registry or CollectorRegistry()
+        if cache_config_info:  # vLLM's info gauge: constant 1, the cache configuration in its labels
+            Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", sorted(cache_config_info),
+                  registry=self.registry).labels(**cache_config_info).set(1)
         label = {"model_name": model_name}
         names = ["model_name"]
 

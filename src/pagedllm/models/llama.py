@@ -13,7 +13,7 @@ from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import PagedAttention
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary_qkv
+from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.model_info import ModelInfo
 
 
@@ -29,8 +29,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]; cos_sin: [T, 2, D / 2] -> [T, hidden]
-        q, k, v = apply_rotary_qkv(self.qkv_proj(x), cos_sin, self.num_heads, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v))  # q: [T, H, D]; k, v: [T, Hkv, D]
+        return self.o_proj(self.attn(self.qkv_proj(x), cos_sin))  # rotary inside: fused with the decode attention
 
 
 class LlamaMLP(nn.Module):

@@ -24,12 +24,13 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, model_info, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None):
         self.config = config
         self.model = model
         self.info = model_info
         self.device = device
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype  # the pool's storage dtype (layers/kv_cache_dtype.py)
         self.block_size = config.cache_config.block_size
         sched = config.scheduler_config
         self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.block_size)
@@ -41,7 +42,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = kv_cache_shape(num_blocks, self.block_size, self.info.num_kv_heads, self.info.head_dim)
-        self.kv_caches = [_zeros(shape, self.dtype, self.device) for _ in range(self.info.num_layers)]
+        self.kv_caches = [_zeros(shape, self.kv_cache_dtype, self.device) for _ in range(self.info.num_layers)]
         if self.device.type == "cpu":
             keep_freed_memory()  # after the pool (its own calloc'd mmaps): step temporaries reuse the heap
             # Fault the pool in from a background thread while the engine idles, K and V of every layer in

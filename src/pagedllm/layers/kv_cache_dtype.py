@@ -1,0 +1,60 @@
+"""The KV cache's storage dtype (`--kv-cache-dtype`, vLLM's names) and the torch-side conversions into it.
+
+| name                 | storage                   | bytes | largest finite |
+| auto                 | the model dtype           | 4 / 2 |                |
+| bfloat16             | torch.bfloat16            | 2     | 3.39e38        |
+| fp8, fp8_e4m3        | torch.float8_e4m3fn (OCP) | 1     | 448            |
+| fp8_e5m2             | torch.float8_e5m2 (OCP)   | 1     | 57344          |
+
+`fp8` means E4M3, as in vLLM on CUDA ("fp8 (=fp8_e4m3)"). Values are stored with scale 1.0: vLLM reads per-layer
+k/v scales from checkpoints that carry them; the GGUF and Hugging Face checkpoints pagedllm loads carry none.
+Writes round to nearest, ties to even, and saturate at the largest finite value (infinities too); NaN stays NaN.
+Attention converts the stored values back to the model dtype as it reads them (exact: every stored value is
+a float32 value), so DESIGN invariant 2 holds within one KV dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The storage dtype for `--kv-cache-dtype name`. Raises ValueError when this device cannot store or read it,
+    so the engine fails at start-up rather than falling back to another dtype."""
+    if name == "auto":
+        return model_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {name!r} is not supported; choose one of auto, "
+                         f"{', '.join(KV_CACHE_DTYPES)}.")
+    dtype = KV_CACHE_DTYPES[name]
+    try:  # the conversions the cache write and the attention do, on this device
+        probe = torch.tensor([1.0, -0.5], device=device)
+        back = to_cache_dtype(probe, dtype).to(model_dtype)
+        index_copy(torch.zeros(4, dtype=dtype, device=device), torch.tensor([1, 2], device=device),
+                   to_cache_dtype(probe, dtype))
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"--kv-cache-dtype {name}: {device} cannot store or read a {dtype} KV cache with this "
+                         f"torch build ({e}).") from e
+    if not torch.equal(back.float().cpu(), torch.tensor([1.0, -0.5])):
+        raise ValueError(f"--kv-cache-dtype {name}: {device} converts {dtype} incorrectly ({back.tolist()}).")
+    return dtype
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache's dtype, rounded to nearest even and saturated at the dtype's largest finite value, as the native
+    write does (torch's own float8_e5m2 and bfloat16 conversions overflow to inf; float8_e4m3fn saturates)."""
+    if x.dtype == dtype:
+        return x
+    limit = torch.finfo(dtype).max
+    return x.float().clamp(-limit, limit).to(dtype)
+
+
+def index_copy(cache: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """cache.index_copy_(0, index, values) for any cache dtype (torch has no index_copy_ for float8 on the CPU: the
+    bytes are copied as uint8)."""
+    if cache.dtype.itemsize == 1 and cache.dtype != torch.uint8:
+        cache, values = cache.view(torch.uint8), values.view(torch.uint8)
+    cache.index_copy_(0, index, values)

@@ -1,0 +1,179 @@
+"""The KV cache's storage formats: the native conversions against torch's float8 / bfloat16 dtypes, the cache
+write, and decode attention over a bf16 / fp8 pool against a float64 reference on the dequantized cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cpu_kernels import reference
+
+from pagedllm.kernels import cpu_kernels
+from pagedllm.layers.kv_cache_dtype import resolve_kv_cache_dtype, to_cache_dtype
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+KV_DTYPES = [torch.bfloat16, *FP8]
+
+
+def _same_floats(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, except that any NaN equals any NaN."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
+
+
+@pytest.mark.parametrize("vector", [True, False])
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+def test_every_code_decodes_as_torch_does(dtype, vector):
+    codes = torch.arange(1 << (8 * dtype.itemsize), dtype=torch.int32)  # all 256 (fp8) or 65536 (bf16) codes
+    codes = codes.to(torch.uint8) if dtype.itemsize == 1 else codes.to(torch.int16)
+    assert _same_floats(cpu_kernels.kv_decode(codes.view(dtype), vector), codes.view(dtype).float())
+
+
+def _encode_cases(dtype: torch.dtype) -> torch.Tensor:
+    """Random values over the whole float32 range, every representable value, and every midpoint between two
+    neighbours (the ties that round to even), with both signs."""
+    gen = torch.Generator().manual_seed(0)
+    scales = 2.0 ** torch.randint(-140, 128, (50_000,), generator=gen).double()
+    randoms = (torch.randn(50_000, generator=gen, dtype=torch.float64) * scales).float()
+    if dtype.itemsize == 1:
+        values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    else:
+        values = torch.arange(0, 1 << 15, 7, dtype=torch.int32).to(torch.int16).view(dtype).float()
+    values = values[values.isfinite()].unique()  # sorted
+    midpoints = ((values[1:].double() + values[:-1].double()) / 2).float()
+    x = torch.cat([randoms, values, midpoints, -midpoints])
+    return x[x.isfinite()]
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+def test_encode_rounds_to_nearest_even_and_saturates(dtype):
+    x = _encode_cases(dtype)
+    limit = torch.finfo(dtype).max
+    # torch's conversion rounds to nearest even; clamped first, the overflows are the saturated largest value
+    expected = x.clamp(-limit, limit).to(dtype)
+    got = cpu_kernels.kv_encode(x, dtype)
+    bits = torch.uint8 if dtype.itemsize == 1 else torch.int16
+    assert torch.equal(got.view(bits), expected.view(bits))
+    assert torch.equal(to_cache_dtype(x, dtype).view(bits), expected.view(bits))  # the torch path agrees
+
+
+@pytest.mark.parametrize("dtype,ties,largest", [
+    (torch.float8_e4m3fn, {1.0625: 1.0, 1.1875: 1.25, 0.0009765625: 0.0, 0.0029296875: 0.00390625}, 448.0),
+    (torch.float8_e5m2, {1.125: 1.0, 1.375: 1.5, 2.0**-17: 0.0, 3 * 2.0**-17: 2.0**-15}, 57344.0),
+    (torch.bfloat16, {1 + 2.0**-8: 1.0, 1 + 3 * 2.0**-8: 1 + 2.0**-6}, torch.finfo(torch.bfloat16).max),
+])
+def test_encode_edge_cases(dtype, ties, largest):
+    x = torch.tensor([*ties, 3.4e38, float("inf"), -float("inf"), float("nan"), -float("nan")])
+    out = cpu_kernels.kv_encode(x, dtype).float()
+    assert out[: len(ties)].tolist() == list(ties.values())  # ties go to the even neighbour, subnormals included
+    assert out[len(ties):-2].tolist() == [largest, largest, -largest]  # saturating, infinities too
+    assert out[-2:].isnan().all()
+    if dtype.itemsize == 1:  # NaN is the format's NaN code, its sign kept
+        assert cpu_kernels.kv_encode(x[-2:], dtype).view(torch.uint8).tolist() == [0x7F, 0xFF]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *KV_DTYPES])
+def test_write_encodes_strided_rows_into_their_slots(dtype):
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, 15, 64, generator=gen) * 3  # [T, H + 2 Hkv, D] as the fused projection lays it out
+    k, v = qkv[:, 9:12], qkv[:, 12:15]  # [T, Hkv, D] strided views
+    cache = torch.zeros(2, 4, 16, 3, 64, dtype=dtype)
+    slots = torch.tensor([3, 17, 18, 63, 0])
+    cpu_kernels.write_kv_cache(k, v, cache[0], cache[1], slots)
+    flat = cache.view(2, 64, 3, 64)
+    assert torch.equal(flat[0, slots].float(), k.to(dtype).float()) or dtype != torch.float32
+    assert torch.equal(flat[0, slots].float(), to_cache_dtype(k, dtype).float())
+    assert torch.equal(flat[1, slots].float(), to_cache_dtype(v, dtype).float())
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat[:, untouched].float().any()
+
+
+def _pool(dtype, num_blocks, block_size, kv_heads, head_dim, gen):
+    # values spread over the fp8 range, so rounding and subnormals are exercised
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen) * 2.0
+    return to_cache_dtype(kv, dtype)
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16),  # SmolLM2
+    (8, 2, 48, 16),  # head_dim a multiple of 16, not 64
+    (6, 3, 20, 4),  # head_dim not a multiple of 8: the scalar loops
+])
+def test_decode_attention_over_a_quantized_pool(dtype, heads, kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(head_dim)
+    num_blocks, seqs = 100, 5
+    cache = _pool(dtype, num_blocks, block_size, kv_heads, head_dim, gen)
+    seq_lens = torch.tensor([1, block_size + 1, 70, 37, 5 * block_size], dtype=torch.int32)
+    width = int(-(-seq_lens.max() // block_size)) + 1
+    block_table = torch.randperm(num_blocks, generator=gen)[: seqs * width].view(seqs, width).to(torch.int32)
+    q = torch.randn(seqs, heads, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    out = cpu_kernels.paged_decode_attention(q, cache[0], cache[1], block_table, seq_lens, scale)
+    expected = reference(q, cache[0].float(), cache[1].float(), block_table, seq_lens, scale)  # float64 inside
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *KV_DTYPES])
+def test_fused_rotary_write_attend_matches_the_separate_kernels(dtype):
+    """One call per layer (rotary on the fused qkv, K/V write, attention) gives the bits of the three calls."""
+    gen = torch.Generator().manual_seed(2)
+    cache = _pool(dtype, 40, 16, 3, 64, gen)
+    seq_lens = torch.tensor([1, 17, 50, 64], dtype=torch.int32)
+    block_table = torch.randperm(40, generator=gen)[:16].view(4, 4).to(torch.int32)
+    # each query's own token: the last position of its context
+    slots = torch.stack([block_table[s, (n - 1) // 16].long() * 16 + (n - 1) % 16
+                         for s, n in enumerate(seq_lens.tolist())])
+    qkv = torch.randn(4, 15 * 64, generator=gen)  # [S, (H + 2 Hkv) * D]
+    angles = torch.rand(4, 32, generator=gen) * 6
+    cos_sin = torch.stack([angles.cos(), angles.sin()], dim=1)  # [S, 2, D / 2]
+    separate, qkv_separate = cache.clone(), qkv.clone()
+    cpu_kernels.rotary_qkv(qkv_separate, cos_sin, 9, 3, 64)
+    rows = qkv_separate.view(4, 15, 64)
+    cpu_kernels.write_kv_cache(rows[:, 9:12], rows[:, 12:], separate[0], separate[1], slots)
+    expected = cpu_kernels.paged_decode_attention(rows[:, :9], separate[0], separate[1], block_table, seq_lens, 0.125)
+    fused, qkv_fused = cache.clone(), qkv.clone()
+    out = cpu_kernels.fused_decode_attention(qkv_fused, cos_sin, slots, fused, block_table, seq_lens, 0.125, 9)
+    assert torch.equal(qkv_fused, qkv_separate)  # rotated in place, as rotary_qkv does
+    assert torch.equal(fused.float(), separate.float())
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_quantized_result_does_not_depend_on_threads_or_batch(dtype):
+    gen = torch.Generator().manual_seed(3)
+    cache = _pool(dtype, 64, 16, 3, 64, gen)
+    block_table = torch.randperm(64, generator=gen)[:48].view(8, 6).to(torch.int32)
+    seq_lens = torch.randint(1, 96, (8,), generator=gen, dtype=torch.int32)
+    q = torch.randn(8, 9, 64, generator=gen)
+    threads = torch.get_num_threads()
+    outs = []
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        outs.append(cpu_kernels.paged_decode_attention(q, cache[0], cache[1], block_table, seq_lens, 0.125))
+    torch.set_num_threads(threads)
+    alone = cpu_kernels.paged_decode_attention(q[3:4], cache[0], cache[1], block_table[3:4], seq_lens[3:4], 0.125)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0][3:4], alone)
+
+
+def test_resolve_names_and_refuse_unknown_ones():
+    cpu = torch.device("cpu")
+    assert resolve_kv_cache_dtype("auto", torch.float32, cpu) == torch.float32
+    assert resolve_kv_cache_dtype("fp8", torch.float32, cpu) == torch.float8_e4m3fn  # vLLM: fp8 = fp8_e4m3
+    assert resolve_kv_cache_dtype("fp8_e5m2", torch.float32, cpu) == torch.float8_e5m2
+    assert resolve_kv_cache_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
+    with pytest.raises(ValueError, match="fp8_inc"):
+        resolve_kv_cache_dtype("fp8_inc", torch.float32, cpu)
+
+
+def test_a_device_that_cannot_convert_fails_with_the_reason(monkeypatch):
+    """As CUDA builds without float8 kernels would: start-up stops with torch's reason, no fallback dtype."""
+    from pagedllm.layers import kv_cache_dtype
+
+    def no_fp8(x, dtype):
+        raise RuntimeError(f'"copy_" not implemented for {dtype}')
+
+    monkeypatch.setattr(kv_cache_dtype, "to_cache_dtype", no_fp8)
+    with pytest.raises(ValueError, match="cannot store or read a torch.float8_e5m2 KV cache.*not implemented"):
+        resolve_kv_cache_dtype("fp8_e5m2", torch.float32, torch.device("cpu"))
