@@ -109,3 +109,14 @@ def test_quantization_flag(quant_gguf, tiny_llama_dir):
         ModelConfig(quantization="awq")
     with pytest.raises(ValueError, match="--quantization gguf needs a GGUF model file"):
         load(tiny_llama_dir, quantization="gguf")
+
+
+def test_reading_gguf_files_imports_no_torch():
+    """The API server reads GGUF metadata and tokenizers through these modules; torch would add ~200 MB to it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pagedllm.models.gguf_loader, pagedllm.models.gguf_unpack\n"
+            "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr

@@ -20,9 +20,10 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.linear import pack_linear_weights
-from pagedllm.layers.quantized_weight import PackedWeight, QuantizedWeight
+from pagedllm.layers.quantized_weight import PackedWeight
 from pagedllm.models.gguf_loader import gguf_model_info, gguf_tensors, open_gguf
 from pagedllm.models.model_info import ModelInfo, ModelLoadError, model_info_from_hf_config, token_ids
+from pagedllm.models.quantized_codes import QuantizedWeight
 from pagedllm.models.registry import get_model_class
 from pagedllm.models.resolve import DEFAULT_MODEL_NAME, EMBEDDED_PACKAGE, ResolvedModel  # noqa: F401 (re-exported)
 from pagedllm.models.resolve import resolve_model as _resolve_model
@@ -144,7 +145,7 @@ def _fused_state_dict(model: nn.Module, tensors: Iterator[tuple[str, Any]], sour
                 shards.setdefault(name.replace(f".{part}.", f".{fused}."), {})[idx] = t
                 break
         else:
-            state[name] = t.pack() if isinstance(t, QuantizedWeight) else t
+            state[name] = PackedWeight.from_codes(t) if isinstance(t, QuantizedWeight) else t
     for fused_name, parts in shards.items():
         fused_part = fused_name.split(".")[-2]  # "qkv_proj" in model.layers.0.self_attn.qkv_proj.weight
         expected = sum(1 for fused, _ in packed.values() if fused == fused_part)
@@ -168,11 +169,11 @@ def _fuse(parts: list[torch.Tensor | QuantizedWeight], name: str, device: torch.
           dtype: torch.dtype) -> torch.Tensor | PackedWeight:
     """Concatenate a fused projection's parts along the output rows."""
     if all(isinstance(p, QuantizedWeight) for p in parts):
-        return QuantizedWeight.concat(parts).pack()
+        return PackedWeight.from_codes(QuantizedWeight.concat(parts))
     if any(isinstance(p, QuantizedWeight) for p in parts):
         logger.info("%s mixes quantized and float parts: dequantized at load", name)
-        parts = [p.pack().dequantize().to(device=device, dtype=dtype) if isinstance(p, QuantizedWeight) else p
-                 for p in parts]
+        parts = [PackedWeight.from_codes(p).dequantize().to(device=device, dtype=dtype)
+                 if isinstance(p, QuantizedWeight) else p for p in parts]
     return torch.cat(parts, dim=0)
 
 
