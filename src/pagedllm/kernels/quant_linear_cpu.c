@@ -303,7 +303,23 @@ void quant_linear_f32(const uint8_t *w, int64_t bits, int64_t group, const float
 /* out[i, :] = W[ids[i], :] decoded (the embedding lookup; also the whole matrix, for tests). ids must be < N. */
 void quant_gather_rows_f32(const uint8_t *w, int64_t bits, int64_t group, const int64_t *ids, float *out,
                            int64_t num_ids, int64_t K) {
+    const int64_t gbytes = group_bytes(bits, group), panel_bytes = K / group * gbytes;
 #pragma omp parallel for schedule(static) if (num_ids * K >= PARALLEL_MIN_WEIGHTS)
-    for (int64_t i = 0; i < num_ids; i++)
-        for (int64_t k = 0; k < K; k++) out[i * K + k] = weight_at(w, bits, group, K, ids[i], k);
+    for (int64_t i = 0; i < num_ids; i++) {
+        const int64_t lane = ids[i] % PANEL;
+        const uint8_t *panel = w + ids[i] / PANEL * panel_bytes;
+        for (int64_t g = 0; g < K / group; g++) {
+            const uint8_t *gp = panel + g * gbytes, *codes = gp + 64;
+            const float s = ((const float *)gp)[lane], o = ((const float *)gp)[PANEL + lane];
+            float *dst = out + i * K + g * group;
+            if (bits == 4)
+                for (int64_t j = 0; j < group; j += 2) {
+                    const uint8_t b = codes[j / 2 * PANEL + lane];
+                    dst[j] = fmaf((float)(b & 15), s, o);
+                    dst[j + 1] = fmaf((float)(b >> 4), s, o);
+                }
+            else
+                for (int64_t j = 0; j < group; j++) dst[j] = fmaf((float)(int8_t)codes[j * PANEL + lane], s, o);
+        }
+    }
 }
