@@ -70,8 +70,10 @@ def _llamacpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(path: Path, model, tokenizer) -> None:
-    """Write an HF LlamaForCausalLM (fp32) and its byte-level BPE tokenizer as an F32 GGUF file."""
+def write_llama_gguf(path: Path, model, tokenizer, qtypes: dict | None = None) -> None:
+    """Write an HF LlamaForCausalLM (fp32) and its byte-level BPE tokenizer as a GGUF file: F32, except the
+    weights named in `qtypes` (module name such as "q_proj", "embed_tokens", "lm_head" -> GGMLQuantizationType),
+    quantized with gguf.quants."""
     import json
 
     import gguf
@@ -122,7 +124,11 @@ def write_llama_gguf(path: Path, model, tokenizer) -> None:
                 a = _llamacpp_permute(a, cfg.num_attention_heads)
             elif module == "self_attn.k_proj":
                 a = _llamacpp_permute(a, cfg.num_key_value_heads)
-        w.add_tensor(gname, a)
+        qtype = (qtypes or {}).get(name.removesuffix(".weight").rsplit(".", 1)[-1]) if a.ndim == 2 else None
+        if qtype is None:
+            w.add_tensor(gname, a)
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -147,4 +153,20 @@ def tiny_llama_gguf(tiny_llama_dir, tmp_path_factory) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     path = tmp_path_factory.mktemp("tiny-llama-gguf") / "tiny-llama-F32.gguf"
     write_llama_gguf(path, model, tokenizer)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_gguf_quantized(tiny_llama_dir, tmp_path_factory) -> Path:
+    """The tiny model as a GGUF with every weight matrix quantized, each type gguf can write, mixed inside the
+    fused qkv and gate_up groups: embedding and LM head Q8_0, q Q4_0, k Q4_1, v Q5_0, o Q5_1, gate Q8_0, up Q4_1,
+    down Q4_0."""
+    from gguf import GGMLQuantizationType as Q
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    qtypes = {"embed_tokens": Q.Q8_0, "lm_head": Q.Q8_0, "q_proj": Q.Q4_0, "k_proj": Q.Q4_1, "v_proj": Q.Q5_0,
+              "o_proj": Q.Q5_1, "gate_proj": Q.Q8_0, "up_proj": Q.Q4_1, "down_proj": Q.Q4_0}
+    model = LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype="float32")
+    path = tmp_path_factory.mktemp("tiny-llama-quant") / "tiny-llama-mixed.gguf"
+    write_llama_gguf(path, model, AutoTokenizer.from_pretrained(tiny_llama_dir), qtypes)
     return path

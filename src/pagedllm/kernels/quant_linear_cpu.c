@@ -1,0 +1,339 @@
+/* Linear layers on GGUF-quantized weights kept quantized in memory: y[M, N] = x[M, K] @ W[N, K]^T, fp32 x and y.
+ *
+ * Packed weight layout (built by layers/quantized_weight.py; see its docstring): output rows in panels of 8, each
+ * panel a run of groups of `group` (16 or 32) k's; a group holds, in this order,
+ *   scale[8] f32 | offset[8] f32 | codes      (one scale and offset per row of the panel)
+ *   codes, bits = 4: group / 2 pairs of k, 8 bytes each: byte r = code(k, row r) | code(k + 1, row r) << 4
+ *   codes, bits = 8: group k's, 8 bytes each: byte r = code(k, row r) as int8
+ * so the 8 rows' codes of one k are adjacent and decode into one 8-lane vector. Weight value:
+ *   w[n, k] = fma((float)code, scale, offset)
+ * which is, bit for bit, the value gguf_dequant / gguf.quants compute (see the packer). Rows past N (the last
+ * panel's padding) have zero codes, scales and offsets and are never stored.
+ *
+ * Invariant (DESIGN invariant 2, batch invariance): every output y[m, n] is
+ *   acc = 0; for k = 0 .. K - 1 in order: acc = fma(w[n, k], x[m, k], acc)
+ * one fp32 fma chain whatever M, the thread count or the path: small M streams the packed weights and decodes them
+ * in registers (gemv_panels), large M decodes a strip of 16 outputs x KC k's into an L1 buffer and runs a 6 x 16
+ * register-blocked micro-kernel over the rows (gemm_*), carrying each accumulator through y between K tiles (an
+ * fp32 store and load are exact). Threads split the output panels, never the reduction.
+ */
+#include <stdint.h>
+#include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define PANEL 8
+#define KC 256   /* k's per decoded tile (a multiple of every group size) */
+#define MC 192   /* rows of x per tile: 192 x 256 x 4 B = 192 KiB, in L2 across the strips */
+#define MR 6     /* rows per micro-kernel call: 6 x 2 accumulators + 2 weights + 1 broadcast = 15 ymm */
+#define GEMM_MIN_ROWS 9  /* below: gemv, up to 4 rows per pass (measured faster up to 8 rows) */
+#define PARALLEL_MIN_WEIGHTS (64 * 1024)
+
+static inline int64_t group_bytes(int64_t bits, int64_t group) { return 2 * PANEL * 4 + group * bits; }
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+static const int32_t MASK_TABLE[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+
+ALWAYS_INLINE __m256 load_out(const float *p, int64_t valid) {
+    return valid >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, _mm256_loadu_si256((const __m256i *)(MASK_TABLE + 8 - valid)));
+}
+
+ALWAYS_INLINE void store_out(float *p, __m256 v, int64_t valid) {
+    if (valid >= 8) _mm256_storeu_ps(p, v);
+    else if (valid > 0) _mm256_maskstore_ps(p, _mm256_loadu_si256((const __m256i *)(MASK_TABLE + 8 - valid)), v);
+}
+
+/* The weights of k = 2i and 2i + 1 for the 8 rows of a group whose codes start at `codes`. */
+ALWAYS_INLINE void decode_pair(int bits, const uint8_t *codes, int64_t i, __m256 s, __m256 o, __m256 *w0, __m256 *w1) {
+    if (bits == 4) {
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8 * i)));
+        *w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15))), s, o);
+        *w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), s, o);
+    } else {
+        const __m256i b0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 16 * i)));
+        const __m256i b1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 16 * i + 8)));
+        *w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b0), s, o);
+        *w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b1), s, o);
+    }
+}
+
+/* Small M: R rows (1 to 4) of x against P panels (1, 2 or 4: 8P outputs from n0), streaming the packed weights
+ * once; P independent chains per row hide the fma latency at R = 1. Accumulators a<row><panel> are named variables,
+ * not an array: gcc kept an array's elements in registers but also stored them to the stack on every k. */
+ALWAYS_INLINE void gemv_panels(int bits, int R, int P, const uint8_t *w, int64_t panel_bytes, int64_t group,
+                               const float *x, int64_t K, float *y, int64_t N, int64_t n0) {
+    const int64_t gbytes = group_bytes(bits, group), num_groups = K / group;
+    const __m256 z = _mm256_setzero_ps();
+    __m256 a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;
+    __m256 a20 = z, a21 = z, a22 = z, a23 = z, a30 = z, a31 = z, a32 = z, a33 = z;
+    for (int64_t g = 0; g < num_groups; g++) {
+        const uint8_t *g0 = w + g * gbytes, *g1 = g0 + panel_bytes, *g2 = g1 + panel_bytes, *g3 = g2 + panel_bytes;
+        for (int64_t i = 0; i < group / 2; i++) {
+            const int64_t k = g * group + 2 * i;
+            __m256 v0, u0, v1 = z, u1 = z, v2 = z, u2 = z, v3 = z, u3 = z; /* panel p's weights at k, k + 1 */
+#define DECODE(p) decode_pair(bits, g##p + 64, i, _mm256_loadu_ps((const float *)g##p),                           \
+                              _mm256_loadu_ps((const float *)g##p + PANEL), &v##p, &u##p)
+            DECODE(0);
+            if (P > 1) DECODE(1);
+            if (P > 2) { DECODE(2); DECODE(3); }
+#undef DECODE
+#define CHAIN(r)                                                                                                   \
+            if (R > r) {                                                                                           \
+                const __m256 x0 = _mm256_broadcast_ss(x + r * K + k), x1 = _mm256_broadcast_ss(x + r * K + k + 1);  \
+                a##r##0 = _mm256_fmadd_ps(v0, x0, a##r##0);                                                        \
+                if (P > 1) a##r##1 = _mm256_fmadd_ps(v1, x0, a##r##1);                                             \
+                if (P > 2) { a##r##2 = _mm256_fmadd_ps(v2, x0, a##r##2); a##r##3 = _mm256_fmadd_ps(v3, x0, a##r##3); } \
+                a##r##0 = _mm256_fmadd_ps(u0, x1, a##r##0);                                                        \
+                if (P > 1) a##r##1 = _mm256_fmadd_ps(u1, x1, a##r##1);                                             \
+                if (P > 2) { a##r##2 = _mm256_fmadd_ps(u2, x1, a##r##2); a##r##3 = _mm256_fmadd_ps(u3, x1, a##r##3); } \
+            }
+            CHAIN(0) CHAIN(1) CHAIN(2) CHAIN(3)
+#undef CHAIN
+        }
+    }
+#define STORE(r)                                                                                                   \
+    if (R > r) {                                                                                                   \
+        store_out(y + r * N + n0, a##r##0, N - n0);                                                                \
+        if (P > 1) store_out(y + r * N + n0 + PANEL, a##r##1, N - n0 - PANEL);                                     \
+        if (P > 2) {                                                                                               \
+            store_out(y + r * N + n0 + 2 * PANEL, a##r##2, N - n0 - 2 * PANEL);                                    \
+            store_out(y + r * N + n0 + 3 * PANEL, a##r##3, N - n0 - 3 * PANEL);                                    \
+        }                                                                                                          \
+    }
+    STORE(0) STORE(1) STORE(2) STORE(3)
+#undef STORE
+}
+
+/* gemv_panels with its shape as constants (an OpenMP region would receive them as variables). */
+typedef void (*panels_fn)(const uint8_t *w, int64_t panel_bytes, int64_t group, const float *x, int64_t K, float *y,
+                          int64_t N, int64_t n0);
+#define DEFINE_PANELS(BITS, R, P)                                                                                  \
+    static void panels_##BITS##_##R##_##P(const uint8_t *w, int64_t panel_bytes, int64_t group, const float *x,      \
+                                          int64_t K, float *y, int64_t N, int64_t n0) {                              \
+        gemv_panels(BITS, R, P, w, panel_bytes, group, x, K, y, N, n0);                                            \
+    }
+DEFINE_PANELS(4, 1, 4) DEFINE_PANELS(4, 2, 2) DEFINE_PANELS(4, 3, 2) DEFINE_PANELS(4, 4, 2)
+DEFINE_PANELS(4, 1, 1) DEFINE_PANELS(4, 2, 1) DEFINE_PANELS(4, 3, 1) DEFINE_PANELS(4, 4, 1)
+DEFINE_PANELS(8, 1, 4) DEFINE_PANELS(8, 2, 2) DEFINE_PANELS(8, 3, 2) DEFINE_PANELS(8, 4, 2)
+DEFINE_PANELS(8, 1, 1) DEFINE_PANELS(8, 2, 1) DEFINE_PANELS(8, 3, 1) DEFINE_PANELS(8, 4, 1)
+
+/* [bits == 8][rows - 1]: the P-panel function, its P, and the one-panel function */
+static const struct { panels_fn run; int P; panels_fn one; } GEMV_KERNELS[2][4] = {
+    {{panels_4_1_4, 4, panels_4_1_1}, {panels_4_2_2, 2, panels_4_2_1}, {panels_4_3_2, 2, panels_4_3_1},
+     {panels_4_4_2, 2, panels_4_4_1}},
+    {{panels_8_1_4, 4, panels_8_1_1}, {panels_8_2_2, 2, panels_8_2_1}, {panels_8_3_2, 2, panels_8_3_1},
+     {panels_8_4_2, 2, panels_8_4_1}},
+};
+
+/* `run` (P panels per call) over every panel of W for the rows x (R of them, fixed in the functions), `one` (a
+ * single panel) for the last short run; threads split the runs. */
+static void gemv(panels_fn run, panels_fn one, int P, int64_t bits, const uint8_t *w, int64_t group, const float *x,
+                 float *y, int64_t N, int64_t K) {
+    const int64_t num_panels = (N + PANEL - 1) / PANEL, panel_bytes = K / group * group_bytes(bits, group);
+    const int64_t runs = (num_panels + P - 1) / P;
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)
+    for (int64_t r = 0; r < runs; r++) {
+        const int64_t p0 = r * P;
+        if (p0 + P <= num_panels) run(w + p0 * panel_bytes, panel_bytes, group, x, K, y, N, p0 * PANEL);
+        else for (int64_t p = p0; p < num_panels; p++)
+            one(w + p * panel_bytes, panel_bytes, group, x, K, y, N, p * PANEL);
+    }
+}
+
+/* Decode k's [k0, k0 + kc) of NP (1 or 2) panels into buf[kc][16] (panel p in floats 8p .. 8p + 7). */
+ALWAYS_INLINE void decode_strip(int bits, const uint8_t *w, int64_t panel_bytes, int np, int64_t group, int64_t k0,
+                                int64_t kc, float *buf) {
+    const int64_t gbytes = group_bytes(bits, group);
+    for (int p = 0; p < np; p++)
+        for (int64_t g = k0 / group; g < (k0 + kc) / group; g++) {
+            const uint8_t *gp = w + p * panel_bytes + g * gbytes;
+            const __m256 s = _mm256_loadu_ps((const float *)gp), o = _mm256_loadu_ps((const float *)gp + PANEL);
+            float *out = buf + (g * group - k0) * 16 + p * PANEL;
+            for (int64_t i = 0; i < group / 2; i++) {
+                __m256 w0, w1;
+                decode_pair(bits, gp + 64, i, s, o, &w0, &w1);
+                _mm256_storeu_ps(out + 32 * i, w0);
+                _mm256_storeu_ps(out + 32 * i + 16, w1);
+            }
+        }
+}
+
+/* R rows x NP panels: y[r, 8p + j] continues its chain over kc k's of decoded weights. first: start from 0.
+ * Named accumulators c<row><panel> (see gemv_panels). */
+ALWAYS_INLINE void micro(int R, int NP, const float *buf, int64_t kc, const float *x, int64_t ldx, float *y,
+                         int64_t ldy, int64_t valid, int first) {
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
+           c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+#define LOAD_ROW(r)                                                                                                \
+    if (R > r && !first) {                                                                                         \
+        c##r##0 = load_out(y + r * ldy, valid);                                                                    \
+        if (NP == 2) c##r##1 = load_out(y + r * ldy + PANEL, valid - PANEL);                                       \
+    }
+    LOAD_ROW(0) LOAD_ROW(1) LOAD_ROW(2) LOAD_ROW(3) LOAD_ROW(4) LOAD_ROW(5)
+#undef LOAD_ROW
+    for (int64_t k = 0; k < kc; k++) {
+        const __m256 w0 = _mm256_loadu_ps(buf + 16 * k);
+        const __m256 w1 = NP == 2 ? _mm256_loadu_ps(buf + 16 * k + 8) : w0;
+#define FMA_ROW(r)                                                                                                 \
+        if (R > r) {                                                                                               \
+            const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);                                                \
+            c##r##0 = _mm256_fmadd_ps(w0, xb, c##r##0);                                                            \
+            if (NP == 2) c##r##1 = _mm256_fmadd_ps(w1, xb, c##r##1);                                               \
+        }
+        FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3) FMA_ROW(4) FMA_ROW(5)
+#undef FMA_ROW
+    }
+#define STORE_ROW(r)                                                                                               \
+    if (R > r) {                                                                                                   \
+        store_out(y + r * ldy, c##r##0, valid);                                                                    \
+        if (NP == 2) store_out(y + r * ldy + PANEL, c##r##1, valid - PANEL);                                       \
+    }
+    STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3) STORE_ROW(4) STORE_ROW(5)
+#undef STORE_ROW
+}
+
+#define MICRO_CASE(R, NP) \
+    case R: micro(R, NP, buf, kc, x, ldx, y, ldy, valid, first); break;
+
+static void micro_any(int rows, int np, const float *buf, int64_t kc, const float *x, int64_t ldx, float *y,
+                      int64_t ldy, int64_t valid, int first) {
+    if (np == 2) {
+        switch (rows) { MICRO_CASE(1, 2) MICRO_CASE(2, 2) MICRO_CASE(3, 2) MICRO_CASE(4, 2) MICRO_CASE(5, 2) MICRO_CASE(6, 2) }
+    } else {
+        switch (rows) { MICRO_CASE(1, 1) MICRO_CASE(2, 1) MICRO_CASE(3, 1) MICRO_CASE(4, 1) MICRO_CASE(5, 1) MICRO_CASE(6, 1) }
+    }
+}
+
+/* Large M, one thread's share: strips [s_begin, s_end) of 16 outputs. Per tile of MC rows and KC k's it decodes
+ * each strip once into an L1 buffer and runs the micro-kernel over the tile's rows. The loops over strips and K
+ * tiles nest whichever way keeps the larger operand in cache: K tiles outside when the thread's outputs are fewer
+ * than K (the MC x KC tile of x is reused by every strip), inside otherwise (a strip's MC x 16 outputs stay in
+ * L1 across its K tiles instead of all the thread's outputs going through L3 between tiles: gate_up, 2 threads,
+ * 1536 outputs each for K = 576). Either way each output's chain visits k in order. */
+ALWAYS_INLINE void gemm_tile(int bits, const uint8_t *w, int64_t panel_bytes, int64_t num_panels, int64_t group,
+                             const float *x, float *y, int64_t N, int64_t K, int64_t m0, int64_t mc, int64_t s,
+                             int64_t k0, float *buf) {
+    const int np = 2 * s + 2 <= num_panels ? 2 : 1;
+    const int64_t n0 = 2 * s * PANEL, kc = K - k0 < KC ? K - k0 : KC;
+    decode_strip(bits, w + 2 * s * panel_bytes, panel_bytes, np, group, k0, kc, buf);
+    for (int64_t m = m0; m < m0 + mc; m += MR) {
+        const int rows = m0 + mc - m < MR ? (int)(m0 + mc - m) : MR;
+        micro_any(rows, np, buf, kc, x + m * K + k0, K, y + m * N + n0, N, N - n0, k0 == 0);
+    }
+}
+
+ALWAYS_INLINE void gemm_strips(int bits, const uint8_t *w, int64_t group, const float *x, float *y, int64_t M,
+                               int64_t N, int64_t K, int64_t s_begin, int64_t s_end) {
+    const int64_t num_panels = (N + PANEL - 1) / PANEL, panel_bytes = K / group * group_bytes(bits, group);
+    const int strips_outside = (s_end - s_begin) * 16 > K;
+    float buf[KC * 16] __attribute__((aligned(64)));
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        const int64_t mc = M - m0 < MC ? M - m0 : MC;
+        if (strips_outside) {
+            for (int64_t s = s_begin; s < s_end; s++)
+                for (int64_t k0 = 0; k0 < K; k0 += KC)
+                    gemm_tile(bits, w, panel_bytes, num_panels, group, x, y, N, K, m0, mc, s, k0, buf);
+        } else {
+            for (int64_t k0 = 0; k0 < K; k0 += KC)
+                for (int64_t s = s_begin; s < s_end; s++)
+                    gemm_tile(bits, w, panel_bytes, num_panels, group, x, y, N, K, m0, mc, s, k0, buf);
+        }
+    }
+}
+
+static void gemm_strips_4(const uint8_t *w, int64_t group, const float *x, float *y, int64_t M, int64_t N, int64_t K,
+                          int64_t s_begin, int64_t s_end) {
+    gemm_strips(4, w, group, x, y, M, N, K, s_begin, s_end);
+}
+
+static void gemm_strips_8(const uint8_t *w, int64_t group, const float *x, float *y, int64_t M, int64_t N, int64_t K,
+                          int64_t s_begin, int64_t s_end) {
+    gemm_strips(8, w, group, x, y, M, N, K, s_begin, s_end);
+}
+
+/* Threads take contiguous ranges of 16-output strips. */
+static void gemm(int bits, const uint8_t *w, int64_t group, const float *x, float *y, int64_t M, int64_t N,
+                 int64_t K) {
+    const int64_t num_strips = ((N + PANEL - 1) / PANEL + 1) / 2;
+#pragma omp parallel
+    {
+        int nt = 1, t = 0;
+#ifdef _OPENMP
+        nt = omp_get_num_threads();
+        t = omp_get_thread_num();
+#endif
+        const int64_t s_begin = num_strips * t / nt, s_end = num_strips * (t + 1) / nt;
+        if (bits == 4) gemm_strips_4(w, group, x, y, M, N, K, s_begin, s_end);
+        else gemm_strips_8(w, group, x, y, M, N, K, s_begin, s_end);
+    }
+}
+
+static void quant_linear_avx2(int bits, const uint8_t *w, int64_t group, const float *x, float *y, int64_t M,
+                              int64_t N, int64_t K) {
+    if (M >= GEMM_MIN_ROWS) {
+        gemm(bits, w, group, x, y, M, N, K);
+        return;
+    }
+    for (int64_t m = 0; m < M; m += 4) {  /* up to 4 rows per pass over W */
+        const int64_t rows = M - m < 4 ? M - m : 4;
+        const int b8 = bits == 8;
+        gemv(GEMV_KERNELS[b8][rows - 1].run, GEMV_KERNELS[b8][rows - 1].one, GEMV_KERNELS[b8][rows - 1].P, bits, w,
+             group, x + m * K, y + m * N, N, K);
+    }
+}
+#endif
+
+/* One weight, as the kernels decode it. */
+static inline float weight_at(const uint8_t *w, int64_t bits, int64_t group, int64_t K, int64_t n, int64_t k) {
+    const int64_t panel_bytes = K / group * group_bytes(bits, group), lane = n % PANEL, kin = k % group;
+    const uint8_t *gp = w + n / PANEL * panel_bytes + k / group * group_bytes(bits, group);
+    const float s = ((const float *)gp)[lane], o = ((const float *)gp)[PANEL + lane];
+    const uint8_t *codes = gp + 64;
+    const float code = bits == 4 ? (float)((codes[kin / 2 * PANEL + lane] >> (kin % 2 * 4)) & 15)
+                                 : (float)(int8_t)codes[kin * PANEL + lane];
+    return fmaf(code, s, o);
+}
+
+/* y[M, N] = x[M, K] @ W^T for a packed W (bits 4 or 8, group 16 or 32, K a multiple of group). */
+void quant_linear_f32(const uint8_t *w, int64_t bits, int64_t group, const float *x, float *y, int64_t M, int64_t N,
+                      int64_t K) {
+#if defined(__AVX2__) && defined(__FMA__)
+    quant_linear_avx2((int)bits, w, group, x, y, M, N, K);
+#else
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < K; k++) acc = fmaf(weight_at(w, bits, group, K, n, k), x[m * K + k], acc);
+            y[m * N + n] = acc;
+        }
+#endif
+}
+
+/* out[i, :] = W[ids[i], :] decoded (the embedding lookup; also the whole matrix, for tests). ids must be < N. */
+void quant_gather_rows_f32(const uint8_t *w, int64_t bits, int64_t group, const int64_t *ids, float *out,
+                           int64_t num_ids, int64_t K) {
+    const int64_t gbytes = group_bytes(bits, group), panel_bytes = K / group * gbytes;
+#pragma omp parallel for schedule(static) if (num_ids * K >= PARALLEL_MIN_WEIGHTS)
+    for (int64_t i = 0; i < num_ids; i++) {
+        const int64_t lane = ids[i] % PANEL;
+        const uint8_t *panel = w + ids[i] / PANEL * panel_bytes;
+        for (int64_t g = 0; g < K / group; g++) {
+            const uint8_t *gp = panel + g * gbytes, *codes = gp + 64;
+            const float s = ((const float *)gp)[lane], o = ((const float *)gp)[PANEL + lane];
+            float *dst = out + i * K + g * group;
+            if (bits == 4)
+                for (int64_t j = 0; j < group; j += 2) {
+                    const uint8_t b = codes[j / 2 * PANEL + lane];
+                    dst[j] = fmaf((float)(b & 15), s, o);
+                    dst[j + 1] = fmaf((float)(b >> 4), s, o);
+                }
+            else
+                for (int64_t j = 0; j < group; j++) dst[j] = fmaf((float)(int8_t)codes[j * PANEL + lane], s, o);
+        }
+    }
+}
