@@ -48,7 +48,8 @@ async def run_server(engine_config: EngineConfig, sc) -> int:
         return 1
     names = [mc.served_model_name or client.ready.model_name]
     engine = AsyncLLM(client, tokenizer, names[0], engine_config.scheduler_config.max_num_queued_reqs,
-                      log_stats=not sc.disable_log_stats, watchdog_timeout_s=sc.engine_hang_timeout or None)
+                      log_stats=not sc.disable_log_stats, watchdog_timeout_s=sc.engine_hang_timeout or None,
+                      max_buffered_outputs=sc.max_buffered_outputs)
     api_keys = [key.strip() for key in (sc.api_key or "").split(",") if key.strip()]
     settings = ServerSettings.from_flags(sc, names, api_keys)
     state = ServerState(engine, settings)

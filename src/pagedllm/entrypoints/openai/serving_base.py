@@ -273,7 +273,9 @@ async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIte
         async for output in streams[0]:
             yield 0, output
         return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    # Bounded: when the consumer stops taking outputs, the pumps stop too and the outputs wait in each
+    # stream's own buffer, whose cap aborts a stalled request (AsyncLLM.max_buffered_outputs).
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue(maxsize=len(streams))
 
     async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:
