@@ -68,8 +68,7 @@ class AsyncLLM:
                                               num_free_blocks=client.ready.num_blocks)
         self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._engine_to_request: dict[str, str] = {}
-        self._num_sent = 0
-        self._num_added_at_stats = 0
+        """Every engine request (child) sent or about to be sent and not finished there -> its request id."""
         self.last_progress_time = time.monotonic()
         self.on_death: Callable[[str], None] = lambda reason: None
         self._pending_sends: set[asyncio.Future] = set()
@@ -94,17 +93,31 @@ class AsyncLLM:
     # ---- admission and requests ---------------------------------------------------------------------
 
     def estimated_num_waiting(self) -> int:
-        return self.scheduler_stats.num_waiting_reqs + self._num_sent - self._num_added_at_stats
+        return max(0, len(self._engine_to_request) - self.scheduler_stats.num_running_reqs)
 
-    def check_admission(self) -> None:
-        """Raise QueueFullError (counted in vllm:admission_rejections) if the waiting queue is full."""
+    def check_admission(self, num_seqs: int = 1) -> None:
+        """Admit a request of num_seqs engine requests (n times its number of prompts) or raise.
+
+        Raises:
+            InvalidRequestError: num_seqs alone is over --max-num-queued-reqs (it could never be admitted).
+            QueueFullError: the waiting queue has no room for it now (counted in vllm:admission_rejections).
+            EngineDeadError: the engine is gone.
+        """
         if self.is_dead:
             raise EngineDeadError(self.client.dead_reason)
         cap = self.max_num_queued_reqs
-        if cap is not None and self.estimated_num_waiting() >= cap:
+        if cap is None:
+            return
+        if num_seqs > cap:
+            raise InvalidRequestError(
+                f"This request needs {num_seqs} places in the waiting queue (one per choice per prompt: n times "
+                f"the number of prompts), more than the server's --max-num-queued-reqs={cap}, so it can never "
+                f"be admitted. Send at most {cap} choices times prompts in one request.", code="too_many_sequences")
+        waiting = self.estimated_num_waiting()
+        if waiting + num_seqs > cap:
             self.prometheus.record_admission_rejection()
-            raise QueueFullError(f"The server is at capacity: {self.estimated_num_waiting()} requests are "
-                                 f"waiting (--max-num-queued-reqs={cap}). Retry later.")
+            raise QueueFullError(f"The server is at capacity: {waiting} requests are waiting and this one needs "
+                                 f"{num_seqs} (--max-num-queued-reqs={cap}). Retry later.")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, output_kind: OutputKind = "delta", priority: int = 0,
@@ -196,7 +209,6 @@ class AsyncLLM:
     # ---- sends that never wait (safe in finally blocks of cancelled tasks) ---------------------------
 
     def _send_add(self, request: EngineCoreRequest) -> None:
-        self._num_sent += 1
         self.stats_tracker.add(request.request_id, request.arrival_time, len(request.prompt_token_ids))
         self._track(self.client.add_request(request), request.request_id)
 
@@ -236,7 +248,6 @@ class AsyncLLM:
         self.last_progress_time = time.monotonic()
         if outputs.scheduler_stats is not None:
             self.scheduler_stats = outputs.scheduler_stats
-            self._num_added_at_stats = message.num_added
         stats = self.stats_tracker.update(outputs)
         processed = self.output_processor.process_outputs(outputs)
         for engine_id in processed.reqs_to_abort:

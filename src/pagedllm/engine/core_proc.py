@@ -89,7 +89,7 @@ class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):
 class Outputs(msgspec.Struct, tag="outputs", array_like=True):
     outputs: EngineCoreOutputs
     num_added: int
-    """Requests the engine has taken in so far; with the stats it tells the server how many are waiting."""
+    """Requests the engine has taken in so far (rejected ones included)."""
 
 
 class Rejected(msgspec.Struct, tag="rejected", array_like=True):

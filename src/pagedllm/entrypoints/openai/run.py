@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import uvicorn
@@ -34,8 +35,12 @@ async def run_server(engine_config: EngineConfig, sc) -> int:
 
     mc = engine_config.model_config
     tokenizer_task = asyncio.ensure_future(asyncio.to_thread(get_tokenizer, mc.tokenizer or mc.model))
+    # The API server admits or refuses whole requests against --max-num-queued-reqs (AsyncLLM.check_admission):
+    # the engine core must not refuse one child of an admitted request (n > 1, a list of prompts).
+    core_config = dataclasses.replace(engine_config, scheduler_config=dataclasses.replace(
+        engine_config.scheduler_config, max_num_queued_reqs=None))
     try:
-        client = await EngineCoreClient.start(engine_config, sc.engine_startup_timeout)
+        client = await EngineCoreClient.start(core_config, sc.engine_startup_timeout)
     except EngineStartupError as e:
         logger.error("The engine core failed to start: %s", e)
         tokenizer_task.cancel()

@@ -220,6 +220,7 @@ class OpenAIServing:
         if self.log_requests:
             logger.info("Received request %s: %d prompt(s), %d prompt tokens, params %s", request_id,
                         len(prompts), sum(len(ids) for _, ids in prompts), _short(params))
+        self.engine.check_admission(params.n * len(prompts))  # again: the queue may have filled meanwhile
         streams = []
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         try:

@@ -103,7 +103,7 @@ class OpenAIServingChat(OpenAIServing):
             raise errors.bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {request.top_logprobs}.",
                                      param="top_logprobs")
         self.check_request_caps(request)
-        self.engine.check_admission()
+        self.engine.check_admission(request.n)
         prompt = render_chat(self.tokenizer, request.messages, request.add_generation_prompt,
                              request.continue_final_message, request.chat_template, request.chat_template_kwargs,
                              request.tools, self.settings.chat_template_timeout, self.settings.max_chat_template_chars)

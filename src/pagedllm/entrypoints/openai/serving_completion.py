@@ -42,7 +42,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.best_of is not None and request.best_of != request.n:
             raise errors.bad_request("best_of is not supported.", param="best_of")
         self.check_request_caps(request)
-        self.engine.check_admission()
+        self.engine.check_admission(request.n * _num_prompts(request.prompt))
         prompts = self._prompts(request)
         want_prompt_logprobs = request.echo and request.logprobs is not None
         params = self.sampling_params(request, request.max_tokens, request.logprobs,
@@ -202,6 +202,13 @@ class OpenAIServingCompletion(OpenAIServing):
         finally:
             await merged.aclose()
         yield SSE_DONE
+
+
+def _num_prompts(prompt) -> int:
+    """How many prompts the request's `prompt` holds (a string, or a list of token ids, is one)."""
+    if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
+        return len(prompt)
+    return 1
 
 
 def _is_token_ids(item) -> bool:
