@@ -7,7 +7,8 @@ Starts `pagedllm serve` (the embedded SmolLM2-135M-Instruct) unless `--url` name
 streaming request (`--stream-tokens` tokens, ignore_eos), then sends one prompt of `--prompt-tokens` random
 token ids (max_tokens 1) while GET /health is polled every 0.5 s. Prints the neighbour's worst inter-token gap
 during the long prefill, the /health answers (count of 200 and of anything else, with the slowest answer), and
-the long request's latency; `--result-file` writes them as JSON.
+the long request's latency; `--result-file` writes them as JSON. The neighbour is cancelled once the long
+request has finished.
 """
 
 from __future__ import annotations
@@ -64,9 +65,11 @@ async def measure(url: str, prompt_tokens: int, stream_tokens: int, model: str) 
         start = time.monotonic()
         response = await client.post("/v1/completions", json={"model": model, "prompt": long_prompt, "max_tokens": 1})
         long_end = time.monotonic()
+        await asyncio.sleep(1.0)  # the neighbour's first gap after the prefill counts too
         done.set()
         await health_task
-        await stream_task
+        stream_task.cancel()
+        await asyncio.gather(stream_task, return_exceptions=True)
     during = [gap for at, gap in gaps if start <= at <= long_end + 1.0]
     return {"prompt_tokens": prompt_tokens, "long_status": response.status_code, "long_latency_s": long_end - start,
             "worst_gap_s": max(during, default=0.0), "num_gaps_over_2s": sum(g > 2.0 for g in during),
