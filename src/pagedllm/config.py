@@ -93,10 +93,17 @@ class SchedulerConfig:
     """Split long prompts over several steps; off: a prompt waits until it fits one step whole."""
     long_prefill_token_threshold: int = 0
     """A prefill chunk is capped at this many tokens per step so decodes keep flowing (0: no cap)."""
+    max_prefill_attention_pairs: int = 2048 * 1024
+    """Most (query, key) pairs the prefill chunks of one step attend: a chunk of T tokens that ends at context
+    length L counts T x L. Attention grows with context, so deep into a long prompt a chunk is cut shorter
+    and a step's duration stays bounded (the default: a full step of prompts up to 1,024 tokens; at 7,000
+    tokens of context, chunks of ~300). 0: no cap. Needs chunked prefill."""
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     """fcfs: first come first served. priority: lower `priority` first, then arrival."""
     max_num_queued_reqs: int | None = None
-    """Most requests waiting; beyond it a request is rejected at once (HTTP 503). Default: no cap."""
+    """Most requests waiting, counted as vllm:num_requests_waiting counts them: one per choice per prompt (a
+    request with n=16, or 16 prompts, counts 16). A request that would go beyond is rejected at once (HTTP 503,
+    Retry-After); one that needs more places than the cap on an empty queue, with HTTP 400. Default: no cap."""
     max_model_len: int = 8192
     """Set from the model config at start-up."""
 
@@ -107,6 +114,8 @@ class SchedulerConfig:
             raise ValueError("--max-num-batched-tokens must be at least 1.")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("--long-prefill-token-threshold must be at least 0.")
+        if self.max_prefill_attention_pairs < 0:
+            raise ValueError("--max-prefill-attention-pairs must be at least 0.")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}.")
         if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 0:

@@ -76,6 +76,40 @@ def test_long_prefill_threshold_lets_decodes_through():
     assert out.num_scheduled_tokens == {"0": 1, "b0": 6}
 
 
+def test_prefill_chunks_shrink_with_context_so_no_step_is_long():
+    """Issue 17: a 7,000-token prompt ran in chunks of the whole token budget (2,048), the last attending
+    2,048 x 7,000 pairs: a step of over 10 s on the CPU, while every other stream waited. With the default
+    attention budget (2,048 x 1,024 pairs), chunks shrink as the context grows, and the decoding neighbour
+    advances every step."""
+    scheduler = create_scheduler(max_num_batched_tokens=2048, max_model_len=8192)
+    (a,) = create_requests(1, num_tokens=4, max_tokens=1000, ignore_eos=True)
+    scheduler.add_request(a)
+    step(scheduler)
+    (b,) = create_requests(1, num_tokens=7000, max_tokens=1, id_prefix="b")
+    scheduler.add_request(b)
+    chunks = []
+    while b.num_computed_tokens < 7000:
+        computed = b.num_computed_tokens
+        out, _ = step(scheduler)
+        assert out.num_scheduled_tokens["0"] == 1  # the neighbour decodes every step
+        num_tokens = out.num_scheduled_tokens["b0"]
+        assert num_tokens * (computed + num_tokens) <= 2048 * 1024, (computed, num_tokens)
+        chunks.append(num_tokens)
+    assert chunks == sorted(chunks, reverse=True) and chunks[0] == 1448 and len(chunks) == 13, chunks
+
+
+def test_prefill_attention_budget_off_and_first_chunk_always_advances():
+    scheduler = create_scheduler(max_num_batched_tokens=2048, max_model_len=8192, max_prefill_attention_pairs=0)
+    (b,) = create_requests(1, num_tokens=7000, max_tokens=1)
+    scheduler.add_request(b)
+    assert [step(scheduler)[0].num_scheduled_tokens["0"] for _ in range(4)] == [2048, 2048, 2048, 856]
+    scheduler = create_scheduler(max_num_batched_tokens=2048, max_model_len=8192, max_prefill_attention_pairs=10)
+    (b,) = create_requests(1, num_tokens=100, max_tokens=1)
+    scheduler.add_request(b)
+    # 3 x 3, 2 x 5, then 1 x 6 ... 1 x 10 fit 10 pairs; from 10 tokens on, none does: one token a step anyway
+    assert [step(scheduler)[0].num_scheduled_tokens["0"] for _ in range(9)] == [3, 2, 1, 1, 1, 1, 1, 1, 1]
+
+
 def test_chunked_prefill_off_waits_for_whole_prompt():
     scheduler = create_scheduler(block_size=4, num_blocks=40, max_num_batched_tokens=16, max_model_len=16,
                                  enable_chunked_prefill=False)

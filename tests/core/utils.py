@@ -23,6 +23,7 @@ def create_scheduler(
     long_prefill_token_threshold: int = 0,
     scheduling_policy: str = "fcfs",
     max_num_queued_reqs: int | None = None,
+    max_prefill_attention_pairs: int | None = None,
 ) -> Scheduler:
     if max_model_len is None:
         max_model_len = min(max_num_batched_tokens, num_blocks * block_size)
@@ -34,6 +35,7 @@ def create_scheduler(
         scheduling_policy=scheduling_policy,  # type: ignore[arg-type]
         max_num_queued_reqs=max_num_queued_reqs,
         max_model_len=max_model_len,
+        **({} if max_prefill_attention_pairs is None else {"max_prefill_attention_pairs": max_prefill_attention_pairs}),
     )
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
     return Scheduler(scheduler_config, cache_config, num_blocks)

@@ -63,12 +63,12 @@ async def _scenario(model) -> None:
         await client.abort_requests(["b"])
         deadline = time.monotonic() + 10
         while True:
-            stats = await client.call_utility("stats", timeout_s=5)
+            stats = (await client.call_utility("stats", timeout_s=5)).stats
             if stats.num_running_reqs == 0 or time.monotonic() > deadline:
                 break
         assert (stats.num_running_reqs, stats.num_waiting_reqs) == (0, 0)
         assert stats.num_free_blocks == stats.num_total_blocks == total
-        assert await client.call_utility("ping", timeout_s=5) is not None
+        assert (await client.call_utility("ping", timeout_s=5)).step_running_s == 0.0  # idle
         assert not client.is_dead
     finally:
         client.shutdown()

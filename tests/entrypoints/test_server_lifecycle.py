@@ -99,6 +99,40 @@ def test_queue_full_is_503_and_stuck_engine_is_unhealthy(remote_server_factory):
     assert _wait_for(lambda: server.get("/health").status_code == 200, 5.0)
 
 
+def test_queue_cap_counts_sequences_and_refuses_what_never_fits(remote_server_factory):
+    """--max-num-queued-reqs counts as vllm:num_requests_waiting does: one per choice per prompt. Issue 17: on an
+    idle server with a cap of 8, n >= 10 or 16 prompts always got 503 + Retry-After ("8 requests are waiting",
+    none were: the engine refused the request's own 9th child), so clients retried forever. Now a request
+    that needs more places than the cap gets a 400 that says why, one that fits is served whole, and a 503
+    states how many are really waiting."""
+    server = remote_server_factory("--max-num-seqs", "1", "--max-num-queued-reqs", "8")
+    client = server.client(timeout=30.0)
+    for extra in ({"n": 10}, {"n": 16}, {"prompt": [PROMPT] * 16}, {"prompt": [PROMPT] * 3, "n": 3}):
+        response = server.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2,
+                                                        **extra})
+        assert response.status_code == 400, (extra, response.status_code, response.text)
+        message = response.json()["error"]["message"]
+        assert "--max-num-queued-reqs=8" in message and "never" in message, message
+    for extra in ({"n": 8}, {"prompt": [PROMPT] * 8}, {"prompt": [PROMPT] * 2, "n": 4}):
+        response = client.completions.create(model=MODEL_NAME, prompt=extra.pop("prompt", PROMPT), max_tokens=2,
+                                             **extra)
+        assert len(response.choices) == 8, extra
+
+    running = iter(client.completions.create(**LONG, stream=True))
+    next(running)  # runs alone (--max-num-seqs 1)
+    waiting = client.completions.create(**LONG, n=6, stream=True)  # 6 sequences wait
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, n=3)
+    assert info.value.status_code == 503 and info.value.body["code"] == "queue_full"
+    assert info.value.response.headers["Retry-After"] == "1"
+    assert "6 requests are waiting" in info.value.body["message"], info.value.body
+    fits = client.completions.create(**LONG, n=2, stream=True)  # 6 + 2 = 8: admitted
+    for stream in (fits, waiting, running):
+        stream.close()
+    kv = server.wait_idle()
+    assert kv["num_free_blocks"] == kv["num_total_blocks"]
+
+
 def test_engine_exits_when_api_server_is_killed(tiny_llama_dir):
     server = RemoteServer(tiny_llama_dir, debug_routes=False)
     try:

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 LONG = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 400, "extra_body": {"ignore_eos": True}}
+SLOW_STEP_S = 6
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,9 @@ def servers(launcher) -> dict:
                           wait_ready=False),
         "hang": launcher("--health-check-timeout", "3", "--engine-hang-timeout", "3", "--engine-death-exit-delay", "30",
                          env={"PAGEDLLM_FAULT_INJECT": "hang_in_forward:after_steps=20"}, wait_ready=False),
+        "slow": launcher("--health-check-timeout", "1", "--engine-hang-timeout", "30",
+                         env={"PAGEDLLM_FAULT_INJECT": f"sleep_in_forward:after_steps=2,seconds={SLOW_STEP_S}"},
+                         wait_ready=False),
     }
 
 
@@ -156,3 +160,29 @@ def test_hang_in_engine_loop_fails_requests_and_health(servers):
     assert all("hung" in str(o) for o, _ in results)
     print(f"FIGURE hang: /health 503 after {health_s:.1f} s (watchdog {timeout_s:g} s), 4/4 requests failed "
           f"after {max(at for _, at in results) - start:.1f} s")
+
+
+def test_one_long_step_keeps_health_200(servers):
+    """Issue 17: /health waited behind the engine's current step, so one long step (a 7,000-token prompt's
+    prefill chunk took over 10 s) answered 503 though the engine was fine. The engine core's input thread now
+    answers during the step: with --health-check-timeout 1 and a 6 s step, every /health is a fast 200, and
+    the request completes."""
+    server = servers["slow"].wait_ready()
+    client = server.client(timeout=60.0)
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8)))
+    start = time.monotonic()
+    thread.start()
+    answers = []
+    while thread.is_alive() and time.monotonic() - start < 60:
+        asked = time.monotonic()
+        answers.append((server.http.get("/health", timeout=20).status_code, time.monotonic() - asked))
+        time.sleep(0.2)
+    thread.join()
+    elapsed = time.monotonic() - start
+    assert elapsed >= SLOW_STEP_S and result and result[0].choices[0].finish_reason == "length"
+    assert all(status == 200 for status, _ in answers), answers
+    assert max(seconds for _, seconds in answers) < 1.0, answers
+    print(f"FIGURE long step: {len(answers)} /health answers during a {SLOW_STEP_S} s step, all 200, slowest "
+          f"{max(seconds for _, seconds in answers) * 1000:.0f} ms")

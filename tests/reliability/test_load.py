@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 
 KV_BLOCKS, BLOCK_SIZE = 64, 8
 KV_PROMPT_LEN, KV_MAX_TOKENS = 150, 55  # 205 tokens = 26 blocks = 40% of the pool
+STALL_HANG_TIMEOUT_S = 4
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,8 @@ def servers(launcher) -> dict:
                        "--max-model-len", "256", "--max-num-seqs", "64", wait_ready=False),
         "overload": launcher("--max-num-seqs", "4", "--max-num-queued-reqs", "16", wait_ready=False),
         "load": launcher(wait_ready=False),
+        "stall": launcher("--health-check-timeout", "2", "--engine-hang-timeout", str(STALL_HANG_TIMEOUT_S),
+                          "--max-buffered-outputs", "256", wait_ready=False),
     }
 
 
@@ -143,6 +146,54 @@ def test_stalled_stream_closed_by_its_client_is_aborted(servers):
         pending_at_close.append(16 - finished)
     assert sum(pending_at_close) >= 6 * 8, pending_at_close  # the closes did interrupt work
     assert server.kv()["total_ref_cnt"] == 0
+
+
+def _send_and_never_read(port: int, body: dict) -> socket.socket:
+    """A raw HTTP client that sends one request and never reads: with a tiny receive buffer the server's
+    socket buffers fill and its writes block."""
+    data = json.dumps(body).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    return sock
+
+
+def test_clients_that_never_read_cost_only_their_own_requests(servers):
+    """Two streaming clients stop reading and never close (issue 17: after the engine finished such a
+    request, /health answered 503, and the hang watchdog declared the idle engine hung and killed the server).
+    One (n=16, logprobs=20, 480 tokens) outgrows --max-buffered-outputs and is aborted, its blocks freed; the
+    other (n=1, 200 tokens) finishes in the engine with its outputs waiting. Past the hang timeout, /health
+    stays 200, the server lives and serves another request, and nothing runs or holds a block."""
+    server = servers["stall"].wait_ready()
+    before = load_test.finished_by_reason(server)
+    common = {"model": MODEL_NAME, "prompt": "hello", "ignore_eos": True, "stream": True, "logprobs": 20}
+    big = _send_and_never_read(server.port, {**common, "n": 16, "max_tokens": 480})
+    small = _send_and_never_read(server.port, {**common, "max_tokens": 200})
+    try:
+        assert wait_for(lambda: (lambda kv: kv["num_running_reqs"] + kv["num_waiting_reqs"] == 0
+                                 and load_test.finished_by_reason(server).get("length", 0) > before.get("length", 0))(
+            server.kv()), 60.0, 0.2), server.kv()
+        statuses = []
+        deadline = time.monotonic() + STALL_HANG_TIMEOUT_S + 2
+        while time.monotonic() < deadline:
+            statuses.append(server.http.get("/health").status_code)
+            time.sleep(0.25)
+        assert set(statuses) == {200}, statuses
+        after = load_test.finished_by_reason(server)
+        assert after.get("abort", 0) - before.get("abort", 0) == 16, (before, after)  # the big one, aborted
+        assert after.get("length", 0) - before.get("length", 0) == 1, (before, after)  # the small one, finished
+        response = server.http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4})
+        assert response.status_code == 200, response.text
+        assert server.proc.poll() is None
+        assert "hung" not in server.log()
+        kv = server.kv()
+        assert kv["num_running_reqs"] + kv["num_waiting_reqs"] == 0 and kv["total_ref_cnt"] == 0, kv
+        assert kv["num_free_blocks"] == kv["num_total_blocks"], kv
+    finally:
+        big.close()
+        small.close()
 
 
 def test_3x_overload_gets_fast_counted_503s(servers):

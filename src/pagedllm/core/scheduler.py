@@ -7,12 +7,16 @@ many tokens each request advances. One step (see DESIGN section 4):
   2. only if nothing was preempted, waiting requests in policy order, after a prefix-cache lookup;
   3. update_from_output appends sampled tokens, checks stops, frees finished requests and registers
      newly full blocks in the prefix cache.
+Besides the token budget, prefill chunks share an attention budget (max_prefill_attention_pairs): a chunk
+of T tokens ending at context L attends T x L (query, key) pairs, so deep into a long prompt its chunks get
+shorter and no step runs for long (decodes keep flowing).
 num_computed_tokens advances when a step is scheduled (as in vLLM), so the next schedule() may run
 before the previous step's update and still see the right positions.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -40,6 +44,10 @@ class _Step:
     """Scratch state of one schedule() call."""
 
     token_budget: int
+    attention_pairs: int | None = None
+    """Prefill attention pairs left this step (None: no cap)."""
+    prefill_pairs: dict[str, int] = field(default_factory=dict)
+    """The pairs each prefill chunk scheduled this step took from attention_pairs."""
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     new_blocks: dict[str, list[KVCacheBlock]] = field(default_factory=dict)
     running_reqs: list[Request] = field(default_factory=list)
@@ -59,7 +67,29 @@ class _Step:
         """
         del self.new_blocks[request.request_id]
         self.running_reqs.remove(request)
+        if request.request_id in self.prefill_pairs:
+            self.attention_pairs += self.prefill_pairs.pop(request.request_id)
         return self.num_scheduled_tokens.pop(request.request_id)
+
+    def cap_prefill(self, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """num_new_tokens cut to the largest chunk T whose T x (num_computed_tokens + T) pairs fit the attention
+        budget left (a decode, one token, is not capped). The step's first prefill chunk gets at least one
+        token, so a request always advances. E.g. 2,097,152 pairs left: at 0 computed tokens T = 1,448
+        (1,448 x 1,448 = 2,096,704); at 7,000, T = 287 (287 x 7,287 = 2,091,369)."""
+        if self.attention_pairs is None or num_new_tokens <= 1:
+            return num_new_tokens
+        c = num_computed_tokens
+        fit = (math.isqrt(c * c + 4 * self.attention_pairs) - c) // 2  # largest T with T * (c + T) <= pairs
+        if not self.prefill_pairs:
+            fit = max(fit, 1)
+        return min(num_new_tokens, fit)
+
+    def count_prefill(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> None:
+        """Take a scheduled prefill chunk's pairs from the attention budget."""
+        if self.attention_pairs is not None and num_new_tokens > 1:
+            pairs = num_new_tokens * (num_computed_tokens + num_new_tokens)
+            self.prefill_pairs[request.request_id] = pairs
+            self.attention_pairs -= pairs
 
 
 class Scheduler:
@@ -79,6 +109,8 @@ class Scheduler:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
+        pairs = scheduler_config.max_prefill_attention_pairs
+        self.max_prefill_attention_pairs = pairs if pairs > 0 and scheduler_config.enable_chunked_prefill else None
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
         if num_blocks < max_blocks_per_req:
             raise ValueError(
@@ -163,7 +195,7 @@ class Scheduler:
         Returns:
             The SchedulerOutput for the model runner; num_computed_tokens already counts this step.
         """
-        step = _Step(token_budget=self.max_num_batched_tokens)
+        step = _Step(token_budget=self.max_num_batched_tokens, attention_pairs=self.max_prefill_attention_pairs)
         self._schedule_running(step)
         if not step.preempted_reqs:
             self._schedule_waiting(step)
@@ -198,6 +230,8 @@ class Scheduler:
                 num_new_tokens = threshold
             if num_new_tokens > token_budget:
                 num_new_tokens = token_budget
+            if num_new_tokens > 1:
+                num_new_tokens = step.cap_prefill(request.num_computed_tokens, num_new_tokens)
             if num_new_tokens <= 0:
                 i += 1
                 continue
@@ -219,6 +253,7 @@ class Scheduler:
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 new_blocks_by_req[request.request_id] = new_blocks
                 token_budget -= num_new_tokens
+                step.count_prefill(request, request.num_computed_tokens, num_new_tokens)
                 i += 1
         step.token_budget = token_budget
 
@@ -257,7 +292,9 @@ class Scheduler:
             num_new_tokens = self._num_new_tokens(request, num_computed_tokens)
             if not chunked and num_new_tokens > step.token_budget:
                 break  # the prompt waits until it fits a step whole
-            num_new_tokens = min(num_new_tokens, step.token_budget)
+            num_new_tokens = step.cap_prefill(num_computed_tokens, min(num_new_tokens, step.token_budget))
+            if num_new_tokens <= 0:
+                break  # the step's attention budget is spent
             new_blocks = kv.allocate_slots(request, num_new_tokens, num_computed_tokens, computed_blocks)
             if new_blocks is None:
                 break  # not enough free blocks: wait for running requests to finish
@@ -270,6 +307,7 @@ class Scheduler:
                 request.num_cached_tokens = num_computed_tokens
             step.new_reqs.append(request)
             step.add(request, num_new_tokens, new_blocks)
+            step.count_prefill(request, num_computed_tokens, num_new_tokens)
 
     def _make_output(self, step: _Step) -> SchedulerOutput:
         get_block_ids = self.kv_cache_manager.get_block_ids

@@ -5,8 +5,17 @@ output handler per engine step (detokenize, stop strings, n > 1 aggregation, sta
 early (client disconnect, cancellation) aborts the request in the engine at once. When the engine dies,
 every open iterator raises EngineDeadError.
 
-Admission control happens before tokenization: `check_admission` estimates the engine's waiting queue
-from the latest scheduler stats plus the requests sent since those stats were taken.
+A consumer that stops taking its outputs (a client that no longer reads its stream) costs only its own
+request: past `max_buffered_outputs` outputs waiting for it, the request is aborted in the engine (its blocks
+freed) and the consumer, if it ever reads again, gets RequestAbortedError after what was waiting. Liveness is
+the engine's, never a consumer's: the hang watchdog counts only while the engine core holds unfinished
+requests, and /health asks the engine core's input thread, which answers during a long step.
+
+Admission control (--max-num-queued-reqs) admits or refuses a whole request, before tokenization and again
+just before it is sent; the engine core never refuses part of an admitted one. The cap counts what
+vllm:num_requests_waiting counts: engine requests, one per choice per prompt, so a request with n=16 (or 16
+prompts) needs 16 places. `check_admission` estimates the waiting queue as the engine requests not finished
+(sent, in flight, or n > 1 children not yet sent) less those running at the latest scheduler stats.
 """
 
 from __future__ import annotations
@@ -42,11 +51,12 @@ class RequestAbortedError(RuntimeError):
 class AsyncLLM:
     def __init__(self, client: EngineCoreClient, tokenizer, model_name: str,
                  max_num_queued_reqs: int | None = None, log_stats: bool = True,
-                 watchdog_timeout_s: float | None = None):
+                 watchdog_timeout_s: float | None = None, max_buffered_outputs: int = 4096):
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_num_queued_reqs = max_num_queued_reqs
+        self.max_buffered_outputs = max_buffered_outputs
         self.input_processor = InputProcessor(client.ready.limits)
         self.output_processor = OutputProcessor(tokenizer)
         self.stats_tracker = RequestStatsTracker()
@@ -56,8 +66,7 @@ class AsyncLLM:
                                               num_free_blocks=client.ready.num_blocks)
         self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._engine_to_request: dict[str, str] = {}
-        self._num_sent = 0
-        self._num_added_at_stats = 0
+        """Every engine request (child) sent or about to be sent and not finished there -> its request id."""
         self.last_progress_time = time.monotonic()
         self.on_death: Callable[[str], None] = lambda reason: None
         self._pending_sends: set[asyncio.Future] = set()
@@ -82,17 +91,31 @@ class AsyncLLM:
     # ---- admission and requests ---------------------------------------------------------------------
 
     def estimated_num_waiting(self) -> int:
-        return self.scheduler_stats.num_waiting_reqs + self._num_sent - self._num_added_at_stats
+        return max(0, len(self._engine_to_request) - self.scheduler_stats.num_running_reqs)
 
-    def check_admission(self) -> None:
-        """Raise QueueFullError (counted in vllm:admission_rejections) if the waiting queue is full."""
+    def check_admission(self, num_seqs: int = 1) -> None:
+        """Admit a request of num_seqs engine requests (n times its number of prompts) or raise.
+
+        Raises:
+            InvalidRequestError: num_seqs alone is over --max-num-queued-reqs (it could never be admitted).
+            QueueFullError: the waiting queue has no room for it now (counted in vllm:admission_rejections).
+            EngineDeadError: the engine is gone.
+        """
         if self.is_dead:
             raise EngineDeadError(self.client.dead_reason)
         cap = self.max_num_queued_reqs
-        if cap is not None and self.estimated_num_waiting() >= cap:
+        if cap is None:
+            return
+        if num_seqs > cap:
+            raise InvalidRequestError(
+                f"This request needs {num_seqs} places in the waiting queue (one per choice per prompt: n times "
+                f"the number of prompts), more than the server's --max-num-queued-reqs={cap}, so it can never "
+                f"be admitted. Send at most {cap} choices times prompts in one request.", code="too_many_sequences")
+        waiting = self.estimated_num_waiting()
+        if waiting + num_seqs > cap:
             self.prometheus.record_admission_rejection()
-            raise QueueFullError(f"The server is at capacity: {self.estimated_num_waiting()} requests are "
-                                 f"waiting (--max-num-queued-reqs={cap}). Retry later.")
+            raise QueueFullError(f"The server is at capacity: {waiting} requests are waiting and this one needs "
+                                 f"{num_seqs} (--max-num-queued-reqs={cap}). Retry later.")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, output_kind: OutputKind = "delta", priority: int = 0,
@@ -120,10 +143,10 @@ class AsyncLLM:
             for index, request in enumerate(requests):
                 self.output_processor.add_request(request, prompt, parent, index, output_kind)
             parent.pending = requests[1:]
+        if not self._engine_to_request:  # the engine was idle: the watchdog counts from now
+            self.last_progress_time = time.monotonic()
         for request in requests:
             self._engine_to_request[request.request_id] = request_id
-        if not self.queues:
-            self.last_progress_time = time.monotonic()
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.queues[request_id] = queue
         self._send_add(requests[0])
@@ -182,7 +205,6 @@ class AsyncLLM:
     # ---- sends that never wait (safe in finally blocks of cancelled tasks) ---------------------------
 
     def _send_add(self, request: EngineCoreRequest) -> None:
-        self._num_sent += 1
         self.stats_tracker.add(request.request_id, request.arrival_time, len(request.prompt_token_ids))
         self._track(self.client.add_request(request), request.request_id)
 
@@ -222,7 +244,6 @@ class AsyncLLM:
         self.last_progress_time = time.monotonic()
         if outputs.scheduler_stats is not None:
             self.scheduler_stats = outputs.scheduler_stats
-            self._num_added_at_stats = message.num_added
         stats = self.stats_tracker.update(outputs)
         processed = self.output_processor.process_outputs(outputs)
         for engine_id in processed.reqs_to_abort:
@@ -235,9 +256,20 @@ class AsyncLLM:
                 self._engine_to_request.pop(output.request_id, None)
         for request_output in processed.request_outputs:
             queue = self.queues.get(request_output.request_id)
-            if queue is not None:
+            if queue is None:
+                continue
+            if queue.qsize() >= self.max_buffered_outputs:
+                self._abort_stalled(request_output.request_id)
+            else:
                 queue.put_nowait(request_output)
         self._record(outputs.scheduler_stats, stats)
+
+    def _abort_stalled(self, request_id: str) -> None:
+        """The consumer has not taken its outputs (its client stopped reading): abort the request."""
+        logger.warning("aborting request %s: its client is not reading its stream (%d outputs waiting)",
+                       request_id, self.max_buffered_outputs)
+        self.abort(request_id, RequestAbortedError(
+            f"The request was aborted: its client did not read {self.max_buffered_outputs} waiting outputs."))
 
     def _on_rejected(self, message: Rejected) -> None:
         request_id = self._engine_to_request.pop(message.request_id, None)
@@ -267,33 +299,36 @@ class AsyncLLM:
             self.log_logger.log()
 
     async def _watchdog_loop(self) -> None:
-        """A hung engine core (requests open, no step finished for watchdog_timeout_s) is treated as dead:
-        every open request fails at once instead of waiting forever, and /health answers 503."""
+        """A hung engine core (unfinished requests in it, no step finished for watchdog_timeout_s) is treated
+        as dead: every open request fails at once instead of waiting forever, and /health answers 503.
+        Requests the engine has finished do not count, however slowly their clients read."""
         timeout_s = self.watchdog_timeout_s
         while not self.is_dead:
             await asyncio.sleep(min(0.5, timeout_s / 4))
             stalled_s = time.monotonic() - self.last_progress_time
-            if self.queues and stalled_s > timeout_s:
-                self.client.mark_dead(f"engine core hung: no step finished for {stalled_s:.1f} s while "
-                                      f"{len(self.queues)} requests were open")
+            if self._engine_to_request and stalled_s > timeout_s:
+                self.client.mark_dead(f"engine core hung: no step finished for {stalled_s:.1f} s while it held "
+                                      f"{len(self._engine_to_request)} unfinished requests")
 
     # ---- health -----------------------------------------------------------------------------------------
 
     async def check_health(self, timeout_s: float) -> None:
-        """Raise if the engine is dead, does not answer within timeout_s, or has open requests but has not
-        finished a step for timeout_s."""
+        """Raise if the engine is dead, its process does not answer within timeout_s (stopped, or its IO
+        threads stuck), or it has been in one step for longer than the watchdog timeout. A long step alone
+        (a long prefill chunk) is not a failure: the engine core's input thread answers during it."""
         if self.is_dead:
             raise EngineDeadError(self.client.dead_reason)
         try:
-            await self.client.call_utility("ping", timeout_s)
+            result = await self.client.call_utility("ping", timeout_s)
         except TimeoutError:  # asyncio's carries no message: /health answered just "TimeoutError"
             raise TimeoutError(f"the engine core did not answer a health check within {timeout_s:g} s "
-                               "(busy with a long step, stopped, or hung)") from None
-        if self.queues and time.monotonic() - self.last_progress_time > timeout_s:
-            raise TimeoutError(f"the engine core has made no progress for {timeout_s:.0f} s")
+                               "(stopped, or its IO threads stuck)") from None
+        hang_s = self.watchdog_timeout_s
+        if hang_s and result.step_running_s > hang_s:
+            raise TimeoutError(f"the engine core has been in one step for {result.step_running_s:.0f} s")
 
     async def debug_stats(self, timeout_s: float = 5.0) -> SchedulerStats | None:
-        return await self.client.call_utility("stats", timeout_s)
+        return (await self.client.call_utility("stats", timeout_s)).stats
 
     def shutdown(self) -> None:
         for task in (self._log_task, self._watchdog_task):

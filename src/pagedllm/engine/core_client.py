@@ -38,7 +38,6 @@ from pagedllm.engine.core_proc import (
     UtilityResult,
 )
 from pagedllm.engine.messages import EngineCoreRequest
-from pagedllm.metrics.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +67,7 @@ class EngineCoreClient:
         self.last_message_time = time.monotonic()
         self._encoder = msgspec.msgpack.Encoder()
         self._call_ids = itertools.count()
-        self._calls: dict[int, asyncio.Future[SchedulerStats | None]] = {}
+        self._calls: dict[int, asyncio.Future[UtilityResult]] = {}
         self._closing = False
         self._loop = asyncio.get_running_loop()
         self._output_task = asyncio.create_task(self._output_loop(), name="engine-output")
@@ -114,14 +113,17 @@ class EngineCoreClient:
         if request_ids and not self.is_dead:
             await self._send(AbortRequests(request_ids))
 
-    async def call_utility(self, method: str, timeout_s: float) -> SchedulerStats | None:
-        """Ask the busy loop; raises TimeoutError if it does not answer in time, EngineDeadError if dead."""
+    async def call_utility(self, method: str, timeout_s: float) -> UtilityResult:
+        """Ask the engine core ("stats": its busy loop; "ping": its input thread, see UtilityCall); raises
+        TimeoutError if it does not answer in time, EngineDeadError if dead."""
         call_id = next(self._call_ids)
-        future: asyncio.Future[SchedulerStats | None] = self._loop.create_future()
+        future: asyncio.Future[UtilityResult] = self._loop.create_future()
         self._calls[call_id] = future
         try:
             await self._send(UtilityCall(call_id, method))
             return await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"the engine core did not answer within {timeout_s:g} s") from None
         finally:
             self._calls.pop(call_id, None)
 
@@ -145,7 +147,7 @@ class EngineCoreClient:
             if isinstance(message, UtilityResult):
                 future = self._calls.get(message.call_id)
                 if future is not None and not future.done():
-                    future.set_result(message.stats)
+                    future.set_result(message)
             elif isinstance(message, EngineFailed):
                 self._mark_dead(f"engine core failed: {message.message}")
             else:

@@ -14,9 +14,10 @@ the parent exits, however it exits), on SIGTERM, or when a step raises (after re
 On exit the process removes its `ipc://` socket files and their directory (if empty), so nothing is left
 behind when the API server was killed before it could clean up.
 
-Fault injection (tests only): `PAGEDLLM_FAULT_INJECT=KIND:after_steps=N[,times=K]` makes the model's
-forward pass misbehave after N successful steps, K times (default 1): `raise_in_forward` raises (the step's
-requests fail with an error, the engine keeps serving), `hang_in_forward` blocks the busy loop forever.
+Fault injection (tests only): `PAGEDLLM_FAULT_INJECT=KIND:after_steps=N[,times=K][,seconds=S]` makes the
+model's forward pass misbehave after N successful steps, K times (default 1): `raise_in_forward` raises (the
+step's requests fail with an error, the engine keeps serving), `hang_in_forward` blocks the busy loop
+forever, `sleep_in_forward` makes the step last S seconds longer (a long step that is not a hang).
 
 Run as `python -m pagedllm.engine.core_proc --input-addr ADDR --output-addr ADDR` with the EngineConfig
 as one JSON line on stdin; `EngineCoreClient` does this.
@@ -59,7 +60,8 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
 
 
 class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
-    """A call answered by the busy loop between steps, so an answer proves the loop is alive."""
+    """"ping" is answered at once by the input thread, with how long the busy loop has been in its current
+    step (a long step must not look like a dead engine); "stats" by the busy loop between steps."""
 
     call_id: int
     method: Literal["ping", "stats"]
@@ -90,7 +92,7 @@ class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):
 class Outputs(msgspec.Struct, tag="outputs", array_like=True):
     outputs: EngineCoreOutputs
     num_added: int
-    """Requests the engine has taken in so far; with the stats it tells the server how many are waiting."""
+    """Requests the engine has taken in so far (rejected ones included)."""
 
 
 class Rejected(msgspec.Struct, tag="rejected", array_like=True):
@@ -102,6 +104,8 @@ class Rejected(msgspec.Struct, tag="rejected", array_like=True):
 class UtilityResult(msgspec.Struct, tag="utility_result", array_like=True):
     call_id: int
     stats: SchedulerStats | None = None
+    step_running_s: float = 0.0
+    """For "ping": seconds the busy loop has been in its current step (0.0: between steps or idle)."""
 
 
 class EngineFailed(msgspec.Struct, tag="engine_failed", array_like=True):
@@ -119,6 +123,8 @@ class EngineCoreProc:
         self.input_queue: queue.Queue[ToEngine] = queue.Queue()
         self.output_queue: queue.Queue[FromEngine | None] = queue.Queue()
         self.num_added = 0
+        self.step_started: float | None = None
+        """time.monotonic() when the current step began; None between steps (read by the input thread)."""
         self.ctx = zmq.Context()
         self.input_socket = _connect(self.ctx, zmq.PULL, input_addr)
         self.output_socket = _connect(self.ctx, zmq.PUSH, output_addr)
@@ -134,7 +140,9 @@ class EngineCoreProc:
         while True:
             self._process_input_queue(block=not self.engine_core.has_unfinished_requests())
             if self.engine_core.has_unfinished_requests():
+                self.step_started = time.monotonic()
                 outputs = self.engine_core.step()
+                self.step_started = None
                 self.send(Outputs(outputs, self.num_added))
 
     def close(self) -> None:
@@ -207,9 +215,15 @@ class EngineCoreProc:
                 self.input_socket.close(linger=0)
                 return
             try:
-                self.input_queue.put(decoder.decode(frame.buffer))
+                message = decoder.decode(frame.buffer)
             except msgspec.DecodeError as e:
                 logger.error("dropped an undecodable message from the API server: %s", e)
+                continue
+            if isinstance(message, UtilityCall) and message.method == "ping":
+                started = self.step_started
+                self.send(UtilityResult(message.call_id, None, 0.0 if started is None else time.monotonic() - started))
+            else:
+                self.input_queue.put(message)
 
     def _output_thread(self) -> None:
         encoder = msgspec.msgpack.Encoder()
@@ -237,7 +251,8 @@ def install_fault(engine_core, spec: str) -> None:
     kind, _, options = spec.partition(":")
     opts = dict(item.split("=", 1) for item in options.split(",") if item)
     after_steps, times = int(opts.get("after_steps", 0)), int(opts.get("times", 1))
-    if kind not in ("raise_in_forward", "hang_in_forward"):
+    seconds = float(opts.get("seconds", 0))
+    if kind not in ("raise_in_forward", "hang_in_forward", "sleep_in_forward"):
         raise ValueError(f"unknown {FAULT_INJECT_ENV} kind {kind!r}")
     runner = engine_core.runner
     execute_model = runner.execute_model
@@ -249,6 +264,9 @@ def install_fault(engine_core, spec: str) -> None:
             logger.warning("%s: injecting %s at step %d", FAULT_INJECT_ENV, kind, calls["n"])
             if kind == "raise_in_forward":
                 raise RuntimeError("injected fault in the forward pass")
+            if kind == "sleep_in_forward":
+                time.sleep(seconds)
+                return execute_model(scheduler_output)
             while True:
                 time.sleep(3600)
         return execute_model(scheduler_output)

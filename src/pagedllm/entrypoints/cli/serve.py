@@ -51,12 +51,16 @@ class ServerConfig:
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
     """Log level of uvicorn (access log, server events)."""
     health_check_timeout: float = 10.0
-    """Seconds the engine core may take to answer /health, or go without finishing a step while requests
-    are open, before /health answers 503."""
+    """Seconds the engine-core process may take to answer /health before it answers 503. The engine core
+    answers during a step, so a long step (a long prefill chunk) does not fail /health."""
     engine_hang_timeout: float = 300.0
-    """Seconds with requests open and no engine step finished before the engine core is declared hung: its
-    open requests fail and the server exits (0: never). /health turns 503 sooner, after
-    --health-check-timeout; a slow step on a busy machine must not kill the server."""
+    """Seconds with unfinished requests in the engine core and no step finished before it is declared hung:
+    its open requests fail, /health answers 503 and the server exits (0: never). Requests the engine has
+    finished do not count, however slowly their clients read; a slow step on a busy machine must not kill
+    the server."""
+    max_buffered_outputs: int = 4096
+    """Most outputs (one per choice per engine step) a streaming request may have waiting for its client;
+    beyond, the client is taken as stalled and the request is aborted, its KV blocks freed."""
     drain_timeout: float = 30.0
     """Seconds SIGTERM waits for open requests to finish before aborting them and exiting."""
     engine_startup_timeout: float = 600.0
@@ -124,7 +128,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         raise ValueError("--cache-salt-from-api-key needs --api-key (or VLLM_API_KEY): without a key there is "
                          "no tenant to derive a salt from.")
     for name in ("max_n", "max_prompts", "max_choices", "max_logit_bias", "max_stop", "max_chat_template_chars",
-                 "max_request_bytes", "max_header_bytes", "max_connections"):
+                 "max_request_bytes", "max_header_bytes", "max_connections", "max_buffered_outputs"):
         if name in server_kwargs and server_kwargs[name] < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1.")
     for name in ("header_read_timeout", "body_read_timeout"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 
@@ -39,8 +40,12 @@ async def run_server(engine_config: EngineConfig, sc) -> int:
     asyncio.get_running_loop().set_exception_handler(RateLimitedLoopErrors())
     mc = engine_config.model_config
     tokenizer_task = asyncio.ensure_future(asyncio.to_thread(get_tokenizer, mc.tokenizer or mc.model))
+    # The API server admits or refuses whole requests against --max-num-queued-reqs (AsyncLLM.check_admission):
+    # the engine core must not refuse one child of an admitted request (n > 1, a list of prompts).
+    core_config = dataclasses.replace(engine_config, scheduler_config=dataclasses.replace(
+        engine_config.scheduler_config, max_num_queued_reqs=None))
     try:
-        client = await EngineCoreClient.start(engine_config, sc.engine_startup_timeout)
+        client = await EngineCoreClient.start(core_config, sc.engine_startup_timeout)
     except EngineStartupError as e:
         logger.error("The engine core failed to start: %s", e)
         tokenizer_task.cancel()
@@ -53,7 +58,8 @@ async def run_server(engine_config: EngineConfig, sc) -> int:
         return 1
     names = [mc.served_model_name or client.ready.model_name]
     engine = AsyncLLM(client, tokenizer, names[0], engine_config.scheduler_config.max_num_queued_reqs,
-                      log_stats=not sc.disable_log_stats, watchdog_timeout_s=sc.engine_hang_timeout or None)
+                      log_stats=not sc.disable_log_stats, watchdog_timeout_s=sc.engine_hang_timeout or None,
+                      max_buffered_outputs=sc.max_buffered_outputs)
     api_keys = parse_api_keys(sc.api_key)
     settings = ServerSettings.from_flags(sc, names, api_keys)
     state = ServerState(engine, settings)

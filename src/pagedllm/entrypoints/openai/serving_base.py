@@ -277,6 +277,7 @@ class OpenAIServing:
         if self.log_requests:
             logger.info("Received request %s: %d prompt(s), %d prompt tokens, params %s", escape_control(engine_id),
                         len(prompts), sum(len(ids) for _, ids in prompts), escape_control(_short(params)))
+        self.engine.check_admission(params.n * len(prompts))  # again: the queue may have filled meanwhile
         streams = []
         ids = [engine_id] if len(prompts) == 1 else [f"{engine_id}-{i}" for i in range(len(prompts))]
         try:
@@ -335,7 +336,9 @@ async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIte
         async for output in streams[0]:
             yield 0, output
         return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    # Bounded: when the consumer stops taking outputs, the pumps stop too and the outputs wait in each
+    # stream's own buffer, whose cap aborts a stalled request (AsyncLLM.max_buffered_outputs).
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue(maxsize=len(streams))
 
     async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:

@@ -165,7 +165,7 @@ class OpenAIServingChat(OpenAIServing):
                                      param="top_logprobs")
         self.check_stream_fields(request, request.prompt_logprobs)
         self.check_request_caps(request)
-        self.engine.check_admission()
+        self.engine.check_admission(request.n)
         template = request_chat_template(request, self.settings.trust_request_chat_template)
         render_args = (self.tokenizer, request.messages, request.add_generation_prompt, request.continue_final_message,
                        template, request.chat_template_kwargs, request.tools, self.settings.chat_template_timeout,

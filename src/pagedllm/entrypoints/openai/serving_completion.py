@@ -45,7 +45,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_stream_fields(request, request.prompt_logprobs)
         items = self._prompt_items(request)
         self.check_request_caps(request, len(items))
-        self.engine.check_admission()
+        self.engine.check_admission(request.n * len(items))
         prompts = await self._tokenize(request, items)
         params = self.sampling_params(request, request.max_tokens, request.logprobs,
                                       _num_prompt_logprobs_computed(request))
