@@ -6,7 +6,8 @@ Requests whose prompt contains "FAIL" get HTTP 500. Every request is recorded in
 
 The usage event ends the stream as vLLM's server sends it, `{"choices": [], "usage": ...}`; with
 `llamacpp=True` a completions stream ends as llama.cpp's server ends it instead: one last chunk with a choice of
-empty text and its finish_reason, and `usage` beside it.
+empty text and its finish_reason, and `usage` beside it; and it has llama.cpp's `/tokenize`, which reads the text
+from "content" and answers `{"tokens": []}` to vLLM's `{"prompt": ...}` (calls counted in `app[TOKENIZE_CALLS]`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ TOKEN_DELAY_S = 0.002
 MODEL = "fake-model"
 REQUESTS = web.AppKey("requests", list)
 LLAMACPP = web.AppKey("llamacpp", bool)
+TOKENIZE_CALLS = web.AppKey("tokenize_calls", list)
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -33,6 +35,12 @@ async def _models(request: web.Request) -> web.Response:
 
 async def _health(request: web.Request) -> web.Response:
     return web.Response()
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    body = await request.json()
+    request.app[TOKENIZE_CALLS].append(body)
+    return web.json_response({"tokens": list(range(len(str(body["content"]).split()))) if "content" in body else []})
 
 
 async def _stream(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -70,6 +78,9 @@ def make_app(llamacpp: bool = False) -> web.Application:
     app = web.Application()
     app[REQUESTS] = []
     app[LLAMACPP] = llamacpp
+    app[TOKENIZE_CALLS] = []
+    if llamacpp:
+        app.router.add_post("/tokenize", _tokenize)
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/v1/completions", _completions)

@@ -7,7 +7,7 @@ import json
 
 import aiohttp
 import pytest
-from fake_openai_server import REQUESTS, running_fake_server
+from fake_openai_server import REQUESTS, TOKENIZE_CALLS, running_fake_server
 
 from pagedllm.bench import serve
 from pagedllm.bench.request_func import RequestFuncInput, SSEParser, request_openai_chat, request_openai_completions
@@ -102,7 +102,7 @@ def test_usage_beside_a_final_choice_is_read(llamacpp_like_server):
 
 
 def test_bench_serve_counts_are_exact_against_llamacpp_like_stream(llamacpp_like_server, bpe_tokenizer_dir):
-    base_url, _ = llamacpp_like_server
+    base_url, app = llamacpp_like_server
     result, _ = serve.run(_args([
         "--base-url", base_url, "--model", "fake-model", "--tokenizer", bpe_tokenizer_dir,
         "--random-input-len", "24", "--random-output-len", "6", "--num-prompts", "4", "--max-concurrency", "2",
@@ -111,6 +111,8 @@ def test_bench_serve_counts_are_exact_against_llamacpp_like_stream(llamacpp_like
     # Re-tokenizing "w0 w1 w2 w3 w4 w5 " with the test tokenizer would give another count than the server's 6.
     assert result["output_lens"] == [6] * 4 and result["total_output_tokens"] == 24
     assert all(len(itl) == 5 for itl in result["itls"])
+    # llama.cpp's /tokenize answers [] to vLLM's request shape: one probe, no per-prompt "re-alignment".
+    assert len(app[TOKENIZE_CALLS]) == 1
 
 
 def test_chat_request_and_http_errors(fake_server):
