@@ -157,7 +157,15 @@ stop_pagedllm() {
   PD_PID=""
 }
 PEER_STARTED=0
-cleanup() { stop_pagedllm; if [ "$PEER_STARTED" = 1 ]; then "$PEERS" stop >/dev/null 2>&1 || true; fi; }
+stop_peer() {  # `peers.sh stop`, then SIGKILL what is left of the server's process tree: peers.sh waits 30 s
+  # after SIGTERM and then forgets the server, and a vLLM still compiling at its start-up timeout outlives that
+  local f pids=""
+  for f in "$PEERS_DIR/logs/vllm.pid" "$PEERS_DIR/logs/llamacpp.pid"; do [ -f "$f" ] && pids+=" $(tree_pids "$(cat "$f")")"; done
+  "$PEERS" stop
+  for f in $pids; do kill -0 "$f" 2>/dev/null && kill -KILL "$f" 2>/dev/null; done
+  PEER_STARTED=0
+}
+cleanup() { stop_pagedllm; if [ "$PEER_STARTED" = 1 ]; then stop_peer >/dev/null 2>&1 || true; fi; }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
@@ -227,7 +235,7 @@ serve_vllm() {
   if ! start_peer $VLLM_PORT "$LOGS/vllm-start-run$run.log" serve-vllm --dtype "$VLLM_DTYPE"; then
     cat "$LOGS/vllm-start-run$run.log"; cp "$PEERS_DIR/logs/vllm-serve.log" "$LOGS/vllm-serve-run$run.log" 2>/dev/null
     record step=server engine=vllm run="$run" failed=true load="$lb" log="$LOGS/vllm-serve-run$run.log"
-    "$PEERS" stop; PEER_STARTED=0; return
+    stop_peer; return
   fi
   local cold=$COLD_S; out=$(cat "$LOGS/vllm-start-run$run.log"); echo "$out"
   bench_serve vllm "$run" "http://127.0.0.1:$VLLM_PORT"
@@ -238,7 +246,7 @@ serve_vllm() {
     peers_healthy_after="$(echo "$out" | grep -oE 'healthy after [0-9]+' | grep -oE '[0-9]+$')" \
     rss_mib=$((mem[0] / 1024)) hwm_mib=$((mem[1] / 1024)) nprocs="${mem[2]}" kv_pool_mib="$(echo "${kv:-0} * 1024" | bc)" \
     load_at_start="$lb" load_at_end="$(loadavg)"
-  "$PEERS" stop; PEER_STARTED=0
+  stop_peer
 }
 
 serve_llamacpp() {
@@ -248,7 +256,7 @@ serve_llamacpp() {
   if ! start_peer $LLAMACPP_PORT "$log" serve-llamacpp "${LLAMACPP_ARGS[@]}"; then
     cat "$log"; cp "$PEERS_DIR/logs/llamacpp-serve.log" "$LOGS/llamacpp-serve-run$run.log" 2>/dev/null
     record step=server engine=llamacpp run="$run" failed=true load="$lb" log="$LOGS/llamacpp-serve-run$run.log"
-    "$PEERS" stop; PEER_STARTED=0; return
+    stop_peer; return
   fi
   local cold=$COLD_S pid mem_idle; cat "$log"; pid=$(cat "$PEERS_DIR/logs/llamacpp.pid")
   mem_idle=($(tree_mem "$pid"))
@@ -258,7 +266,7 @@ serve_llamacpp() {
   record step=server engine=llamacpp run="$run" cold_start_s="$cold" rss_idle_mib=$((mem_idle[0] / 1024)) \
     rss_mib=$((mem[0] / 1024)) hwm_mib=$((mem[1] / 1024)) nprocs="${mem[2]}" load_at_start="$lb" \
     load_at_end="$(loadavg)"
-  "$PEERS" stop; PEER_STARTED=0
+  stop_peer
 }
 
 variant_flags() {  # ENGINE -> its extra flags: PAGEDLLM_EXTRA_FLAGS for pagedllm, PAGEDLLM_EXTRA_FLAGS_NAME for pagedllm-name
