@@ -70,6 +70,7 @@ read -r -a PAGEDLLM_SERVE_ARGS <<<"${PAGEDLLM_SERVE_ARGS:---health-check-timeout
 PY=${PY:-$ROOT/.venv/bin/python}
 PAGEDLLM=${PAGEDLLM:-$ROOT/.venv/bin/pagedllm}
 LOGS=${LOGS:-/tmp/pagedllm-compare-logs}
+if [ ! -x "$PEERS" ]; then echo "no $PEERS: set PEERS_SH to ../shared/bench/peers.sh" >&2; exit 2; fi
 MODEL_DIR=$("$PEERS" model-dir)
 ENGINES=${ENGINES:-"vllm pagedllm llamacpp"}
 for e in $ENGINES; do
