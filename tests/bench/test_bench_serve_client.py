@@ -7,7 +7,7 @@ import json
 
 import aiohttp
 import pytest
-from fake_openai_server import REQUESTS, running_fake_server
+from fake_openai_server import REQUESTS, TOKENIZE_CALLS, running_fake_server
 
 from pagedllm.bench import serve
 from pagedllm.bench.request_func import RequestFuncInput, SSEParser, request_openai_chat, request_openai_completions
@@ -47,6 +47,12 @@ def fake_server():
         yield base_url, app
 
 
+@pytest.fixture(scope="module")
+def llamacpp_like_server():
+    with running_fake_server(llamacpp=True) as (base_url, app):
+        yield base_url, app
+
+
 def _args(argv):
     parser = argparse.ArgumentParser()
     serve.add_cli_args(parser)
@@ -82,6 +88,31 @@ def test_completions_request_is_timed_and_counted(fake_server):
     assert sent["body"]["max_tokens"] == 5 and sent["body"]["stream"] is True
     assert sent["body"]["ignore_eos"] is True and sent["body"]["stream_options"] == {"include_usage": True}
     assert sent["headers"]["x-request-id"] == "rid-1"
+
+
+def test_usage_beside_a_final_choice_is_read(llamacpp_like_server):
+    """llama.cpp ends a completions stream with a choice of empty text and `usage` in the same chunk: the counts
+    come from that usage, and the chunk is no token (no extra inter-token latency)."""
+    base_url, _ = llamacpp_like_server
+    out = asyncio.run(_one(request_openai_completions, base_url, "/v1/completions"))
+    assert out.success, out.error
+    assert out.generated_text == "w0 w1 w2 w3 w4 "
+    assert out.output_tokens == 5 and out.prompt_len == 2
+    assert len(out.itl) == 4 and out.latency == pytest.approx(out.ttft + sum(out.itl))
+
+
+def test_bench_serve_counts_are_exact_against_llamacpp_like_stream(llamacpp_like_server, bpe_tokenizer_dir):
+    base_url, app = llamacpp_like_server
+    result, _ = serve.run(_args([
+        "--base-url", base_url, "--model", "fake-model", "--tokenizer", bpe_tokenizer_dir,
+        "--random-input-len", "24", "--random-output-len", "6", "--num-prompts", "4", "--max-concurrency", "2",
+        "--disable-tqdm", "--save-detailed"]))
+    assert result["completed"] == 4
+    # Re-tokenizing "w0 w1 w2 w3 w4 w5 " with the test tokenizer would give another count than the server's 6.
+    assert result["output_lens"] == [6] * 4 and result["total_output_tokens"] == 24
+    assert all(len(itl) == 5 for itl in result["itls"])
+    # llama.cpp's /tokenize answers [] to vLLM's request shape: one probe, no per-prompt "re-alignment".
+    assert len(app[TOKENIZE_CALLS]) == 1
 
 
 def test_chat_request_and_http_errors(fake_server):

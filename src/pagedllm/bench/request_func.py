@@ -2,7 +2,9 @@
 
 TTFT is the time from sending the request to the first server-sent event that carries a choice; each later
 choice event adds one inter-token latency (ITL), the gap since the previous one; the latency (E2EL) ends at
-the last choice event. A trailing usage event supplies the server's own token counts.
+the last choice event. The usage event supplies the server's own token counts, whether it comes alone
+(`"choices": []`, vLLM) or beside the last choice (llama.cpp: a choice of empty text with the finish_reason,
+which is not counted as a token event; vLLM's client skips such a usage and re-tokenizes the text instead).
 """
 
 from __future__ import annotations
@@ -147,7 +149,12 @@ async def _stream(
                         if data == "[DONE]":
                             continue
                         message = json.loads(data)
-                        if choices := message.get("choices"):
+                        usage = message.get("usage")
+                        choices = message.get("choices")
+                        text = choice_text(choices[0]) if choices else None
+                        # A choice chunk is a token event, except a closing chunk that carries the usage beside
+                        # a choice of empty text (llama.cpp ends a stream so).
+                        if choices and (text or not usage):
                             now = time.perf_counter()
                             if not first_token_seen:
                                 first_token_seen = True
@@ -155,8 +162,8 @@ async def _stream(
                             else:
                                 output.itl.append(now - last_token_time)
                             last_token_time = now
-                            text_parts.append(choice_text(choices[0]) or "")
-                        elif usage := message.get("usage"):
+                            text_parts.append(text or "")
+                        if usage:
                             output.output_tokens = usage.get("completion_tokens") or 0
                             if (prompt_tokens := usage.get("prompt_tokens")) is not None:
                                 output.prompt_len = prompt_tokens

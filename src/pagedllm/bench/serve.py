@@ -348,8 +348,8 @@ async def align_to_server_tokenizer(base_url: str, model_id: str,
     """Cut prompts that the server's tokenizer splits into more tokens than ours, as vLLM's client does.
 
     Asks the server's /tokenize for the first prompt; when that count matches, or the server has no
-    /tokenize, the prompts go as they are. Otherwise each longer prompt is cut to `prompt_len` server
-    tokens and turned back into text with /detokenize.
+    /tokenize of vLLM's shape (none, or llama.cpp's, which answers no tokens), the prompts go as they are.
+    Otherwise each longer prompt is cut to `prompt_len` server tokens and turned back into text with /detokenize.
     """
     if not requests or not isinstance(requests[0].prompt, str):
         return requests
@@ -364,6 +364,9 @@ async def align_to_server_tokenizer(base_url: str, model_id: str,
             num_server_tokens = len(await tokenize(requests[0].prompt))
         except (aiohttp.ClientError, KeyError, ValueError):
             logger.info("The server has no /tokenize; prompts are sent as generated.")
+            return requests
+        if num_server_tokens == 0:  # llama.cpp's /tokenize reads "content" and answers [] to this request
+            logger.info("The server's /tokenize does not take vLLM's request; prompts are sent as generated.")
             return requests
         if num_server_tokens == requests[0].prompt_len:
             return requests
