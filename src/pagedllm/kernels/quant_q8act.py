@@ -24,7 +24,7 @@ from pagedllm.kernels import cpu_kernels
 U4, U5, S8 = 0, 1, 2  # the kernel's weight kinds (quant_q8act_cpu.c)
 KIND_OF_TYPE = {Q.Q4_0: U4, Q.Q4_1: U4, Q.Q4_K: U4, Q.Q5_0: U5, Q.Q5_1: U5, Q.Q5_K: U5, Q.Q8_0: S8}
 BLOCK = 32
-TILE_ROWS = 4  # NR in the kernel: packed weights are padded to a multiple of it
+GROUP_ROWS = 8  # output rows per 32-byte vector in the kernel: packed weights are padded to a multiple
 
 
 @functools.cache
@@ -34,7 +34,7 @@ def _kernel() -> ctypes.CDLL | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.q8act_linear_f32.restype = ctypes.c_int
-    lib.q8act_linear_f32.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr]
+    lib.q8act_linear_f32.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, i64, ptr]
     lib.q8act_quantize_f32.restype = None
     lib.q8act_quantize_f32.argtypes = [ptr, i64, i64, ptr, ptr, ptr]
     return lib
@@ -135,12 +135,9 @@ def pack_gguf(raw: np.ndarray, qtype: Q, n: int, k: int) -> PackedBlocks:
 
 def dequantize_packed(p: PackedBlocks) -> np.ndarray:
     """The packed weights as float32 [N, K] (for tests: equal to gguf's dequantization)."""
-    if p.kind == S8:
-        return (p.qs.astype(np.float32) * p.d[..., None]).reshape(p.d.shape[0], -1)
-    q = np.concatenate([p.qs & 0x0F, p.qs >> 4], axis=-1)
-    if p.qh is not None:
-        q = q | (((p.qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
-    return (q.astype(np.float32) * p.d[..., None] + p.mn[..., None]).reshape(p.d.shape[0], -1)
+    q = _values(p).astype(np.float32)
+    w = q * p.d[..., None] if p.mn is None else q * p.d[..., None] + p.mn[..., None]
+    return w.reshape(p.d.shape[0], -1)
 
 
 def fuse(parts: list[PackedBlocks]) -> PackedBlocks | None:
@@ -157,27 +154,47 @@ def fuse(parts: list[PackedBlocks]) -> PackedBlocks | None:
     return PackedBlocks(parts[0].kind, cat("qs"), cat("qh"), cat("d"), cat("mn"))
 
 
+def _values(p: PackedBlocks) -> np.ndarray:
+    # [N, K/32, 32] codes: uint8 in [0, 31] (U4, U5) or int8 (S8)
+    if p.kind == S8:
+        return p.qs
+    q = np.concatenate([p.qs & 0x0F, p.qs >> 4], axis=-1)
+    if p.qh is not None:
+        q |= (((p.qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+    return q
+
+
 class Q8ActWeight:
-    """A packed weight in torch tensors, rows padded to TILE_ROWS: what `linear` multiplies."""
+    """A packed weight in the kernel's interleaved layout (quant_q8act_cpu.c): rows in groups of 8, each block's
+    codes as 4-byte quads per row so one 32-byte vector feeds 8 outputs."""
 
     def __init__(self, p: PackedBlocks):
-        n = p.d.shape[0]
-        pad = -n % TILE_ROWS
+        n, nb = p.d.shape
+        groups = -(-n // GROUP_ROWS)
+        pad = groups * GROUP_ROWS - n
 
-        def tensor(a: np.ndarray | None) -> torch.Tensor | None:
-            if a is None:
-                return None
-            if pad:
-                a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)])
-            return torch.from_numpy(np.ascontiguousarray(a).view(np.uint8 if a.dtype == np.int8 else a.dtype))
+        def grouped(a: np.ndarray) -> np.ndarray:  # [N, nb, ...] -> [G, nb, 8, ...]
+            a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
+            return a.reshape(groups, GROUP_ROWS, *a.shape[1:]).swapaxes(1, 2)
 
+        quads = grouped(_values(p).reshape(n, nb, 8, 4)).swapaxes(2, 3)  # [G, nb, quad, row, 4]
+        if p.kind == S8:
+            wq = quads.view(np.uint8).reshape(groups, nb, -1)
+        else:
+            low = quads & 0x0F
+            parts = [(low[:, :, :4] | (low[:, :, 4:] << 4)).reshape(groups, nb, -1)]
+            if p.kind == U5:
+                fifth = (quads >> 4).astype(np.uint8) << np.arange(8, dtype=np.uint8).reshape(8, 1, 1)
+                parts.append(np.bitwise_or.reduce(fifth, axis=2).reshape(groups, nb, -1))
+            wq = np.concatenate(parts, axis=-1)
         self.kind = p.kind
-        self.out_features, self.in_features = n, p.d.shape[1] * BLOCK
-        self.qs, self.d, self.mn = tensor(p.qs), tensor(p.d), tensor(p.mn)
-        self.qh = tensor(p.qh.view(np.int32)) if p.qh is not None else None
+        self.out_features, self.in_features = n, nb * BLOCK
+        self.wq = torch.from_numpy(np.ascontiguousarray(wq))
+        self.d = torch.from_numpy(np.ascontiguousarray(grouped(p.d)))
+        self.mn = None if p.mn is None else torch.from_numpy(np.ascontiguousarray(grouped(p.mn)))
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.qh, self.d, self.mn) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.wq, self.d, self.mn) if t is not None)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -190,8 +207,8 @@ def linear(x: torch.Tensor, w: Q8ActWeight) -> torch.Tensor:
     assert lib is not None and x.dtype == torch.float32 and x.shape[-1] == w.in_features
     x2 = x.reshape(-1, w.in_features).contiguous()
     out = x2.new_empty(x2.shape[0], w.out_features)
-    rc = lib.q8act_linear_f32(w.kind, w.qs.data_ptr(), _ptr(w.qh), w.d.data_ptr(), _ptr(w.mn), w.out_features,
-                              w.in_features, x2.data_ptr(), x2.shape[0], out.data_ptr())
+    rc = lib.q8act_linear_f32(w.kind, w.wq.data_ptr(), w.d.data_ptr(), _ptr(w.mn), w.out_features, w.in_features,
+                              x2.data_ptr(), x2.shape[0], out.data_ptr())
     if rc != 0:
         raise MemoryError("8-bit-activation linear could not allocate its scratch buffers")
     return out.reshape(*x.shape[:-1], w.out_features)
