@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 GiB = 1 << 30
+QUANTIZATION_METHODS = ("gguf",)
+"""Values of ModelConfig.quantization (None: the model's own format)."""
 
 
 @dataclass
@@ -40,6 +42,15 @@ class ModelConfig:
     """auto: apply the model's generation_config.json defaults; vllm: ignore them; or a folder path."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device to run on; auto picks cuda when available."""
+    quantization: str | None = None
+    """How the weights are stored and run (vLLM's --quantization). gguf (the default for a GGUF model): the
+    weights stay quantized in memory and run in native kernels on the CPU with float32 activations
+    (dequantized at load on CUDA, with bfloat16, or without the native kernels)."""
+
+    def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
+                             f"got {self.quantization!r}.")
 
 
 @dataclass

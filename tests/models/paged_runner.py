@@ -16,8 +16,8 @@ class PagedRunner:
         info = model.info
         self.model = model
         self.block_size = block_size
-        dtype = model.model.embed_tokens.weight.dtype
-        device = model.model.embed_tokens.weight.device
+        norm = model.model.norm.weight  # the embedding table may be kept quantized (no .weight)
+        dtype, device = norm.dtype, norm.device
         self.device = device
         shape = kv_cache_shape(num_blocks, block_size, info.num_kv_heads, info.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(info.num_layers)]

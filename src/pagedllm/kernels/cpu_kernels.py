@@ -26,7 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention_cpu.c", "elementwise_cpu.c",
-                                                             "quant_q8act_cpu.c")]
+                                                             "quant_linear_cpu.c", "quant_q8act_cpu.c")]
 _HEADER = Path(__file__).with_name("simd_cpu.h")  # included by the sources: part of the cache key
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 """Compile flags. -ffast-math lets gcc call glibc's vector expf (libmvec) in the softmax; it is NOT given when
@@ -85,6 +85,7 @@ def _library() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] \
         + [ctypes.c_int64] * 5 + [ctypes.c_float]
     _declare_elementwise(lib)
+    _declare_quant_linear(lib)
     return lib
 
 
@@ -101,6 +102,15 @@ def _declare_elementwise(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = argtypes
+
+
+def _declare_quant_linear(lib: ctypes.CDLL) -> None:
+    """ctypes signatures of quant_linear_cpu.c's kernels (they return nothing)."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.quant_linear_f32.restype = None
+    lib.quant_linear_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64]
+    lib.quant_gather_rows_f32.restype = None
+    lib.quant_gather_rows_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64]
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -202,4 +212,35 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     assert lib is not None and x.shape[-1] == 2 * size
     out = x.new_empty(*x.shape[:-1], size)
     lib.silu_and_mul_f32(x.data_ptr(), out.data_ptr(), out.numel() // size if size else 0, size)
+    return out
+
+
+def quant_linear(packed: torch.Tensor, bits: int, group: int, x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x @ W^T for a weight packed by layers/quantized_weight.py (its docstring has the layout).
+
+    Args:
+        packed: uint8, contiguous: the panels of W [out_features, K].
+        x: [M, K] float32, contiguous.
+    Returns:
+        y: [M, out_features] float32, a new tensor.
+    """
+    lib = _library()
+    _check_f32(x)
+    m, k = x.shape
+    assert lib is not None and packed.dtype == torch.uint8 and packed.is_contiguous() and k % group == 0
+    y = x.new_empty(m, out_features)
+    lib.quant_linear_f32(packed.data_ptr(), bits, group, x.data_ptr(), y.data_ptr(), m, out_features, k)
+    return y
+
+
+def quant_gather_rows(packed: torch.Tensor, bits: int, group: int, ids: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Rows `ids` of a packed weight, decoded to float32: [len(ids), in_features] (the embedding lookup).
+
+    ids: [T] int64, every id in [0, out_features) (the caller checks).
+    """
+    lib = _library()
+    assert lib is not None and packed.dtype == torch.uint8 and packed.is_contiguous() and ids.dtype == torch.int64
+    ids = ids.contiguous()
+    out = torch.empty(ids.numel(), in_features, dtype=torch.float32)
+    lib.quant_gather_rows_f32(packed.data_ptr(), bits, group, ids.data_ptr(), out.data_ptr(), ids.numel(), in_features)
     return out

@@ -1,4 +1,5 @@
-"""Linear layer: nn.Linear whose weight, on the CPU in fp32, is repacked once after loading into oneDNN's
+"""Linear layer: nn.Linear whose weight, on the CPU in fp32, is either kept quantized (a GGUF model's weights, set
+by the loader with `set_quantized_weight`; layers/quantized_weight.py) or repacked once after loading into oneDNN's
 blocked layout (`pack_weights`), then multiplied by oneDNN's matmul.
 
 Why oneDNN and not MKL's sgemm (what F.linear calls): packing W once at load instead of on every call,
@@ -16,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.quantized_weight import PackedWeight
+
 
 def onednn_available(weight: torch.Tensor) -> bool:
     """Whether `weight` can be packed for oneDNN's matmul (CPU, fp32, torch built with oneDNN)."""
@@ -24,6 +27,15 @@ def onednn_available(weight: torch.Tensor) -> bool:
 
 class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None  # oneDNN's layout of weight, set by pack_weights
+    quant_weight: PackedWeight | None = None  # the weight kept quantized, set by set_quantized_weight
+
+    def set_quantized_weight(self, weight: PackedWeight) -> None:
+        """Run on `weight` (quantized, CPU fp32 activations) instead of a float weight, which is dropped."""
+        if weight.shape != (self.out_features, self.in_features):
+            raise ValueError(f"quantized weight {list(weight.shape)} for a {self.in_features} -> {self.out_features} "
+                             "Linear")
+        self.quant_weight = weight
+        self.weight = None
 
     def pack_weights(self) -> None:
         """Repack the loaded weight for oneDNN where that applies; frees the plain weight unless it is shared
@@ -36,6 +48,9 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]
+        if self.quant_weight is not None:
+            y = self.quant_weight.matmul(x)
+            return y if self.bias is None else y.add_(self.bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -1,7 +1,11 @@
-"""GGUF files: metadata -> ModelInfo, tensors -> dequantized float32 arrays under Hugging Face names.
+"""GGUF files: metadata -> ModelInfo, tensors -> dequantized float32 arrays (or, for quantized execution, the
+linear and embedding weights as QuantizedWeight: codes and scales, never dequantized) under Hugging Face names.
 
 llama.cpp stores Q and K projections with their rows permuted for its interleaved rotary layout;
-`unpermute_qk` undoes that (as transformers' GGUF loader does) so the rotate-half layout applies.
+`unpermute_qk` undoes that (as transformers' GGUF loader does) so the rotate-half layout applies; a quantized
+weight's rows (codes, scales and offsets alike) are permuted the same way.
+Every tensor's byte size is checked against its type and shape, and quantized blocks' fp16 scales must be finite,
+so a truncated or corrupt file fails the load, not a later step.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
+from pagedllm.layers.quantized_weight import QuantizedWeight
 from pagedllm.models.gguf_dequant import dequantize
 from pagedllm.models.gguf_reader import GGUFFile
+from pagedllm.models.gguf_unpack import UNPACKED_TYPES, check_scales, unpack
 from pagedllm.models.model_info import ModelInfo, ModelLoadError
 
 SUPPORTED_TYPES = tuple(GGMLQuantizationType[name] for name in (
-    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"))
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"))
 # llama.cpp writes Llama, Mistral and SmolLM2 as "llama".
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 
@@ -110,8 +116,8 @@ def gguf_model_info(reader: GGUFFile, path: Path) -> ModelInfo:
     return info
 
 
-def dequantize_tensor(tensor: Any, path: Path) -> np.ndarray:
-    """One GGUF tensor as float32 in numpy (row-major, llama.cpp's dims reversed) order."""
+def _checked_shape(tensor: Any, path: Path) -> tuple[int, ...]:
+    """The tensor's shape (row-major); ModelLoadError for an unsupported type, a wrong byte size or bad scales."""
     qtype = tensor.tensor_type
     if qtype not in SUPPORTED_TYPES:
         name = getattr(qtype, "name", str(qtype))
@@ -120,14 +126,38 @@ def dequantize_tensor(tensor: Any, path: Path) -> np.ndarray:
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     num_elements = int(np.prod(shape))
-    if num_elements % block_size or tensor.data.nbytes != num_elements // block_size * type_size:
+    if (num_elements % block_size or (shape and shape[-1] % block_size)
+            or tensor.data.nbytes != num_elements // block_size * type_size):
         raise ModelLoadError(f"{path}: tensor {tensor.name!r} ({qtype.name}, shape {list(shape)}) has "
                              f"{tensor.data.nbytes} bytes of data; the file is truncated or corrupt")
+    if qtype in UNPACKED_TYPES:
+        try:
+            check_scales(np.asarray(tensor.data, dtype=np.uint8).reshape(-1, type_size), qtype)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: tensor {tensor.name!r} ({qtype.name}) is corrupt: {e}") from None
+    return shape
+
+
+def dequantize_tensor(tensor: Any, path: Path) -> np.ndarray:
+    """One GGUF tensor as float32 in numpy (row-major, llama.cpp's dims reversed) order."""
+    shape = _checked_shape(tensor, path)
     try:
-        data = dequantize(tensor.data, qtype)  # a new writable array, never the file map
+        data = dequantize(tensor.data, tensor.tensor_type)  # a new writable array, never the file map
     except Exception as e:
-        raise ModelLoadError(f"{path}: cannot dequantize tensor {tensor.name!r} ({qtype.name}): {e}") from None
+        raise ModelLoadError(f"{path}: cannot dequantize tensor {tensor.name!r} ({tensor.tensor_type.name}): "
+                             f"{e}") from None
     return data.reshape(shape)
+
+
+def unpack_tensor(tensor: Any, path: Path) -> QuantizedWeight:
+    """One 2-D GGUF tensor of a type in UNPACKED_TYPES as codes and scales (models/gguf_unpack.py)."""
+    shape = _checked_shape(tensor, path)
+    if len(shape) != 2:
+        raise ModelLoadError(f"{path}: tensor {tensor.name!r} has shape {list(shape)}, expected a matrix")
+    try:
+        return unpack(tensor.data, tensor.tensor_type, shape)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: tensor {tensor.name!r} ({tensor.tensor_type.name}) is corrupt: {e}") from None
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -146,17 +176,37 @@ def hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
-def gguf_tensors(reader: GGUFFile, info: ModelInfo, path: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (Hugging Face name, float32 array) for every weight, Q/K rotary permutation undone."""
+def runs_quantized(hf_weight_name: str) -> bool:
+    """Whether a weight is one a kernel can use quantized: a linear layer's or the token embedding."""
+    return hf_weight_name.endswith("_proj.weight") or hf_weight_name in ("model.embed_tokens.weight",
+                                                                         "lm_head.weight")
+
+
+def gguf_tensors(reader: GGUFFile, info: ModelInfo, path: Path,
+                 quantized: bool = False) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
+    """Yield (Hugging Face name, weight) for every tensor, Q/K rotary permutation undone.
+
+    A weight is a float32 array, or with `quantized` a QuantizedWeight where the tensor's type is in
+    UNPACKED_TYPES and `runs_quantized(name)`.
+    """
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             continue  # folded into ModelInfo.rope_freq_factors
         name = hf_name(tensor.name)
         if name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} for a llama model")
-        w = dequantize_tensor(tensor, path)
+        if quantized and tensor.tensor_type in UNPACKED_TYPES and runs_quantized(name):
+            w: np.ndarray | QuantizedWeight = unpack_tensor(tensor, path)
+        else:
+            w = dequantize_tensor(tensor, path)
         if ".q_proj." in name:
-            w = unpermute_qk(w, info.num_heads)
+            w = _unpermute(w, info.num_heads)
         elif ".k_proj." in name:
-            w = unpermute_qk(w, info.num_kv_heads)
+            w = _unpermute(w, info.num_kv_heads)
         yield name, w
+
+
+def _unpermute(w: np.ndarray | QuantizedWeight, num_heads: int) -> np.ndarray | QuantizedWeight:
+    if isinstance(w, QuantizedWeight):
+        return w.map_rows(lambda rows: unpermute_qk(rows, num_heads))
+    return unpermute_qk(w, num_heads)

@@ -11,6 +11,7 @@ from torch import nn
 
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import PagedAttention
+from pagedllm.layers.embedding import VocabEmbedding
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary_qkv
@@ -77,7 +78,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         # An explicit _weight skips nn.Embedding's normal_() init: on the meta device that op imports
         # torch._dynamo (~3-6 s of cold start) for a tensor the loader replaces anyway.
-        self.embed_tokens = nn.Embedding(info.vocab_size, info.hidden_size,
+        self.embed_tokens = VocabEmbedding(info.vocab_size, info.hidden_size,
                                          _weight=torch.empty(info.vocab_size, info.hidden_size))
         self.layers = nn.ModuleList(LlamaDecoderLayer(info, i) for i in range(info.num_layers))
         self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps)
@@ -109,8 +110,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(info.hidden_size, info.vocab_size, bias=False)
 
     def tie_weights(self) -> None:
-        if self.info.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if not self.info.tie_word_embeddings:
+            return
+        embed = self.model.embed_tokens
+        if embed.quant_weight is not None:
+            self.lm_head.set_quantized_weight(embed.quant_weight)  # the same packed table, not a copy
+        else:
+            self.lm_head.weight = embed.weight
 
     def materialize(self, device: torch.device) -> None:
         """Compute the buffers that are not weights (rotary table) on `device`, after loading."""

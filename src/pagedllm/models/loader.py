@@ -18,7 +18,9 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.linear import pack_linear_weights
+from pagedllm.layers.quantized_weight import PackedWeight, QuantizedWeight
 from pagedllm.models.gguf_loader import gguf_model_info, gguf_tensors, open_gguf
 from pagedllm.models.model_info import ModelInfo, ModelLoadError, model_info_from_hf_config, token_ids
 from pagedllm.models.registry import get_model_class
@@ -124,33 +126,54 @@ def _safetensors_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _fused_state_dict(model: nn.Module, tensors: Iterator[tuple[str, Any]], source: str,
-                      device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors -> the model's state dict: converted, moved, q/k/v and gate/up fused."""
+                      device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor | PackedWeight]:
+    """Checkpoint tensors -> the model's state dict: converted, moved, q/k/v and gate/up fused.
+
+    QuantizedWeights (a GGUF model run quantized) become PackedWeights; a fused group whose parts are not all
+    quantized (e.g. an F16 v_proj next to Q4_K q/k) is dequantized whole (logged).
+    """
     packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
-    state: dict[str, torch.Tensor] = {}
-    shards: dict[str, dict[int, torch.Tensor]] = {}
+    state: dict[str, torch.Tensor | PackedWeight] = {}
+    shards: dict[str, dict[int, torch.Tensor | QuantizedWeight]] = {}
     for name, tensor in tensors:
         if "rotary_emb.inv_freq" in name:
             continue
-        t = torch.from_numpy(tensor) if isinstance(tensor, np.ndarray) else tensor
-        t = t.to(device=device, dtype=dtype)
+        t = tensor if isinstance(tensor, QuantizedWeight) else _to_torch(tensor, device, dtype)
         for part, (fused, idx) in packed.items():
             if f".{part}." in name:
                 shards.setdefault(name.replace(f".{part}.", f".{fused}."), {})[idx] = t
                 break
         else:
-            state[name] = t
+            state[name] = t.pack() if isinstance(t, QuantizedWeight) else t
     for fused_name, parts in shards.items():
         fused_part = fused_name.split(".")[-2]  # "qkv_proj" in model.layers.0.self_attn.qkv_proj.weight
         expected = sum(1 for fused, _ in packed.values() if fused == fused_part)
         if sorted(parts) != list(range(expected)):
             raise ModelLoadError(f"{source}: {fused_name} is missing some of its q/k/v or gate/up parts")
+        ordered = [parts[i] for i in range(expected)]
+        shapes = [list(p.shape) for p in ordered]
         try:
-            state[fused_name] = torch.cat([parts[i] for i in range(expected)], dim=0)
-        except RuntimeError:
-            shapes = [list(parts[i].shape) for i in range(expected)]
+            state[fused_name] = _fuse(ordered, fused_name, device, dtype)
+        except (RuntimeError, ValueError):
             raise ModelLoadError(f"{source}: the parts of {fused_name} have mismatched shapes {shapes}") from None
     return state
+
+
+def _to_torch(tensor: Any, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    t = torch.from_numpy(tensor) if isinstance(tensor, np.ndarray) else tensor
+    return t.to(device=device, dtype=dtype)
+
+
+def _fuse(parts: list[torch.Tensor | QuantizedWeight], name: str, device: torch.device,
+          dtype: torch.dtype) -> torch.Tensor | PackedWeight:
+    """Concatenate a fused projection's parts along the output rows."""
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        return QuantizedWeight.concat(parts).pack()
+    if any(isinstance(p, QuantizedWeight) for p in parts):
+        logger.info("%s mixes quantized and float parts: dequantized at load", name)
+        parts = [p.pack().dequantize().to(device=device, dtype=dtype) if isinstance(p, QuantizedWeight) else p
+                 for p in parts]
+    return torch.cat(parts, dim=0)
 
 
 @contextlib.contextmanager
@@ -168,6 +191,23 @@ def _one_cpu_thread() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+def runs_gguf_quantized(model_config: ModelConfig, resolved: ResolvedModel, device: torch.device,
+                        dtype: torch.dtype) -> bool:
+    """Whether a model's GGUF weights stay quantized and run in the quantized kernels: a GGUF model (quantization
+    None or "gguf") on the CPU with float32 activations and the native kernels on. Elsewhere (CUDA, bf16,
+    PAGEDLLM_NATIVE_KERNELS=0) its weights are dequantized at load. ValueError for a quantization method that does
+    not fit the model."""
+    method = model_config.quantization
+    if resolved.kind == "gguf":
+        if method not in (None, "gguf"):
+            raise ValueError(f"--quantization {method} does not apply to a GGUF model ({resolved.path}); "
+                             "its weights are already quantized: use --quantization gguf or leave it unset")
+        return device.type == "cpu" and dtype == torch.float32 and cpu_kernels.available(dtype, device)
+    if method == "gguf":
+        raise ValueError(f"--quantization gguf needs a GGUF model file; {resolved.path} is a Hugging Face folder")
+    return False
+
+
 def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """Build the model on the meta device, load its weights onto `device` in `dtype`; eval mode.
 
@@ -175,10 +215,11 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     """
     resolved = resolve_model(model_config.model)
     source = str(resolved.path)
+    quantized = runs_gguf_quantized(model_config, resolved, device, dtype)
     if resolved.kind == "gguf":
         reader = open_gguf(resolved.path)
         info = gguf_model_info(reader, resolved.path)
-        tensors: Iterator[tuple[str, Any]] = gguf_tensors(reader, info, resolved.path)
+        tensors: Iterator[tuple[str, Any]] = gguf_tensors(reader, info, resolved.path, quantized=quantized)
     else:
         info = _hf_model_info(resolved.path, _generation_config(model_config, resolved))
         tensors = _safetensors_tensors(resolved.path)
@@ -201,11 +242,19 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
         if tuple(t.shape) != tuple(expected[name].shape):
             raise ModelLoadError(f"{source}: weight {name} has shape {list(t.shape)}, "
                                  f"expected {list(expected[name].shape)}")
-    model.load_state_dict(state, assign=True, strict=True)
+    quantized_weights = {name: state.pop(name) for name in list(state) if isinstance(state[name], PackedWeight)}
+    model.load_state_dict(state, assign=True, strict=not quantized_weights)
+    for name, weight in quantized_weights.items():
+        model.get_submodule(name.removesuffix(".weight")).set_quantized_weight(weight)
     model.tie_weights()
     model.materialize(device)
     model.eval().requires_grad_(False)
-    pack_linear_weights(model)  # CPU fp32: oneDNN's layout, once
+    pack_linear_weights(model)  # CPU fp32: oneDNN's layout, once (weights not kept quantized)
+    if quantized_weights:
+        nbytes = sum(w.nbytes for w in {id(w): w for w in quantized_weights.values()}.values())
+        qtypes = sorted({t for w in quantized_weights.values() for t in w.qtypes})
+        logger.info("%d weights kept quantized (%s, %.1f MB packed), run by the native CPU kernels",
+                    len(quantized_weights), "/".join(qtypes), nbytes / 1e6)
     logger.info("loaded %s (%s, %d layers) on %s in %s", resolved.name, info.architecture,
                 info.num_layers, device, dtype)
     return model
