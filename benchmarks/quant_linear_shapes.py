@@ -1,16 +1,16 @@
-"""Per-shape time of one linear layer: oneDNN fp32 (today's path) against the 8-bit-activation kernel (and the
-lossless quantized kernel where the branch has one), on SmolLM2-135M's shapes, in one sitting.
+"""Per-shape time of one linear layer on SmolLM2-135M's shapes, in one sitting: oneDNN fp32 on the dequantized
+weight (the path before quantized execution), the lossless quantized kernel (quant_linear_cpu.c, the GGUF
+default) and the 8-bit-activation kernel (quant_q8act_cpu.c, `activation_quantization="int8"`).
 
     python benchmarks/quant_linear_shapes.py [--reps 7] [--threads 2] [--m 1,4,16,64,256,2048]
 
 Weights are random GGUF blocks of the type the default model uses for each shape (Q4_1 linears, the Q8_0 tied
-LM head). Prints the median milliseconds per call of each path and the ratio to oneDNN (x > 1: faster).
+LM head). Prints the median milliseconds per call of each path and the int8 kernel's speed-up over each.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import time
 
@@ -20,8 +20,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from pagedllm.kernels import quant_q8act as qa8
+from pagedllm.layers.int8_activation_weight import Int8ActivationWeight
 from pagedllm.layers.linear import Linear
+from pagedllm.models.gguf_unpack import unpack
 
 SHAPES = {  # name: (out_features N, in_features K, GGUF type in the default model)
     "qkv_proj": (960, 576, Q.Q4_1),
@@ -65,7 +66,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
-    print(f"{'shape':14} {'M':>5} {'onednn ms':>10} {'int8-act ms':>12} {'x':>6}")
+    print(f"{'shape':14} {'M':>5} {'onednn ms':>10} {'lossless ms':>12} {'int8-act ms':>12} {'x onednn':>9} "
+          f"{'x lossless':>10}")
     for name in args.shapes.split(","):
         n, k, qtype = SHAPES[name]
         raw = random_blocks(qtype, n, k, rng)
@@ -73,15 +75,18 @@ def main() -> None:
         dense.weight = torch.nn.Parameter(torch.from_numpy(np.asarray(dequantize(raw, qtype), np.float32)
                                                            .reshape(n, k)), requires_grad=False)
         dense.pack_weights()
-        packed = qa8.Q8ActWeight(qa8.pack_gguf(raw, qtype, n, k))
+        quantized = unpack(raw, qtype, (n, k))
+        lossless, int8 = quantized.pack(), Int8ActivationWeight.from_quantized(quantized)
         for m in (int(v) for v in args.m.split(",")):
             if name == "lm_head" and m > 256:
                 continue  # logits are computed for sampled rows only: at most max_num_seqs per step
             x = torch.randn(m, k)
             with torch.inference_mode():
                 t_dense = median_ms(dense, x, args.reps)
-                t_q8 = median_ms(functools.partial(qa8.linear, w=packed), x, args.reps)
-            print(f"{name:14} {m:5d} {t_dense:10.3f} {t_q8:12.3f} {t_dense / t_q8:6.2f}", flush=True)
+                t_lossless = median_ms(lossless.matmul, x, args.reps)
+                t_q8 = median_ms(int8.matmul, x, args.reps)
+            print(f"{name:14} {m:5d} {t_dense:10.3f} {t_lossless:12.3f} {t_q8:12.3f} {t_dense / t_q8:9.2f} "
+                  f"{t_lossless / t_q8:10.2f}", flush=True)
 
 
 if __name__ == "__main__":
