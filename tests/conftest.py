@@ -70,8 +70,10 @@ def _llamacpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(path: Path, model, tokenizer) -> None:
-    """Write an HF LlamaForCausalLM (fp32) and its byte-level BPE tokenizer as an F32 GGUF file."""
+def write_llama_gguf(path: Path, model, tokenizer, qtypes: dict | None = None) -> None:
+    """Write an HF LlamaForCausalLM (fp32) and its byte-level BPE tokenizer as a GGUF file: F32, except the
+    weights named in `qtypes` (module name such as "q_proj", "embed_tokens", "lm_head" -> GGMLQuantizationType),
+    quantized with gguf.quants."""
     import json
 
     import gguf
@@ -122,7 +124,11 @@ def write_llama_gguf(path: Path, model, tokenizer) -> None:
                 a = _llamacpp_permute(a, cfg.num_attention_heads)
             elif module == "self_attn.k_proj":
                 a = _llamacpp_permute(a, cfg.num_key_value_heads)
-        w.add_tensor(gname, a)
+        qtype = (qtypes or {}).get(name.removesuffix(".weight").rsplit(".", 1)[-1]) if a.ndim == 2 else None
+        if qtype is None:
+            w.add_tensor(gname, a)
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -61,49 +61,78 @@ ALWAYS_INLINE void decode_pair(int bits, const uint8_t *codes, int64_t i, __m256
     }
 }
 
-/* Small M: R rows of x against P panels (8P outputs from n0), streaming the packed weights once. P independent
- * chains per row hide the fma latency at R = 1. */
+/* Small M: R rows (1 or 2) of x against P panels (1, 2 or 4: 8P outputs from n0), streaming the packed weights
+ * once; P independent chains per row hide the fma latency at R = 1. Accumulators are named variables, not an
+ * array: gcc kept an array's elements in registers but also stored them to the stack on every iteration. */
 ALWAYS_INLINE void gemv_panels(int bits, int R, int P, const uint8_t *w, int64_t panel_bytes, int64_t group,
                                const float *x, int64_t K, float *y, int64_t N, int64_t n0) {
     const int64_t gbytes = group_bytes(bits, group), num_groups = K / group;
-    __m256 acc[4][4];
-    for (int r = 0; r < R; r++)
-        for (int p = 0; p < P; p++) acc[r][p] = _mm256_setzero_ps();
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
     for (int64_t g = 0; g < num_groups; g++) {
-        const uint8_t *gp[4];
-        __m256 s[4], o[4];
-        for (int p = 0; p < P; p++) {
-            gp[p] = w + p * panel_bytes + g * gbytes;
-            s[p] = _mm256_loadu_ps((const float *)gp[p]);
-            o[p] = _mm256_loadu_ps((const float *)gp[p] + PANEL);
-        }
+        const uint8_t *g0 = w + g * gbytes, *g1 = g0 + panel_bytes, *g2 = g1 + panel_bytes, *g3 = g2 + panel_bytes;
         for (int64_t i = 0; i < group / 2; i++) {
             const int64_t k = g * group + 2 * i;
-            __m256 w0[4], w1[4];
-            for (int p = 0; p < P; p++) decode_pair(bits, gp[p] + 64, i, s[p], o[p], &w0[p], &w1[p]);
-            for (int r = 0; r < R; r++) {
-                const __m256 x0 = _mm256_broadcast_ss(x + r * K + k), x1 = _mm256_broadcast_ss(x + r * K + k + 1);
-                for (int p = 0; p < P; p++) acc[r][p] = _mm256_fmadd_ps(w0[p], x0, acc[r][p]);
-                for (int p = 0; p < P; p++) acc[r][p] = _mm256_fmadd_ps(w1[p], x1, acc[r][p]);
+            __m256 v0, u0, v1 = a00, u1 = a00, v2 = a00, u2 = a00, v3 = a00, u3 = a00; /* weights of k, k + 1 */
+#define DECODE(p) decode_pair(bits, g##p + 64, i, _mm256_loadu_ps((const float *)g##p),                           \
+                              _mm256_loadu_ps((const float *)g##p + PANEL), &v##p, &u##p)
+            DECODE(0);
+            if (P > 1) DECODE(1);
+            if (P > 2) { DECODE(2); DECODE(3); }
+#undef DECODE
+            const __m256 x0 = _mm256_broadcast_ss(x + k), x1 = _mm256_broadcast_ss(x + k + 1);
+            a00 = _mm256_fmadd_ps(v0, x0, a00);
+            if (P > 1) a01 = _mm256_fmadd_ps(v1, x0, a01);
+            if (P > 2) { a02 = _mm256_fmadd_ps(v2, x0, a02); a03 = _mm256_fmadd_ps(v3, x0, a03); }
+            a00 = _mm256_fmadd_ps(u0, x1, a00);
+            if (P > 1) a01 = _mm256_fmadd_ps(u1, x1, a01);
+            if (P > 2) { a02 = _mm256_fmadd_ps(u2, x1, a02); a03 = _mm256_fmadd_ps(u3, x1, a03); }
+            if (R > 1) {
+                const __m256 y0 = _mm256_broadcast_ss(x + K + k), y1 = _mm256_broadcast_ss(x + K + k + 1);
+                a10 = _mm256_fmadd_ps(v0, y0, a10);
+                if (P > 1) a11 = _mm256_fmadd_ps(v1, y0, a11);
+                if (P > 2) { a12 = _mm256_fmadd_ps(v2, y0, a12); a13 = _mm256_fmadd_ps(v3, y0, a13); }
+                a10 = _mm256_fmadd_ps(u0, y1, a10);
+                if (P > 1) a11 = _mm256_fmadd_ps(u1, y1, a11);
+                if (P > 2) { a12 = _mm256_fmadd_ps(u2, y1, a12); a13 = _mm256_fmadd_ps(u3, y1, a13); }
             }
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int p = 0; p < P; p++) store_out(y + r * N + n0 + p * PANEL, acc[r][p], N - n0 - p * PANEL);
+    store_out(y + n0, a00, N - n0);
+    if (P > 1) store_out(y + n0 + PANEL, a01, N - n0 - PANEL);
+    if (P > 2) { store_out(y + n0 + 2 * PANEL, a02, N - n0 - 2 * PANEL); store_out(y + n0 + 3 * PANEL, a03, N - n0 - 3 * PANEL); }
+    if (R > 1) {
+        store_out(y + N + n0, a10, N - n0);
+        if (P > 1) store_out(y + N + n0 + PANEL, a11, N - n0 - PANEL);
+        if (P > 2) {
+            store_out(y + N + n0 + 2 * PANEL, a12, N - n0 - 2 * PANEL);
+            store_out(y + N + n0 + 3 * PANEL, a13, N - n0 - 3 * PANEL);
+        }
+    }
 }
 
-/* R rows (R <= 4) of x against every panel, P panels per call; threads split the panel runs. */
-ALWAYS_INLINE void gemv(int bits, int R, int P, const uint8_t *w, int64_t group, const float *x, float *y, int64_t N,
-                        int64_t K) {
+/* gemv_panels with its shape as constants (an OpenMP region would receive them as variables). */
+typedef void (*panels_fn)(const uint8_t *w, int64_t panel_bytes, int64_t group, const float *x, int64_t K, float *y,
+                          int64_t N, int64_t n0);
+#define DEFINE_PANELS(BITS, R, P)                                                                                  \
+    static void panels_##BITS##_##R##_##P(const uint8_t *w, int64_t panel_bytes, int64_t group, const float *x,      \
+                                          int64_t K, float *y, int64_t N, int64_t n0) {                              \
+        gemv_panels(BITS, R, P, w, panel_bytes, group, x, K, y, N, n0);                                            \
+    }
+DEFINE_PANELS(4, 1, 4) DEFINE_PANELS(4, 1, 1) DEFINE_PANELS(4, 2, 2) DEFINE_PANELS(4, 2, 1)
+DEFINE_PANELS(8, 1, 4) DEFINE_PANELS(8, 1, 1) DEFINE_PANELS(8, 2, 2) DEFINE_PANELS(8, 2, 1)
+
+/* `run` (P panels per call) over every panel of W for the rows x (R of them, fixed in the functions), `one` (a
+ * single panel) for the last short run; threads split the runs. */
+static void gemv(panels_fn run, panels_fn one, int P, int64_t bits, const uint8_t *w, int64_t group, const float *x,
+                 float *y, int64_t N, int64_t K) {
     const int64_t num_panels = (N + PANEL - 1) / PANEL, panel_bytes = K / group * group_bytes(bits, group);
     const int64_t runs = (num_panels + P - 1) / P;
 #pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)
-    for (int64_t run = 0; run < runs; run++) {
-        const int64_t p0 = run * P;
-        const uint8_t *wp = w + p0 * panel_bytes;
-        if (p0 + P <= num_panels) gemv_panels(bits, R, P, wp, panel_bytes, group, x, K, y, N, p0 * PANEL);
-        else for (int64_t p = p0; p < num_panels; p++)  /* the last, short run: one panel at a time */
-            gemv_panels(bits, R, 1, w + p * panel_bytes, panel_bytes, group, x, K, y, N, p * PANEL);
+    for (int64_t r = 0; r < runs; r++) {
+        const int64_t p0 = r * P;
+        if (p0 + P <= num_panels) run(w + p0 * panel_bytes, panel_bytes, group, x, K, y, N, p0 * PANEL);
+        else for (int64_t p = p0; p < num_panels; p++)
+            one(w + p * panel_bytes, panel_bytes, group, x, K, y, N, p * PANEL);
     }
 }
 
@@ -125,24 +154,38 @@ ALWAYS_INLINE void decode_strip(int bits, const uint8_t *w, int64_t panel_bytes,
         }
 }
 
-/* R rows x NP panels: y[r, 8p + j] continues its chain over kc k's of decoded weights. first: start from 0. */
+/* R rows x NP panels: y[r, 8p + j] continues its chain over kc k's of decoded weights. first: start from 0.
+ * Named accumulators c<row><panel> (see gemv_panels). */
 ALWAYS_INLINE void micro(int R, int NP, const float *buf, int64_t kc, const float *x, int64_t ldx, float *y,
                          int64_t ldy, int64_t valid, int first) {
-    __m256 acc[MR][2];
-    for (int r = 0; r < R; r++)
-        for (int p = 0; p < NP; p++)
-            acc[r][p] = first ? _mm256_setzero_ps() : load_out(y + r * ldy + p * PANEL, valid - p * PANEL);
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
+           c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+#define LOAD_ROW(r)                                                                                                \
+    if (R > r && !first) {                                                                                         \
+        c##r##0 = load_out(y + r * ldy, valid);                                                                    \
+        if (NP == 2) c##r##1 = load_out(y + r * ldy + PANEL, valid - PANEL);                                       \
+    }
+    LOAD_ROW(0) LOAD_ROW(1) LOAD_ROW(2) LOAD_ROW(3) LOAD_ROW(4) LOAD_ROW(5)
+#undef LOAD_ROW
     for (int64_t k = 0; k < kc; k++) {
         const __m256 w0 = _mm256_loadu_ps(buf + 16 * k);
         const __m256 w1 = NP == 2 ? _mm256_loadu_ps(buf + 16 * k + 8) : w0;
-        for (int r = 0; r < R; r++) {
-            const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
-            acc[r][0] = _mm256_fmadd_ps(w0, xb, acc[r][0]);
-            if (NP == 2) acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]);
+#define FMA_ROW(r)                                                                                                 \
+        if (R > r) {                                                                                               \
+            const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);                                                \
+            c##r##0 = _mm256_fmadd_ps(w0, xb, c##r##0);                                                            \
+            if (NP == 2) c##r##1 = _mm256_fmadd_ps(w1, xb, c##r##1);                                               \
         }
+        FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3) FMA_ROW(4) FMA_ROW(5)
+#undef FMA_ROW
     }
-    for (int r = 0; r < R; r++)
-        for (int p = 0; p < NP; p++) store_out(y + r * ldy + p * PANEL, acc[r][p], valid - p * PANEL);
+#define STORE_ROW(r)                                                                                               \
+    if (R > r) {                                                                                                   \
+        store_out(y + r * ldy, c##r##0, valid);                                                                    \
+        if (NP == 2) store_out(y + r * ldy + PANEL, c##r##1, valid - PANEL);                                       \
+    }
+    STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3) STORE_ROW(4) STORE_ROW(5)
+#undef STORE_ROW
 }
 
 #define MICRO_CASE(R, NP) \
@@ -157,55 +200,68 @@ static void micro_any(int rows, int np, const float *buf, int64_t kc, const floa
     }
 }
 
-/* Large M: each thread owns a contiguous range of 16-output strips; per tile of MC rows and KC k's it decodes each
- * of its strips once into an L1 buffer and runs the micro-kernel over the tile's rows. */
-ALWAYS_INLINE void gemm(int bits, const uint8_t *w, int64_t group, const float *x, float *y, int64_t M, int64_t N,
-                        int64_t K) {
+/* Large M, one thread's share: strips [s_begin, s_end) of 16 outputs. Per tile of MC rows and KC k's it decodes
+ * each strip once into an L1 buffer and runs the micro-kernel over the tile's rows. */
+ALWAYS_INLINE void gemm_strips(int bits, const uint8_t *w, int64_t group, const float *x, float *y, int64_t M,
+                               int64_t N, int64_t K, int64_t s_begin, int64_t s_end) {
     const int64_t num_panels = (N + PANEL - 1) / PANEL, panel_bytes = K / group * group_bytes(bits, group);
-    const int64_t num_strips = (num_panels + 1) / 2;
-#pragma omp parallel
-    {
-        float buf[KC * 16] __attribute__((aligned(64)));
-        int nt = 1, t = 0;
-#ifdef _OPENMP
-        nt = omp_get_num_threads();
-        t = omp_get_thread_num();
-#endif
-        const int64_t s_begin = num_strips * t / nt, s_end = num_strips * (t + 1) / nt;
-        for (int64_t m0 = 0; m0 < M; m0 += MC) {
-            const int64_t mc = M - m0 < MC ? M - m0 : MC;
-            for (int64_t k0 = 0; k0 < K; k0 += KC) {
-                const int64_t kc = K - k0 < KC ? K - k0 : KC;
-                for (int64_t s = s_begin; s < s_end; s++) {
-                    const int np = 2 * s + 2 <= num_panels ? 2 : 1;
-                    const int64_t n0 = 2 * s * PANEL;
-                    decode_strip(bits, w + 2 * s * panel_bytes, panel_bytes, np, group, k0, kc, buf);
-                    for (int64_t m = m0; m < m0 + mc; m += MR) {
-                        const int rows = m0 + mc - m < MR ? (int)(m0 + mc - m) : MR;
-                        micro_any(rows, np, buf, kc, x + m * K + k0, K, y + m * N + n0, N, N - n0, k0 == 0);
-                    }
+    float buf[KC * 16] __attribute__((aligned(64)));
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        const int64_t mc = M - m0 < MC ? M - m0 : MC;
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+            const int64_t kc = K - k0 < KC ? K - k0 : KC;
+            for (int64_t s = s_begin; s < s_end; s++) {
+                const int np = 2 * s + 2 <= num_panels ? 2 : 1;
+                const int64_t n0 = 2 * s * PANEL;
+                decode_strip(bits, w + 2 * s * panel_bytes, panel_bytes, np, group, k0, kc, buf);
+                for (int64_t m = m0; m < m0 + mc; m += MR) {
+                    const int rows = m0 + mc - m < MR ? (int)(m0 + mc - m) : MR;
+                    micro_any(rows, np, buf, kc, x + m * K + k0, K, y + m * N + n0, N, N - n0, k0 == 0);
                 }
             }
         }
     }
 }
 
+static void gemm_strips_4(const uint8_t *w, int64_t group, const float *x, float *y, int64_t M, int64_t N, int64_t K,
+                          int64_t s_begin, int64_t s_end) {
+    gemm_strips(4, w, group, x, y, M, N, K, s_begin, s_end);
+}
+
+static void gemm_strips_8(const uint8_t *w, int64_t group, const float *x, float *y, int64_t M, int64_t N, int64_t K,
+                          int64_t s_begin, int64_t s_end) {
+    gemm_strips(8, w, group, x, y, M, N, K, s_begin, s_end);
+}
+
+/* Threads take contiguous ranges of 16-output strips. */
+static void gemm(int bits, const uint8_t *w, int64_t group, const float *x, float *y, int64_t M, int64_t N,
+                 int64_t K) {
+    const int64_t num_strips = ((N + PANEL - 1) / PANEL + 1) / 2;
+#pragma omp parallel
+    {
+        int nt = 1, t = 0;
+#ifdef _OPENMP
+        nt = omp_get_num_threads();
+        t = omp_get_thread_num();
+#endif
+        const int64_t s_begin = num_strips * t / nt, s_end = num_strips * (t + 1) / nt;
+        if (bits == 4) gemm_strips_4(w, group, x, y, M, N, K, s_begin, s_end);
+        else gemm_strips_8(w, group, x, y, M, N, K, s_begin, s_end);
+    }
+}
+
 static void quant_linear_avx2(int bits, const uint8_t *w, int64_t group, const float *x, float *y, int64_t M,
                               int64_t N, int64_t K) {
     if (M >= GEMM_MIN_ROWS) {
-        if (bits == 4) gemm(4, w, group, x, y, M, N, K);
-        else gemm(8, w, group, x, y, M, N, K);
+        gemm(bits, w, group, x, y, M, N, K);
         return;
     }
-    for (int64_t m = 0; m < M;) {
+    for (int64_t m = 0; m < M;) {  /* rows two at a time: each pass streams W once */
         const int64_t rows = M - m >= 2 ? 2 : 1;
-        const float *xm = x + m * K;
-        float *ym = y + m * N;
-        if (bits == 4) {
-            if (rows == 2) gemv(4, 2, 4, w, group, xm, ym, N, K); else gemv(4, 1, 4, w, group, xm, ym, N, K);
-        } else {
-            if (rows == 2) gemv(8, 2, 4, w, group, xm, ym, N, K); else gemv(8, 1, 4, w, group, xm, ym, N, K);
-        }
+        if (bits == 4) gemv(rows == 2 ? panels_4_2_2 : panels_4_1_4, rows == 2 ? panels_4_2_1 : panels_4_1_1,
+                            rows == 2 ? 2 : 4, 4, w, group, x + m * K, y + m * N, N, K);
+        else gemv(rows == 2 ? panels_8_2_2 : panels_8_1_4, rows == 2 ? panels_8_2_1 : panels_8_1_1, rows == 2 ? 2 : 4,
+                  8, w, group, x + m * K, y + m * N, N, K);
         m += rows;
     }
 }
