@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 GiB = 1 << 30
-QUANTIZATION_METHODS = ("gguf",)
+QUANTIZATION_METHODS = ("gguf", "fp8")
 """Values of ModelConfig.quantization (None: the model's own format)."""
 
 
@@ -45,7 +45,9 @@ class ModelConfig:
     quantization: str | None = None
     """How the weights are stored and run (vLLM's --quantization). gguf (the default for a GGUF model): the
     weights stay quantized in memory and run in native kernels on the CPU with float32 activations
-    (dequantized at load on CUDA, with bfloat16, or without the native kernels)."""
+    (dequantized at load on CUDA, with bfloat16, or without the native kernels). fp8 (Hugging Face
+    checkpoints, CPU, float32): linear weights quantized at load to fp8 e4m3 with a per-output-channel scale,
+    run by the same kernels (W8A32)."""
     activation_quantization: Literal["none", "int8"] = "none"
     """Opt-in fast mode for a GGUF model on the CPU (no vLLM equivalent). int8: each linear layer's input row is
     quantized per 32 values to int8 with an fp32 scale (llama.cpp's Q8 scheme) and multiplied by integer dot

@@ -19,6 +19,7 @@ from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import cpu_kernels, quant_q8act
+from pagedllm.layers.fp8_weight import quantize_fp8, quantizes_to_fp8
 from pagedllm.layers.int8_activation_weight import Int8ActivationWeight
 from pagedllm.layers.linear import pack_linear_weights
 from pagedllm.layers.quantized_weight import PackedWeight, QuantizedWeight
@@ -30,6 +31,7 @@ from pagedllm.models.resolve import resolve_model as _resolve_model
 
 logger = logging.getLogger(__name__)
 RunWeight = PackedWeight | Int8ActivationWeight  # a quantized weight as Linear / VocabEmbedding run it
+CPU = torch.device("cpu")
 
 _EMBEDDED_PACKAGE = EMBEDDED_PACKAGE
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -212,6 +214,30 @@ def runs_gguf_quantized(model_config: ModelConfig, resolved: ResolvedModel, devi
     return False
 
 
+def runs_fp8(model_config: ModelConfig, resolved: ResolvedModel, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether linear weights are quantized to fp8 at load (--quantization fp8 on a Hugging Face checkpoint); a
+    GGUF model is refused by runs_gguf_quantized. ValueError where the fp8 kernels cannot run."""
+    if model_config.quantization != "fp8" or resolved.kind == "gguf":
+        return False
+    if device.type != "cpu" or dtype != torch.float32 or not cpu_kernels.available(dtype, device):
+        raise ValueError(f"--quantization fp8 needs the CPU, float32 and the native kernels (they run its W8A32 "
+                         f"matmuls); got device {device.type}, dtype {str(dtype).removeprefix('torch.')}, native "
+                         f"kernels {'on' if cpu_kernels.available(torch.float32, CPU) else 'off'}")
+    return True
+
+
+def _fp8_linears(tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's tensors with every linear weight quantized to fp8 (layers/fp8_weight.py)."""
+    for name, t in tensors:
+        if isinstance(t, torch.Tensor) and quantizes_to_fp8(name, t):
+            try:
+                yield name, quantize_fp8(t, name)
+            except ValueError as e:
+                raise ModelLoadError(str(e)) from None
+        else:
+            yield name, t
+
+
 def _packer(model_config: ModelConfig, quantized: bool, source: str) -> Callable[[str, QuantizedWeight], RunWeight]:
     """How quantized weights are packed: PackedWeight (fp32 activations), or in the fast mode
     (--activation-quantization int8) Int8ActivationWeight where the type has an int8 kernel, else PackedWeight
@@ -252,6 +278,8 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     else:
         info = _hf_model_info(resolved.path, _generation_config(model_config, resolved))
         tensors = _safetensors_tensors(resolved.path)
+        if runs_fp8(model_config, resolved, device, dtype):
+            tensors = _fp8_linears(tensors)
     model_cls = get_model_class(info.architecture, source)
     with torch.device("meta"):
         model = model_cls(info)
