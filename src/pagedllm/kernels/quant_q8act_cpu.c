@@ -1,7 +1,7 @@
 /* Quantized linear with 8-bit activations: the opt-in fast mode (`activation_quantization="int8"`).
  *
  * out[m, n] = sum_k x[m, k] * w[n, k], with both sides quantized per block of 32 values along k:
- *   weights (packed at load from GGUF blocks by kernels/quant_q8act.py; the values stay exact):
+ *   weights (packed at load by layers/int8_activation_weight.py from GGUF codes; the values stay exact):
  *     U4  w = q * d + mn, q in [0, 15]      Q4_0 (mn = -8 d), Q4_1, Q4_K (d, mn per 32-value sub-block)
  *     U5  w = q * d + mn, q in [0, 31]      Q5_0 (mn = -16 d), Q5_1, Q5_K
  *     S8  w = q * d,      q in [-127, 127]  Q8_0
