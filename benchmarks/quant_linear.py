@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from pagedllm.layers.linear import Linear
+from pagedllm.layers.quantized_weight import PackedWeight
 from pagedllm.models.gguf_unpack import unpack
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -30,7 +31,7 @@ def layers(name: str, qtype: str) -> tuple[Linear, Linear]:
     n, k = SHAPES[name]
     qt = GGMLQuantizationType[qtype if name != "lm_head" else "Q8_0"]
     w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32) * 0.05
-    packed = unpack(quantize(w, qt), qt, (n, k)).pack()
+    packed = PackedWeight.from_codes(unpack(quantize(w, qt), qt, (n, k)))
     old, new = Linear(k, n, bias=False), Linear(k, n, bias=False)
     old.weight = torch.nn.Parameter(packed.dequantize(), requires_grad=False)
     old.pack_weights()

@@ -22,6 +22,7 @@ from gguf.quants import dequantize
 
 from pagedllm.layers.int8_activation_weight import Int8ActivationWeight
 from pagedllm.layers.linear import Linear
+from pagedllm.layers.quantized_weight import PackedWeight
 from pagedllm.models.gguf_unpack import unpack
 
 SHAPES = {  # name: (out_features N, in_features K, GGUF type in the default model)
@@ -76,7 +77,7 @@ def main() -> None:
                                                            .reshape(n, k)), requires_grad=False)
         dense.pack_weights()
         quantized = unpack(raw, qtype, (n, k))
-        lossless, int8 = quantized.pack(), Int8ActivationWeight.from_quantized(quantized)
+        lossless, int8 = PackedWeight.from_codes(quantized), Int8ActivationWeight.from_quantized(quantized)
         for m in (int(v) for v in args.m.split(",")):
             if name == "lm_head" and m > 256:
                 continue  # logits are computed for sampled rows only: at most max_num_seqs per step

@@ -154,3 +154,19 @@ def tiny_llama_gguf(tiny_llama_dir, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama-gguf") / "tiny-llama-F32.gguf"
     write_llama_gguf(path, model, tokenizer)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_gguf_quantized(tiny_llama_dir, tmp_path_factory) -> Path:
+    """The tiny model as a GGUF with every weight matrix quantized, each type gguf can write, mixed inside the
+    fused qkv and gate_up groups: embedding and LM head Q8_0, q Q4_0, k Q4_1, v Q5_0, o Q5_1, gate Q8_0, up Q4_1,
+    down Q4_0."""
+    from gguf import GGMLQuantizationType as Q
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    qtypes = {"embed_tokens": Q.Q8_0, "lm_head": Q.Q8_0, "q_proj": Q.Q4_0, "k_proj": Q.Q4_1, "v_proj": Q.Q5_0,
+              "o_proj": Q.Q5_1, "gate_proj": Q.Q8_0, "up_proj": Q.Q4_1, "down_proj": Q.Q4_0}
+    model = LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype="float32")
+    path = tmp_path_factory.mktemp("tiny-llama-quant") / "tiny-llama-mixed.gguf"
+    write_llama_gguf(path, model, AutoTokenizer.from_pretrained(tiny_llama_dir), qtypes)
+    return path

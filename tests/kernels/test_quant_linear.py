@@ -10,8 +10,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from pagedllm.kernels import cpu_kernels
-from pagedllm.layers.quantized_weight import QuantizedWeight
+from pagedllm.layers.quantized_weight import PackedWeight
 from pagedllm.models.gguf_unpack import UNPACKED_TYPES, unpack
+from pagedllm.models.quantized_codes import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(torch.float32, torch.device("cpu")),
                                 reason="native CPU kernels unavailable")
@@ -44,7 +45,7 @@ def reference(raw: np.ndarray, qtype: Q, n: int, k: int) -> torch.Tensor:
 def test_decoded_weights_equal_gguf_dequantize(qtype, n):
     k = 512
     raw = raw_tensor(qtype, n, k)
-    packed = unpack(raw, qtype, (n, k)).pack()
+    packed = PackedWeight.from_codes(unpack(raw, qtype, (n, k)))
     assert torch.equal(packed.dequantize(), reference(raw, qtype, n, k))  # same values (+0 == -0)
     ids = torch.tensor([[n - 1, 0], [5, 5]])
     assert torch.equal(packed.rows(ids), reference(raw, qtype, n, k)[ids])
@@ -56,7 +57,7 @@ def test_decoded_weights_equal_gguf_dequantize(qtype, n):
 def test_products_within_the_fp32_summation_bound(qtype):
     n, k = 45, 768
     raw = raw_tensor(qtype, n, k, seed=1)
-    packed = unpack(raw, qtype, (n, k)).pack()
+    packed = PackedWeight.from_codes(unpack(raw, qtype, (n, k)))
     w = reference(raw, qtype, n, k).double()
     for m in (1, 2, 3, 7, 40):  # the streaming (M <= 4) and the tiled (M >= 5) paths
         x = torch.randn(m, k)
@@ -71,7 +72,7 @@ def test_products_within_the_fp32_summation_bound(qtype):
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q6_K], ids=lambda q: q.name)
 def test_each_row_is_bitwise_independent_of_the_batch_and_threads(qtype):
     n, k = 200, 512
-    packed = unpack(raw_tensor(qtype, n, k, seed=2), qtype, (n, k)).pack()
+    packed = PackedWeight.from_codes(unpack(raw_tensor(qtype, n, k, seed=2), qtype, (n, k)))
     x = torch.randn(300, k)
     threads = torch.get_num_threads()
     try:
@@ -96,7 +97,7 @@ def test_fused_parts_of_different_types_keep_their_values():
     fused = QuantizedWeight.concat([unpack(raw, qtype, (n, k)) for raw, (qtype, n) in zip(raws, parts, strict=True)])
     assert (fused.group, fused.bits, fused.qtypes) == (16, 8, ("Q4_K", "Q4_1", "Q6_K"))
     expected = torch.cat([reference(raw, qtype, n, k) for raw, (qtype, n) in zip(raws, parts, strict=True)])
-    packed = fused.pack()
+    packed = PackedWeight.from_codes(fused)
     assert torch.equal(packed.dequantize(), expected)
     x = torch.randn(3, k)
     torch.testing.assert_close(packed.matmul(x), x @ expected.T, atol=1e-3, rtol=1e-4)

@@ -13,8 +13,8 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from pagedllm.kernels import quant_q8act as qa8
 from pagedllm.layers.int8_activation_weight import Int8ActivationWeight
-from pagedllm.layers.quantized_weight import QuantizedWeight
 from pagedllm.models.gguf_unpack import unpack
+from pagedllm.models.quantized_codes import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(not qa8.available(), reason="needs the AVX2 native kernels")
 

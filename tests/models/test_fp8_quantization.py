@@ -9,9 +9,10 @@ from paged_runner import PagedRunner
 
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import cpu_kernels
-from pagedllm.layers.fp8_weight import FP8_BITS, fp8_reference, quantize_fp8
 from pagedllm.layers.linear import Linear
+from pagedllm.layers.quantized_weight import PackedWeight
 from pagedllm.models import loader
+from pagedllm.models.fp8_codes import FP8_BITS, fp8_reference, quantize_fp8
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(torch.float32, CPU), reason="native CPU kernels unavailable")
@@ -27,7 +28,7 @@ def random_weight(n: int, k: int) -> torch.Tensor:
 
 def test_codes_decode_to_the_fp8_values_exactly():
     w = random_weight(21, 96)
-    packed = quantize_fp8(w, "w").pack()
+    packed = PackedWeight.from_codes(quantize_fp8(w, "w"))
     expected = fp8_reference(w)
     assert (expected[1, 1:] != 0).any() and (expected[1, 1:].abs() < expected[1, 0].abs() * 2.0 ** -6).any()
     assert torch.equal(packed.dequantize(), expected)  # the scalar decode

@@ -10,7 +10,6 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from paged_runner import PagedRunner
 
-from conftest import write_llama_gguf
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.linear import Linear
@@ -21,28 +20,15 @@ from pagedllm.models.model_info import ModelLoadError
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(torch.float32, torch.device("cpu")),
                                 reason="native CPU kernels unavailable")
 
-# every type gguf can quantize, mixed inside the fused qkv and gate_up groups
-QTYPES = {"embed_tokens": Q.Q8_0, "lm_head": Q.Q8_0, "q_proj": Q.Q4_0, "k_proj": Q.Q4_1, "v_proj": Q.Q5_0,
-          "o_proj": Q.Q5_1, "gate_proj": Q.Q8_0, "up_proj": Q.Q4_1, "down_proj": Q.Q4_0}
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def quant_gguf(tiny_llama_dir, tmp_path_factory):
-    from transformers import AutoTokenizer, LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype="float32")
-    path = tmp_path_factory.mktemp("tiny-llama-quant") / "tiny-llama-mixed.gguf"
-    write_llama_gguf(path, model, AutoTokenizer.from_pretrained(tiny_llama_dir), QTYPES)
-    return path
 
 
 def load(path, **kwargs):
     return loader.load_model(ModelConfig(model=str(path), **kwargs), CPU, torch.float32)
 
 
-def test_weights_stay_quantized_and_equal_the_dequantized_ones(quant_gguf, monkeypatch):
-    model = load(quant_gguf)
+def test_weights_stay_quantized_and_equal_the_dequantized_ones(tiny_llama_gguf_quantized, monkeypatch):
+    model = load(tiny_llama_gguf_quantized)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 3 * 4 + 1 and all(m.quant_weight is not None and m.weight is None for m in linears)
     assert model.model.embed_tokens.weight is None
@@ -51,7 +37,7 @@ def test_weights_stay_quantized_and_equal_the_dequantized_ones(quant_gguf, monke
     with monkeypatch.context() as m:  # the dequantize-at-load path, float weights kept unpacked to compare
         m.setattr(loader, "runs_gguf_quantized", lambda *args: False)
         m.setattr(loader, "pack_linear_weights", lambda model: None)
-        ref = load(quant_gguf)
+        ref = load(tiny_llama_gguf_quantized)
     assert ref.model.layers[0].self_attn.qkv_proj.quant_weight is None
     ref_weights = dict(ref.named_parameters())
     for name, module in model.named_modules():
@@ -64,15 +50,15 @@ def test_weights_stay_quantized_and_equal_the_dequantized_ones(quant_gguf, monke
             torch.testing.assert_close(ours.step([("a", chunk)]), theirs.step([("a", chunk)]), atol=2e-5, rtol=1e-5)
 
 
-def test_bf16_activations_dequantize_at_load(quant_gguf):
-    model = loader.load_model(ModelConfig(model=str(quant_gguf)), CPU, torch.bfloat16)
+def test_bf16_activations_dequantize_at_load(tiny_llama_gguf_quantized):
+    model = loader.load_model(ModelConfig(model=str(tiny_llama_gguf_quantized)), CPU, torch.bfloat16)
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert qkv.quant_weight is None and qkv.weight.dtype == torch.bfloat16
 
 
-def test_a_nan_scale_fails_the_load(quant_gguf, tmp_path):
-    data = bytearray(quant_gguf.read_bytes())
-    tensor = next(t for t in open_gguf(quant_gguf).tensors if t.name == "blk.2.ffn_up.weight")  # Q4_1
+def test_a_nan_scale_fails_the_load(tiny_llama_gguf_quantized, tmp_path):
+    data = bytearray(tiny_llama_gguf_quantized.read_bytes())
+    tensor = next(t for t in open_gguf(tiny_llama_gguf_quantized).tensors if t.name == "blk.2.ffn_up.weight")  # Q4_1
     start = bytes(data).find(tensor.data.tobytes())
     block = 3
     data[start + 20 * block + 2: start + 20 * block + 4] = np.array([np.nan], np.float16).tobytes()  # its min m
@@ -83,8 +69,8 @@ def test_a_nan_scale_fails_the_load(quant_gguf, tmp_path):
         load(bad)
 
 
-def test_a_truncated_quantized_tensor_fails_the_load(quant_gguf, tmp_path):
-    data = quant_gguf.read_bytes()
+def test_a_truncated_quantized_tensor_fails_the_load(tiny_llama_gguf_quantized, tmp_path):
+    data = tiny_llama_gguf_quantized.read_bytes()
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(data[:len(data) - 100])
     with pytest.raises(ModelLoadError, match=r"cut\.gguf.*truncated"):
@@ -103,9 +89,20 @@ def test_unsupported_type_names_the_tensor_and_the_supported_types(tmp_path):
         unpack_tensor(tensor, path)
 
 
-def test_quantization_flag(quant_gguf, tiny_llama_dir):
-    assert load(quant_gguf, quantization="gguf").lm_head.quant_weight is not None
-    with pytest.raises(ValueError, match="--quantization must be one of gguf; got 'awq'"):
+def test_quantization_flag(tiny_llama_gguf_quantized, tiny_llama_dir):
+    assert load(tiny_llama_gguf_quantized, quantization="gguf").lm_head.quant_weight is not None
+    with pytest.raises(ValueError, match="--quantization must be one of gguf, fp8; got .awq."):
         ModelConfig(quantization="awq")
     with pytest.raises(ValueError, match="--quantization gguf needs a GGUF model file"):
         load(tiny_llama_dir, quantization="gguf")
+
+
+def test_reading_gguf_files_imports_no_torch():
+    """The API server reads GGUF metadata and tokenizers through these modules; torch would add ~200 MB to it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pagedllm.models.gguf_loader, pagedllm.models.gguf_unpack\n"
+            "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr

@@ -29,7 +29,7 @@
 #define KC 256   /* k's per decoded tile (a multiple of every group size) */
 #define MC 192   /* rows of x per tile: 192 x 256 x 4 B = 192 KiB, in L2 across the strips */
 #define MR 6     /* rows per micro-kernel call: 6 x 2 accumulators + 2 weights + 1 broadcast = 15 ymm */
-#define GEMM_MIN_ROWS 5
+#define GEMM_MIN_ROWS 9  /* below: gemv, up to 4 rows per pass (measured faster up to 8 rows) */
 #define PARALLEL_MIN_WEIGHTS (64 * 1024)
 
 #define FP8 9    /* the `bits` value naming fp8 e4m3 codes (8 bits each) */
@@ -78,53 +78,51 @@ ALWAYS_INLINE void decode_pair(int bits, const uint8_t *codes, int64_t i, __m256
     }
 }
 
-/* Small M: R rows (1 or 2) of x against P panels (1, 2 or 4: 8P outputs from n0), streaming the packed weights
- * once; P independent chains per row hide the fma latency at R = 1. Accumulators are named variables, not an
- * array: gcc kept an array's elements in registers but also stored them to the stack on every iteration. */
+/* Small M: R rows (1 to 4) of x against P panels (1, 2 or 4: 8P outputs from n0), streaming the packed weights
+ * once; P independent chains per row hide the fma latency at R = 1. Accumulators a<row><panel> are named variables,
+ * not an array: gcc kept an array's elements in registers but also stored them to the stack on every k. */
 ALWAYS_INLINE void gemv_panels(int bits, int R, int P, const uint8_t *w, int64_t panel_bytes, int64_t group,
                                const float *x, int64_t K, float *y, int64_t N, int64_t n0) {
     const int64_t gbytes = group_bytes(bits, group), num_groups = K / group;
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    const __m256 z = _mm256_setzero_ps();
+    __m256 a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;
+    __m256 a20 = z, a21 = z, a22 = z, a23 = z, a30 = z, a31 = z, a32 = z, a33 = z;
     for (int64_t g = 0; g < num_groups; g++) {
         const uint8_t *g0 = w + g * gbytes, *g1 = g0 + panel_bytes, *g2 = g1 + panel_bytes, *g3 = g2 + panel_bytes;
         for (int64_t i = 0; i < group / 2; i++) {
             const int64_t k = g * group + 2 * i;
-            __m256 v0, u0, v1 = a00, u1 = a00, v2 = a00, u2 = a00, v3 = a00, u3 = a00; /* weights of k, k + 1 */
+            __m256 v0, u0, v1 = z, u1 = z, v2 = z, u2 = z, v3 = z, u3 = z; /* panel p's weights at k, k + 1 */
 #define DECODE(p) decode_pair(bits, g##p + 64, i, _mm256_loadu_ps((const float *)g##p),                           \
                               _mm256_loadu_ps((const float *)g##p + PANEL), &v##p, &u##p)
             DECODE(0);
             if (P > 1) DECODE(1);
             if (P > 2) { DECODE(2); DECODE(3); }
 #undef DECODE
-            const __m256 x0 = _mm256_broadcast_ss(x + k), x1 = _mm256_broadcast_ss(x + k + 1);
-            a00 = _mm256_fmadd_ps(v0, x0, a00);
-            if (P > 1) a01 = _mm256_fmadd_ps(v1, x0, a01);
-            if (P > 2) { a02 = _mm256_fmadd_ps(v2, x0, a02); a03 = _mm256_fmadd_ps(v3, x0, a03); }
-            a00 = _mm256_fmadd_ps(u0, x1, a00);
-            if (P > 1) a01 = _mm256_fmadd_ps(u1, x1, a01);
-            if (P > 2) { a02 = _mm256_fmadd_ps(u2, x1, a02); a03 = _mm256_fmadd_ps(u3, x1, a03); }
-            if (R > 1) {
-                const __m256 y0 = _mm256_broadcast_ss(x + K + k), y1 = _mm256_broadcast_ss(x + K + k + 1);
-                a10 = _mm256_fmadd_ps(v0, y0, a10);
-                if (P > 1) a11 = _mm256_fmadd_ps(v1, y0, a11);
-                if (P > 2) { a12 = _mm256_fmadd_ps(v2, y0, a12); a13 = _mm256_fmadd_ps(v3, y0, a13); }
-                a10 = _mm256_fmadd_ps(u0, y1, a10);
-                if (P > 1) a11 = _mm256_fmadd_ps(u1, y1, a11);
-                if (P > 2) { a12 = _mm256_fmadd_ps(u2, y1, a12); a13 = _mm256_fmadd_ps(u3, y1, a13); }
+#define CHAIN(r)                                                                                                   \
+            if (R > r) {                                                                                           \
+                const __m256 x0 = _mm256_broadcast_ss(x + r * K + k), x1 = _mm256_broadcast_ss(x + r * K + k + 1);  \
+                a##r##0 = _mm256_fmadd_ps(v0, x0, a##r##0);                                                        \
+                if (P > 1) a##r##1 = _mm256_fmadd_ps(v1, x0, a##r##1);                                             \
+                if (P > 2) { a##r##2 = _mm256_fmadd_ps(v2, x0, a##r##2); a##r##3 = _mm256_fmadd_ps(v3, x0, a##r##3); } \
+                a##r##0 = _mm256_fmadd_ps(u0, x1, a##r##0);                                                        \
+                if (P > 1) a##r##1 = _mm256_fmadd_ps(u1, x1, a##r##1);                                             \
+                if (P > 2) { a##r##2 = _mm256_fmadd_ps(u2, x1, a##r##2); a##r##3 = _mm256_fmadd_ps(u3, x1, a##r##3); } \
             }
+            CHAIN(0) CHAIN(1) CHAIN(2) CHAIN(3)
+#undef CHAIN
         }
     }
-    store_out(y + n0, a00, N - n0);
-    if (P > 1) store_out(y + n0 + PANEL, a01, N - n0 - PANEL);
-    if (P > 2) { store_out(y + n0 + 2 * PANEL, a02, N - n0 - 2 * PANEL); store_out(y + n0 + 3 * PANEL, a03, N - n0 - 3 * PANEL); }
-    if (R > 1) {
-        store_out(y + N + n0, a10, N - n0);
-        if (P > 1) store_out(y + N + n0 + PANEL, a11, N - n0 - PANEL);
-        if (P > 2) {
-            store_out(y + N + n0 + 2 * PANEL, a12, N - n0 - 2 * PANEL);
-            store_out(y + N + n0 + 3 * PANEL, a13, N - n0 - 3 * PANEL);
-        }
+#define STORE(r)                                                                                                   \
+    if (R > r) {                                                                                                   \
+        store_out(y + r * N + n0, a##r##0, N - n0);                                                                \
+        if (P > 1) store_out(y + r * N + n0 + PANEL, a##r##1, N - n0 - PANEL);                                     \
+        if (P > 2) {                                                                                               \
+            store_out(y + r * N + n0 + 2 * PANEL, a##r##2, N - n0 - 2 * PANEL);                                    \
+            store_out(y + r * N + n0 + 3 * PANEL, a##r##3, N - n0 - 3 * PANEL);                                    \
+        }                                                                                                          \
     }
+    STORE(0) STORE(1) STORE(2) STORE(3)
+#undef STORE
 }
 
 /* gemv_panels with its shape as constants (an OpenMP region would receive them as variables). */
@@ -135,9 +133,22 @@ typedef void (*panels_fn)(const uint8_t *w, int64_t panel_bytes, int64_t group, 
                                           int64_t K, float *y, int64_t N, int64_t n0) {                              \
         gemv_panels(BITS, R, P, w, panel_bytes, group, x, K, y, N, n0);                                            \
     }
-DEFINE_PANELS(4, 1, 4) DEFINE_PANELS(4, 1, 1) DEFINE_PANELS(4, 2, 2) DEFINE_PANELS(4, 2, 1)
-DEFINE_PANELS(8, 1, 4) DEFINE_PANELS(8, 1, 1) DEFINE_PANELS(8, 2, 2) DEFINE_PANELS(8, 2, 1)
-DEFINE_PANELS(FP8, 1, 4) DEFINE_PANELS(FP8, 1, 1) DEFINE_PANELS(FP8, 2, 2) DEFINE_PANELS(FP8, 2, 1)
+DEFINE_PANELS(4, 1, 4) DEFINE_PANELS(4, 2, 2) DEFINE_PANELS(4, 3, 2) DEFINE_PANELS(4, 4, 2)
+DEFINE_PANELS(4, 1, 1) DEFINE_PANELS(4, 2, 1) DEFINE_PANELS(4, 3, 1) DEFINE_PANELS(4, 4, 1)
+DEFINE_PANELS(8, 1, 4) DEFINE_PANELS(8, 2, 2) DEFINE_PANELS(8, 3, 2) DEFINE_PANELS(8, 4, 2)
+DEFINE_PANELS(8, 1, 1) DEFINE_PANELS(8, 2, 1) DEFINE_PANELS(8, 3, 1) DEFINE_PANELS(8, 4, 1)
+DEFINE_PANELS(FP8, 1, 4) DEFINE_PANELS(FP8, 2, 2) DEFINE_PANELS(FP8, 3, 2) DEFINE_PANELS(FP8, 4, 2)
+DEFINE_PANELS(FP8, 1, 1) DEFINE_PANELS(FP8, 2, 1) DEFINE_PANELS(FP8, 3, 1) DEFINE_PANELS(FP8, 4, 1)
+
+/* [code type: 4, 8, FP8][rows - 1]: the P-panel function, its P, and the one-panel function */
+static const struct { panels_fn run; int P; panels_fn one; } GEMV_KERNELS[3][4] = {
+    {{panels_4_1_4, 4, panels_4_1_1}, {panels_4_2_2, 2, panels_4_2_1}, {panels_4_3_2, 2, panels_4_3_1},
+     {panels_4_4_2, 2, panels_4_4_1}},
+    {{panels_8_1_4, 4, panels_8_1_1}, {panels_8_2_2, 2, panels_8_2_1}, {panels_8_3_2, 2, panels_8_3_1},
+     {panels_8_4_2, 2, panels_8_4_1}},
+    {{panels_FP8_1_4, 4, panels_FP8_1_1}, {panels_FP8_2_2, 2, panels_FP8_2_1}, {panels_FP8_3_2, 2, panels_FP8_3_1},
+     {panels_FP8_4_2, 2, panels_FP8_4_1}},
+};
 
 /* `run` (P panels per call) over every panel of W for the rows x (R of them, fixed in the functions), `one` (a
  * single panel) for the last short run; threads split the runs. */
@@ -280,16 +291,11 @@ static void quant_linear_avx2(int bits, const uint8_t *w, int64_t group, const f
         gemm(bits, w, group, x, y, M, N, K);
         return;
     }
-    for (int64_t m = 0; m < M;) {  /* rows two at a time: each pass streams W once */
-        const int64_t rows = M - m >= 2 ? 2 : 1;
-        if (bits == 4) gemv(rows == 2 ? panels_4_2_2 : panels_4_1_4, rows == 2 ? panels_4_2_1 : panels_4_1_1,
-                            rows == 2 ? 2 : 4, 4, w, group, x + m * K, y + m * N, N, K);
-        else if (bits == FP8)
-            gemv(rows == 2 ? panels_FP8_2_2 : panels_FP8_1_4, rows == 2 ? panels_FP8_2_1 : panels_FP8_1_1,
-                 rows == 2 ? 2 : 4, FP8, w, group, x + m * K, y + m * N, N, K);
-        else gemv(rows == 2 ? panels_8_2_2 : panels_8_1_4, rows == 2 ? panels_8_2_1 : panels_8_1_1, rows == 2 ? 2 : 4,
-                  8, w, group, x + m * K, y + m * N, N, K);
-        m += rows;
+    for (int64_t m = 0; m < M; m += 4) {  /* up to 4 rows per pass over W */
+        const int64_t rows = M - m < 4 ? M - m : 4;
+        const int t = bits == 4 ? 0 : bits == 8 ? 1 : 2;
+        gemv(GEMV_KERNELS[t][rows - 1].run, GEMV_KERNELS[t][rows - 1].one, GEMV_KERNELS[t][rows - 1].P, bits, w,
+             group, x + m * K, y + m * N, N, K);
     }
 }
 #endif
@@ -332,7 +338,25 @@ void quant_linear_f32(const uint8_t *w, int64_t bits, int64_t group, const float
 /* out[i, :] = W[ids[i], :] decoded (the embedding lookup; also the whole matrix, for tests). ids must be < N. */
 void quant_gather_rows_f32(const uint8_t *w, int64_t bits, int64_t group, const int64_t *ids, float *out,
                            int64_t num_ids, int64_t K) {
+    const int64_t gbytes = group_bytes(bits, group), panel_bytes = K / group * gbytes;
 #pragma omp parallel for schedule(static) if (num_ids * K >= PARALLEL_MIN_WEIGHTS)
-    for (int64_t i = 0; i < num_ids; i++)
-        for (int64_t k = 0; k < K; k++) out[i * K + k] = weight_at(w, bits, group, K, ids[i], k);
+    for (int64_t i = 0; i < num_ids; i++) {
+        const int64_t lane = ids[i] % PANEL;
+        const uint8_t *panel = w + ids[i] / PANEL * panel_bytes;
+        for (int64_t g = 0; g < K / group; g++) {
+            const uint8_t *gp = panel + g * gbytes, *codes = gp + 64;
+            const float s = ((const float *)gp)[lane], o = ((const float *)gp)[PANEL + lane];
+            float *dst = out + i * K + g * group;
+            if (bits == 4)
+                for (int64_t j = 0; j < group; j += 2) {
+                    const uint8_t b = codes[j / 2 * PANEL + lane];
+                    dst[j] = fmaf((float)(b & 15), s, o);
+                    dst[j + 1] = fmaf((float)(b >> 4), s, o);
+                }
+            else if (bits == FP8)
+                for (int64_t j = 0; j < group; j++) dst[j] = fmaf(fp8_value(codes[j * PANEL + lane]), s, o);
+            else
+                for (int64_t j = 0; j < group; j++) dst[j] = fmaf((float)(int8_t)codes[j * PANEL + lane], s, o);
+        }
+    }
 }

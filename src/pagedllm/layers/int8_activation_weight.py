@@ -1,7 +1,7 @@
 """A GGUF weight packed for the 8-bit-activation fast mode (`activation_quantization="int8"`): multiplied by
 kernels/quant_q8act_cpu.c, which quantizes each activation row per 32 k's to int8 (llama.cpp's Q8 scheme) and
 takes integer dot products. The weights keep their exact values (codes, scales and offsets of
-layers/quantized_weight.QuantizedWeight); only the activations lose precision.
+models/quantized_codes.QuantizedWeight); only the activations lose precision.
 
 It has PackedWeight's interface (shape, nbytes, qtypes, matmul, rows, dequantize), so Linear and VocabEmbedding
 take either. Kinds: U4 (4-bit codes + offset: Q4_0, Q4_1, Q4_K), U5 (codes 0..31 + offset: Q5_0, Q5_1, Q5_K),
@@ -17,11 +17,15 @@ and d, mn [groups, K / 32, 8] float32.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from pagedllm.kernels.quant_q8act import BLOCK, S8, U4, U5, q8act_linear
-from pagedllm.layers.quantized_weight import QuantizedWeight
+
+if TYPE_CHECKING:
+    from pagedllm.models.quantized_codes import QuantizedWeight
 
 ROWS = 8  # output rows per group (one 8-lane vector)
 

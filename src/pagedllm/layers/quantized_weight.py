@@ -1,12 +1,11 @@
 """Weights kept quantized in memory and multiplied in that form on the CPU (fp32 activations).
 
 Two forms:
-- `QuantizedWeight` (numpy, load time): a weight [N, K] as integer codes [N, K] int8 plus one fp32 scale and offset
-  per row and group of `group` k's ([N, K / group] each); weight value w[n, k] = fma(code, scale, offset), one fp32
-  rounding. models/gguf_unpack.py builds it from GGUF blocks so that this value is exactly gguf's dequantized weight.
-  Rows can be permuted (llama.cpp's Q/K rotary order) and weights concatenated along rows (fused qkv / gate_up; parts
-  of different types are promoted to the smaller group and the wider codes, which changes no value).
-- `PackedWeight` (torch, run time): the same numbers in the kernels' panel layout, a flat uint8 tensor:
+- `QuantizedWeight` (models/quantized_codes.py, numpy, load time): a weight [N, K] as integer codes [N, K] int8 plus
+  one fp32 scale and offset per row and group of `group` k's ([N, K / group] each); weight value
+  w[n, k] = fma(code, scale, offset), one fp32 rounding, exactly gguf's dequantized weight (models/gguf_unpack.py).
+- `PackedWeight` (here, torch, run time; `PackedWeight.from_codes`): the same numbers in the kernels' panel
+  layout, a flat uint8 tensor:
     panels of 8 output rows (N padded to a multiple of 8 with zero rows), each panel K / group groups of
       scale[8] f32 | offset[8] f32 | codes
     bits = 4: group / 2 pairs of k, 8 bytes each: byte r = code(k, row r) | code(k + 1, row r) << 4 (codes 0..15)
@@ -20,70 +19,17 @@ Two forms:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pagedllm.kernels import cpu_kernels
 
+if TYPE_CHECKING:
+    from pagedllm.models.quantized_codes import QuantizedWeight
+
 PANEL = 8
-SCALE_BYTES = 2 * PANEL * 4  # scale[8] and offset[8], fp32
-
-
-@dataclass
-class QuantizedWeight:
-    codes: np.ndarray  # [N, K] int8
-    scales: np.ndarray  # [N, K / group] float32
-    offsets: np.ndarray  # [N, K / group] float32
-    group: int  # k's per scale: 16 or 32
-    bits: int  # 4 (codes 0..15) or 8 (int8 codes)
-    qtypes: tuple[str, ...]  # the GGUF types it came from, for logs and errors
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.codes.shape
-
-    def map_rows(self, fn) -> QuantizedWeight:
-        """The same weight with fn (a row permutation of an [N, ...] array) applied to its rows."""
-        return QuantizedWeight(fn(self.codes), fn(self.scales), fn(self.offsets), self.group, self.bits, self.qtypes)
-
-    def with_group(self, group: int) -> QuantizedWeight:
-        """The same values with one scale per `group` k's (group divides self.group)."""
-        if group == self.group:
-            return self
-        repeat = self.group // group
-        return QuantizedWeight(self.codes, np.repeat(self.scales, repeat, axis=1),
-                               np.repeat(self.offsets, repeat, axis=1), group, self.bits, self.qtypes)
-
-    @staticmethod
-    def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
-        """Rows of each part in order (fused projections); ValueError when their K differ."""
-        if len({p.shape[1] for p in parts}) != 1:
-            raise ValueError(f"parts have different input sizes {[list(p.shape) for p in parts]}")
-        group, bits = min(p.group for p in parts), max(p.bits for p in parts)
-        parts = [p.with_group(group) for p in parts]
-        qtypes = tuple(dict.fromkeys(t for p in parts for t in p.qtypes))
-        return QuantizedWeight(np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
-                               np.concatenate([p.offsets for p in parts]), group, bits, qtypes)
-
-    def pack(self) -> PackedWeight:
-        n, k = self.shape
-        num_panels, num_groups = -(-n // PANEL), k // self.group
-        pad = num_panels * PANEL - n
-
-        def panels(a: np.ndarray) -> np.ndarray:  # [N, X, ...] -> [P, X, ..., 8] (rows last)
-            a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
-            a = a.reshape(num_panels, PANEL, *a.shape[1:])
-            return np.moveaxis(a, 1, -1)
-
-        codes = panels(self.codes.view(np.uint8).reshape(n, num_groups, self.group))  # [P, G, group, 8]
-        if self.bits == 4:
-            codes = codes[:, :, 0::2] | (codes[:, :, 1::2] << 4)
-        scales = np.ascontiguousarray(panels(self.scales), np.float32).view(np.uint8)  # [P, G, 32] (8 fp32 -> 32 bytes)
-        offsets = np.ascontiguousarray(panels(self.offsets), np.float32).view(np.uint8)
-        data = np.concatenate([scales.reshape(num_panels, num_groups, -1), offsets.reshape(num_panels, num_groups, -1),
-                               codes.reshape(num_panels, num_groups, -1)], axis=2)
-        return PackedWeight(torch.from_numpy(data.reshape(-1)), self.bits, self.group, n, k, self.qtypes)
 
 
 @dataclass(eq=False)
@@ -102,6 +48,27 @@ class PackedWeight:
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+    @staticmethod
+    def from_codes(weight: QuantizedWeight) -> PackedWeight:
+        """Lay a load-time QuantizedWeight out in panels (the layout above)."""
+        n, k = weight.shape
+        num_panels, num_groups = -(-n // PANEL), k // weight.group
+        pad = num_panels * PANEL - n
+
+        def panels(a: np.ndarray) -> np.ndarray:  # [N, X, ...] -> [P, X, ..., 8] (rows last)
+            a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
+            a = a.reshape(num_panels, PANEL, *a.shape[1:])
+            return np.moveaxis(a, 1, -1)
+
+        codes = panels(weight.codes.view(np.uint8).reshape(n, num_groups, weight.group))  # [P, G, group, 8]
+        if weight.bits == 4:
+            codes = codes[:, :, 0::2] | (codes[:, :, 1::2] << 4)  # k pairs -> one byte per row
+        scales = np.ascontiguousarray(panels(weight.scales), np.float32).view(np.uint8)  # [P, G, 32]: 8 fp32
+        offsets = np.ascontiguousarray(panels(weight.offsets), np.float32).view(np.uint8)
+        data = np.concatenate([scales.reshape(num_panels, num_groups, -1), offsets.reshape(num_panels, num_groups, -1),
+                               codes.reshape(num_panels, num_groups, -1)], axis=2)
+        return PackedWeight(torch.from_numpy(data.reshape(-1)), weight.bits, weight.group, n, k, weight.qtypes)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T: x [..., K] float32 -> [..., N] float32."""

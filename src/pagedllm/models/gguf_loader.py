@@ -19,11 +19,11 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
-from pagedllm.layers.quantized_weight import QuantizedWeight
 from pagedllm.models.gguf_dequant import dequantize
 from pagedllm.models.gguf_reader import GGUFFile
 from pagedllm.models.gguf_unpack import UNPACKED_TYPES, check_scales, unpack
 from pagedllm.models.model_info import ModelInfo, ModelLoadError
+from pagedllm.models.quantized_codes import QuantizedWeight
 
 SUPPORTED_TYPES = tuple(GGMLQuantizationType[name] for name in (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"))

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import Q4_K
 
-from pagedllm.layers.quantized_weight import QuantizedWeight
+from pagedllm.models.quantized_codes import QuantizedWeight
 
 # byte offsets of each type's fp16 scale fields inside a block
 _FP16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),

@@ -19,12 +19,13 @@ from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import cpu_kernels, quant_q8act
-from pagedllm.layers.fp8_weight import quantize_fp8, quantizes_to_fp8
 from pagedllm.layers.int8_activation_weight import Int8ActivationWeight
 from pagedllm.layers.linear import pack_linear_weights
-from pagedllm.layers.quantized_weight import PackedWeight, QuantizedWeight
+from pagedllm.layers.quantized_weight import PackedWeight
+from pagedllm.models.fp8_codes import quantize_fp8, quantizes_to_fp8
 from pagedllm.models.gguf_loader import gguf_model_info, gguf_tensors, open_gguf
 from pagedllm.models.model_info import ModelInfo, ModelLoadError, model_info_from_hf_config, token_ids
+from pagedllm.models.quantized_codes import QuantizedWeight
 from pagedllm.models.registry import get_model_class
 from pagedllm.models.resolve import DEFAULT_MODEL_NAME, EMBEDDED_PACKAGE, ResolvedModel  # noqa: F401 (re-exported)
 from pagedllm.models.resolve import resolve_model as _resolve_model
@@ -177,8 +178,8 @@ def _fuse(parts: list[torch.Tensor | QuantizedWeight], name: str, device: torch.
         return pack(name, QuantizedWeight.concat(parts))
     if any(isinstance(p, QuantizedWeight) for p in parts):
         logger.info("%s mixes quantized and float parts: dequantized at load", name)
-        parts = [p.pack().dequantize().to(device=device, dtype=dtype) if isinstance(p, QuantizedWeight) else p
-                 for p in parts]
+        parts = [PackedWeight.from_codes(p).dequantize().to(device=device, dtype=dtype)
+                 if isinstance(p, QuantizedWeight) else p for p in parts]
     return torch.cat(parts, dim=0)
 
 
@@ -227,7 +228,7 @@ def runs_fp8(model_config: ModelConfig, resolved: ResolvedModel, device: torch.d
 
 
 def _fp8_linears(tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """The checkpoint's tensors with every linear weight quantized to fp8 (layers/fp8_weight.py)."""
+    """The checkpoint's tensors with every linear weight quantized to fp8 (models/fp8_codes.py)."""
     for name, t in tensors:
         if isinstance(t, torch.Tensor) and quantizes_to_fp8(name, t):
             try:
@@ -243,7 +244,7 @@ def _packer(model_config: ModelConfig, quantized: bool, source: str) -> Callable
     (--activation-quantization int8) Int8ActivationWeight where the type has an int8 kernel, else PackedWeight
     (logged). ValueError when the fast mode cannot run (not a GGUF model run quantized, or no kernel here)."""
     if model_config.activation_quantization == "none":
-        return lambda name, w: w.pack()
+        return lambda name, w: PackedWeight.from_codes(w)
     if not quantized:
         raise ValueError(f"--activation-quantization {model_config.activation_quantization} needs a GGUF model run "
                          f"quantized on the CPU in float32 with the native kernels; {source} is not")
@@ -256,7 +257,7 @@ def _packer(model_config: ModelConfig, quantized: bool, source: str) -> Callable
         if fast is None:
             logger.info("%s (%s) has no int8-activation kernel: it runs with float32 activations", name,
                         "/".join(w.qtypes))
-            return w.pack()
+            return PackedWeight.from_codes(w)
         return fast
 
     return pack

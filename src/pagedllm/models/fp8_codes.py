@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedllm.layers.quantized_weight import QuantizedWeight
+from pagedllm.models.quantized_codes import QuantizedWeight
 
 FP8_BITS = 9  # the `bits` value naming fp8 e4m3 codes in the packed layout (quant_linear_cpu.c's FP8)
 FP8_MAX = 448.0  # the largest finite e4m3 value
