@@ -230,24 +230,38 @@ static void micro_any(int rows, int np, const float *buf, int64_t kc, const floa
 }
 
 /* Large M, one thread's share: strips [s_begin, s_end) of 16 outputs. Per tile of MC rows and KC k's it decodes
- * each strip once into an L1 buffer and runs the micro-kernel over the tile's rows. */
+ * each strip once into an L1 buffer and runs the micro-kernel over the tile's rows. The loops over strips and K
+ * tiles nest whichever way keeps the larger operand in cache: K tiles outside when the thread's outputs are fewer
+ * than K (the MC x KC tile of x is reused by every strip), inside otherwise (a strip's MC x 16 outputs stay in
+ * L1 across its K tiles instead of all the thread's outputs going through L3 between tiles: gate_up, 2 threads,
+ * 1536 outputs each for K = 576). Either way each output's chain visits k in order. */
+ALWAYS_INLINE void gemm_tile(int bits, const uint8_t *w, int64_t panel_bytes, int64_t num_panels, int64_t group,
+                             const float *x, float *y, int64_t N, int64_t K, int64_t m0, int64_t mc, int64_t s,
+                             int64_t k0, float *buf) {
+    const int np = 2 * s + 2 <= num_panels ? 2 : 1;
+    const int64_t n0 = 2 * s * PANEL, kc = K - k0 < KC ? K - k0 : KC;
+    decode_strip(bits, w + 2 * s * panel_bytes, panel_bytes, np, group, k0, kc, buf);
+    for (int64_t m = m0; m < m0 + mc; m += MR) {
+        const int rows = m0 + mc - m < MR ? (int)(m0 + mc - m) : MR;
+        micro_any(rows, np, buf, kc, x + m * K + k0, K, y + m * N + n0, N, N - n0, k0 == 0);
+    }
+}
+
 ALWAYS_INLINE void gemm_strips(int bits, const uint8_t *w, int64_t group, const float *x, float *y, int64_t M,
                                int64_t N, int64_t K, int64_t s_begin, int64_t s_end) {
     const int64_t num_panels = (N + PANEL - 1) / PANEL, panel_bytes = K / group * group_bytes(bits, group);
+    const int strips_outside = (s_end - s_begin) * 16 > K;
     float buf[KC * 16] __attribute__((aligned(64)));
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t mc = M - m0 < MC ? M - m0 : MC;
-        for (int64_t k0 = 0; k0 < K; k0 += KC) {
-            const int64_t kc = K - k0 < KC ? K - k0 : KC;
-            for (int64_t s = s_begin; s < s_end; s++) {
-                const int np = 2 * s + 2 <= num_panels ? 2 : 1;
-                const int64_t n0 = 2 * s * PANEL;
-                decode_strip(bits, w + 2 * s * panel_bytes, panel_bytes, np, group, k0, kc, buf);
-                for (int64_t m = m0; m < m0 + mc; m += MR) {
-                    const int rows = m0 + mc - m < MR ? (int)(m0 + mc - m) : MR;
-                    micro_any(rows, np, buf, kc, x + m * K + k0, K, y + m * N + n0, N, N - n0, k0 == 0);
-                }
-            }
+        if (strips_outside) {
+            for (int64_t s = s_begin; s < s_end; s++)
+                for (int64_t k0 = 0; k0 < K; k0 += KC)
+                    gemm_tile(bits, w, panel_bytes, num_panels, group, x, y, N, K, m0, mc, s, k0, buf);
+        } else {
+            for (int64_t k0 = 0; k0 < K; k0 += KC)
+                for (int64_t s = s_begin; s < s_end; s++)
+                    gemm_tile(bits, w, panel_bytes, num_panels, group, x, y, N, K, m0, mc, s, k0, buf);
         }
     }
 }
