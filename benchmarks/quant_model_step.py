@@ -4,7 +4,10 @@ dequantize-at-load path (float32 weights in oneDNN), both engines in this proces
 - a prefill step of 8 prompts x 256 random tokens (one 2048-token step),
 - decode steps at batch 1 and at --batch (greedy, ignore_eos, 64-token prompts).
 
-    .venv/bin/python benchmarks/quant_model_step.py [--reps 5] [--batch 16] [--decode-steps 8] [--threads N]
+    .venv/bin/python benchmarks/quant_model_step.py [--reps 5] [--batch 16] [--decode-steps 8] [--threads N] [--int8]
+
+--int8 adds a third engine in the 8-bit-activation fast mode (activation_quantization="int8"), also compared
+with the dequantized one.
 
 Prints medians per engine and the quantized / dequantized ratio, of wall time and of this thread's CPU time. With
 --threads 1 every kernel runs on this thread, so its CPU time is the compute time even on a crowded machine (the
@@ -19,7 +22,7 @@ import statistics
 import time
 
 
-def build(quantized: bool):
+def build(quantized: bool, **engine_args):
     from pagedllm import LLM
     from pagedllm.models import loader
 
@@ -28,7 +31,7 @@ def build(quantized: bool):
         loader.runs_gguf_quantized = lambda *args: False
     try:
         return LLM(dtype="float32", max_model_len=1024, seed=0, max_num_seqs=64, max_num_batched_tokens=2048,
-                   kv_cache_memory=256 << 20).llm_engine
+                   kv_cache_memory=256 << 20, **engine_args).llm_engine
     finally:
         loader.runs_gguf_quantized = original
 
@@ -71,6 +74,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--decode-steps", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--int8", action="store_true", help="also time the 8-bit-activation mode")
     args = parser.parse_args()
 
     import torch
@@ -78,6 +82,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     engines = {"dequantized": build(False), "quantized": build(True)}
+    if args.int8:
+        engines["int8"] = build(True, activation_quantization="int8")
     rng = random.Random(0)
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for rep in range(args.reps):
@@ -88,11 +94,11 @@ def main() -> None:
             results.setdefault((name, f"decode batch {args.batch}"), []).append(
                 decode(engine, rng, tag, args.batch, args.decode_steps))
     print(f"threads {torch.get_num_threads()}, {args.reps} reps, load {open('/proc/loadavg').read().split()[:3]}")
-    for phase in dict.fromkeys(p for _, p in results):
-        old, new = results[("dequantized", phase)], results[("quantized", phase)]
+    for phase, name in ((p, n) for p in dict.fromkeys(p for _, p in results) for n in list(engines)[1:]):
+        old, new = results[("dequantized", phase)], results[(name, phase)]
         old_wall, new_wall = statistics.median(t[0] for t in old), statistics.median(t[0] for t in new)
         old_cpu, new_cpu = statistics.median(t[1] for t in old), statistics.median(t[1] for t in new)
-        print(f"{phase:16s} dequantized {old_wall * 1e3:8.1f} ms (cpu {old_cpu * 1e3:8.1f})   quantized "
+        print(f"{phase:16s} dequantized {old_wall * 1e3:8.1f} ms (cpu {old_cpu * 1e3:8.1f})   {name} "
               f"{new_wall * 1e3:8.1f} ms (cpu {new_cpu * 1e3:8.1f})   new/old wall {new_wall / old_wall:5.2f} "
               f"cpu {new_cpu / old_cpu:5.2f}", flush=True)
 

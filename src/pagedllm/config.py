@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 GiB = 1 << 30
-QUANTIZATION_METHODS = ("gguf",)
+QUANTIZATION_METHODS = ("gguf", "fp8")
 """Values of ModelConfig.quantization (None: the model's own format)."""
 
 
@@ -45,9 +45,18 @@ class ModelConfig:
     quantization: str | None = None
     """How the weights are stored and run (vLLM's --quantization). gguf (the default for a GGUF model): the
     weights stay quantized in memory and run in native kernels on the CPU with float32 activations
-    (dequantized at load on CUDA, with bfloat16, or without the native kernels)."""
+    (dequantized at load on CUDA, with bfloat16, or without the native kernels). fp8 (Hugging Face
+    checkpoints, CPU, float32): linear weights quantized at load to fp8 e4m3 with a per-output-channel scale,
+    run by the same kernels (W8A32)."""
+    activation_quantization: Literal["none", "int8"] = "none"
+    """Opt-in fast mode for a GGUF model on the CPU (no vLLM equivalent). int8: each linear layer's input row is
+    quantized per 32 values to int8 with an fp32 scale (llama.cpp's Q8 scheme) and multiplied by integer dot
+    products; faster, not lossless. Weight types without an int8 kernel (Q6_K, float) keep the default path
+    (logged). none: float32 activations (the default, lossless)."""
 
     def __post_init__(self) -> None:
+        if self.activation_quantization not in ("none", "int8"):
+            raise ValueError(f"--activation-quantization must be none or int8; got {self.activation_quantization!r}.")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
                              f"got {self.quantization!r}.")

@@ -91,7 +91,7 @@ def test_unsupported_type_names_the_tensor_and_the_supported_types(tmp_path):
 
 def test_quantization_flag(tiny_llama_gguf_quantized, tiny_llama_dir):
     assert load(tiny_llama_gguf_quantized, quantization="gguf").lm_head.quant_weight is not None
-    with pytest.raises(ValueError, match="--quantization must be one of gguf; got 'awq'"):
+    with pytest.raises(ValueError, match="--quantization must be one of gguf, fp8; got .awq."):
         ModelConfig(quantization="awq")
     with pytest.raises(ValueError, match="--quantization gguf needs a GGUF model file"):
         load(tiny_llama_dir, quantization="gguf")

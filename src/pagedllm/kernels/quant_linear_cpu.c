@@ -5,6 +5,8 @@
  *   scale[8] f32 | offset[8] f32 | codes      (one scale and offset per row of the panel)
  *   codes, bits = 4: group / 2 pairs of k, 8 bytes each: byte r = code(k, row r) | code(k + 1, row r) << 4
  *   codes, bits = 8: group k's, 8 bytes each: byte r = code(k, row r) as int8
+ *   codes, bits = FP8: as bits = 8, each byte an fp8 e4m3 number (--quantization fp8), decoded exactly to
+ *     code = its value / 256 (so the packer stores scale * 256)
  * so the 8 rows' codes of one k are adjacent and decode into one 8-lane vector. Weight value:
  *   w[n, k] = fma((float)code, scale, offset)
  * which is, bit for bit, the value gguf_dequant / gguf.quants compute (see the packer). Rows past N (the last
@@ -30,7 +32,11 @@
 #define GEMM_MIN_ROWS 9  /* below: gemv, up to 4 rows per pass (measured faster up to 8 rows) */
 #define PARALLEL_MIN_WEIGHTS (64 * 1024)
 
-static inline int64_t group_bytes(int64_t bits, int64_t group) { return 2 * PANEL * 4 + group * bits; }
+#define FP8 9    /* the `bits` value naming fp8 e4m3 codes (8 bits each) */
+
+static inline int64_t group_bytes(int64_t bits, int64_t group) {
+    return 2 * PANEL * 4 + group * (bits == FP8 ? 8 : bits);
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -47,12 +53,23 @@ ALWAYS_INLINE void store_out(float *p, __m256 v, int64_t valid) {
     else if (valid > 0) _mm256_maskstore_ps(p, _mm256_loadu_si256((const __m256i *)(MASK_TABLE + 8 - valid)), v);
 }
 
+/* 8 fp8 e4m3 bytes -> their values / 2^8, exactly: sign and the 7 other bits placed as an fp16 (s eeee mmm ->
+ * s 0eeee mmm0000000); fp16's exponent bias is 8 more than e4m3's, and e4m3 subnormals land on fp16 subnormals,
+ * which the conversion reads exactly. (No NaN: the packer saturates to +-448.) */
+ALWAYS_INLINE __m256 fp8_to_ps(const uint8_t *p) {
+    const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));  /* sign copied into bits 8..15 */
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16((short)0xBFFF)));
+}
+
 /* The weights of k = 2i and 2i + 1 for the 8 rows of a group whose codes start at `codes`. */
 ALWAYS_INLINE void decode_pair(int bits, const uint8_t *codes, int64_t i, __m256 s, __m256 o, __m256 *w0, __m256 *w1) {
     if (bits == 4) {
         const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8 * i)));
         *w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15))), s, o);
         *w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), s, o);
+    } else if (bits == FP8) {
+        *w0 = _mm256_fmadd_ps(fp8_to_ps(codes + 16 * i), s, o);
+        *w1 = _mm256_fmadd_ps(fp8_to_ps(codes + 16 * i + 8), s, o);
     } else {
         const __m256i b0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 16 * i)));
         const __m256i b1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 16 * i + 8)));
@@ -120,13 +137,17 @@ DEFINE_PANELS(4, 1, 4) DEFINE_PANELS(4, 2, 2) DEFINE_PANELS(4, 3, 2) DEFINE_PANE
 DEFINE_PANELS(4, 1, 1) DEFINE_PANELS(4, 2, 1) DEFINE_PANELS(4, 3, 1) DEFINE_PANELS(4, 4, 1)
 DEFINE_PANELS(8, 1, 4) DEFINE_PANELS(8, 2, 2) DEFINE_PANELS(8, 3, 2) DEFINE_PANELS(8, 4, 2)
 DEFINE_PANELS(8, 1, 1) DEFINE_PANELS(8, 2, 1) DEFINE_PANELS(8, 3, 1) DEFINE_PANELS(8, 4, 1)
+DEFINE_PANELS(FP8, 1, 4) DEFINE_PANELS(FP8, 2, 2) DEFINE_PANELS(FP8, 3, 2) DEFINE_PANELS(FP8, 4, 2)
+DEFINE_PANELS(FP8, 1, 1) DEFINE_PANELS(FP8, 2, 1) DEFINE_PANELS(FP8, 3, 1) DEFINE_PANELS(FP8, 4, 1)
 
-/* [bits == 8][rows - 1]: the P-panel function, its P, and the one-panel function */
-static const struct { panels_fn run; int P; panels_fn one; } GEMV_KERNELS[2][4] = {
+/* [code type: 4, 8, FP8][rows - 1]: the P-panel function, its P, and the one-panel function */
+static const struct { panels_fn run; int P; panels_fn one; } GEMV_KERNELS[3][4] = {
     {{panels_4_1_4, 4, panels_4_1_1}, {panels_4_2_2, 2, panels_4_2_1}, {panels_4_3_2, 2, panels_4_3_1},
      {panels_4_4_2, 2, panels_4_4_1}},
     {{panels_8_1_4, 4, panels_8_1_1}, {panels_8_2_2, 2, panels_8_2_1}, {panels_8_3_2, 2, panels_8_3_1},
      {panels_8_4_2, 2, panels_8_4_1}},
+    {{panels_FP8_1_4, 4, panels_FP8_1_1}, {panels_FP8_2_2, 2, panels_FP8_2_1}, {panels_FP8_3_2, 2, panels_FP8_3_1},
+     {panels_FP8_4_2, 2, panels_FP8_4_1}},
 };
 
 /* `run` (P panels per call) over every panel of W for the rows x (R of them, fixed in the functions), `one` (a
@@ -255,6 +276,11 @@ static void gemm_strips_8(const uint8_t *w, int64_t group, const float *x, float
     gemm_strips(8, w, group, x, y, M, N, K, s_begin, s_end);
 }
 
+static void gemm_strips_fp8(const uint8_t *w, int64_t group, const float *x, float *y, int64_t M, int64_t N,
+                            int64_t K, int64_t s_begin, int64_t s_end) {
+    gemm_strips(FP8, w, group, x, y, M, N, K, s_begin, s_end);
+}
+
 /* Threads take contiguous ranges of 16-output strips. */
 static void gemm(int bits, const uint8_t *w, int64_t group, const float *x, float *y, int64_t M, int64_t N,
                  int64_t K) {
@@ -268,6 +294,7 @@ static void gemm(int bits, const uint8_t *w, int64_t group, const float *x, floa
 #endif
         const int64_t s_begin = num_strips * t / nt, s_end = num_strips * (t + 1) / nt;
         if (bits == 4) gemm_strips_4(w, group, x, y, M, N, K, s_begin, s_end);
+        else if (bits == FP8) gemm_strips_fp8(w, group, x, y, M, N, K, s_begin, s_end);
         else gemm_strips_8(w, group, x, y, M, N, K, s_begin, s_end);
     }
 }
@@ -280,12 +307,19 @@ static void quant_linear_avx2(int bits, const uint8_t *w, int64_t group, const f
     }
     for (int64_t m = 0; m < M; m += 4) {  /* up to 4 rows per pass over W */
         const int64_t rows = M - m < 4 ? M - m : 4;
-        const int b8 = bits == 8;
-        gemv(GEMV_KERNELS[b8][rows - 1].run, GEMV_KERNELS[b8][rows - 1].one, GEMV_KERNELS[b8][rows - 1].P, bits, w,
+        const int t = bits == 4 ? 0 : bits == 8 ? 1 : 2;
+        gemv(GEMV_KERNELS[t][rows - 1].run, GEMV_KERNELS[t][rows - 1].one, GEMV_KERNELS[t][rows - 1].P, bits, w,
              group, x + m * K, y + m * N, N, K);
     }
 }
 #endif
+
+/* An fp8 e4m3 byte's value / 2^8 (see fp8_to_ps): (8 + m) 2^(e - 18), or m 2^-17 for e = 0. */
+static inline float fp8_value(uint8_t b) {
+    const int e = (b >> 3) & 15, m = b & 7;
+    const float mag = e ? ldexpf((float)(8 + m), e - 18) : ldexpf((float)m, -17);
+    return b & 0x80 ? -mag : mag;
+}
 
 /* One weight, as the kernels decode it. */
 static inline float weight_at(const uint8_t *w, int64_t bits, int64_t group, int64_t K, int64_t n, int64_t k) {
@@ -293,12 +327,13 @@ static inline float weight_at(const uint8_t *w, int64_t bits, int64_t group, int
     const uint8_t *gp = w + n / PANEL * panel_bytes + k / group * group_bytes(bits, group);
     const float s = ((const float *)gp)[lane], o = ((const float *)gp)[PANEL + lane];
     const uint8_t *codes = gp + 64;
-    const float code = bits == 4 ? (float)((codes[kin / 2 * PANEL + lane] >> (kin % 2 * 4)) & 15)
-                                 : (float)(int8_t)codes[kin * PANEL + lane];
+    const float code = bits == 4     ? (float)((codes[kin / 2 * PANEL + lane] >> (kin % 2 * 4)) & 15)
+                       : bits == FP8 ? fp8_value(codes[kin * PANEL + lane])
+                                     : (float)(int8_t)codes[kin * PANEL + lane];
     return fmaf(code, s, o);
 }
 
-/* y[M, N] = x[M, K] @ W^T for a packed W (bits 4 or 8, group 16 or 32, K a multiple of group). */
+/* y[M, N] = x[M, K] @ W^T for a packed W (bits 4, 8 or FP8, group 16 or 32, K a multiple of group). */
 void quant_linear_f32(const uint8_t *w, int64_t bits, int64_t group, const float *x, float *y, int64_t M, int64_t N,
                       int64_t K) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -332,6 +367,8 @@ void quant_gather_rows_f32(const uint8_t *w, int64_t bits, int64_t group, const 
                     dst[j] = fmaf((float)(b & 15), s, o);
                     dst[j + 1] = fmaf((float)(b >> 4), s, o);
                 }
+            else if (bits == FP8)
+                for (int64_t j = 0; j < group; j++) dst[j] = fmaf(fp8_value(codes[j * PANEL + lane]), s, o);
             else
                 for (int64_t j = 0; j < group; j++) dst[j] = fmaf((float)(int8_t)codes[j * PANEL + lane], s, o);
         }

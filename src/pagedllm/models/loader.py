@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +18,11 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedllm.config import ModelConfig
-from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels import cpu_kernels, quant_q8act
+from pagedllm.layers.int8_activation_weight import Int8ActivationWeight
 from pagedllm.layers.linear import pack_linear_weights
 from pagedllm.layers.quantized_weight import PackedWeight
+from pagedllm.models.fp8_codes import quantize_fp8, quantizes_to_fp8
 from pagedllm.models.gguf_loader import gguf_model_info, gguf_tensors, open_gguf
 from pagedllm.models.model_info import ModelInfo, ModelLoadError, model_info_from_hf_config, token_ids
 from pagedllm.models.quantized_codes import QuantizedWeight
@@ -29,6 +31,8 @@ from pagedllm.models.resolve import DEFAULT_MODEL_NAME, EMBEDDED_PACKAGE, Resolv
 from pagedllm.models.resolve import resolve_model as _resolve_model
 
 logger = logging.getLogger(__name__)
+RunWeight = PackedWeight | Int8ActivationWeight  # a quantized weight as Linear / VocabEmbedding run it
+CPU = torch.device("cpu")
 
 _EMBEDDED_PACKAGE = EMBEDDED_PACKAGE
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -127,11 +131,13 @@ def _safetensors_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _fused_state_dict(model: nn.Module, tensors: Iterator[tuple[str, Any]], source: str,
-                      device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor | PackedWeight]:
+                      device: torch.device, dtype: torch.dtype,
+                      pack: Callable[[str, QuantizedWeight], RunWeight]) -> dict[str, torch.Tensor | RunWeight]:
     """Checkpoint tensors -> the model's state dict: converted, moved, q/k/v and gate/up fused.
 
-    QuantizedWeights (a GGUF model run quantized) become PackedWeights; a fused group whose parts are not all
-    quantized (e.g. an F16 v_proj next to Q4_K q/k) is dequantized whole (logged).
+    QuantizedWeights (a GGUF model run quantized) become what `pack` makes of them (a PackedWeight, or an
+    Int8ActivationWeight in the fast mode); a fused group whose parts are not all quantized (e.g. an F16 v_proj
+    next to Q4_K q/k) is dequantized whole (logged).
     """
     packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
     state: dict[str, torch.Tensor | PackedWeight] = {}
@@ -145,7 +151,7 @@ def _fused_state_dict(model: nn.Module, tensors: Iterator[tuple[str, Any]], sour
                 shards.setdefault(name.replace(f".{part}.", f".{fused}."), {})[idx] = t
                 break
         else:
-            state[name] = PackedWeight.from_codes(t) if isinstance(t, QuantizedWeight) else t
+            state[name] = pack(name, t) if isinstance(t, QuantizedWeight) else t
     for fused_name, parts in shards.items():
         fused_part = fused_name.split(".")[-2]  # "qkv_proj" in model.layers.0.self_attn.qkv_proj.weight
         expected = sum(1 for fused, _ in packed.values() if fused == fused_part)
@@ -154,7 +160,7 @@ def _fused_state_dict(model: nn.Module, tensors: Iterator[tuple[str, Any]], sour
         ordered = [parts[i] for i in range(expected)]
         shapes = [list(p.shape) for p in ordered]
         try:
-            state[fused_name] = _fuse(ordered, fused_name, device, dtype)
+            state[fused_name] = _fuse(ordered, fused_name, device, dtype, pack)
         except (RuntimeError, ValueError):
             raise ModelLoadError(f"{source}: the parts of {fused_name} have mismatched shapes {shapes}") from None
     return state
@@ -166,10 +172,10 @@ def _to_torch(tensor: Any, device: torch.device, dtype: torch.dtype) -> torch.Te
 
 
 def _fuse(parts: list[torch.Tensor | QuantizedWeight], name: str, device: torch.device,
-          dtype: torch.dtype) -> torch.Tensor | PackedWeight:
+          dtype: torch.dtype, pack: Callable[[str, QuantizedWeight], RunWeight]) -> torch.Tensor | RunWeight:
     """Concatenate a fused projection's parts along the output rows."""
     if all(isinstance(p, QuantizedWeight) for p in parts):
-        return PackedWeight.from_codes(QuantizedWeight.concat(parts))
+        return pack(name, QuantizedWeight.concat(parts))
     if any(isinstance(p, QuantizedWeight) for p in parts):
         logger.info("%s mixes quantized and float parts: dequantized at load", name)
         parts = [PackedWeight.from_codes(p).dequantize().to(device=device, dtype=dtype)
@@ -209,6 +215,54 @@ def runs_gguf_quantized(model_config: ModelConfig, resolved: ResolvedModel, devi
     return False
 
 
+def runs_fp8(model_config: ModelConfig, resolved: ResolvedModel, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether linear weights are quantized to fp8 at load (--quantization fp8 on a Hugging Face checkpoint); a
+    GGUF model is refused by runs_gguf_quantized. ValueError where the fp8 kernels cannot run."""
+    if model_config.quantization != "fp8" or resolved.kind == "gguf":
+        return False
+    if device.type != "cpu" or dtype != torch.float32 or not cpu_kernels.available(dtype, device):
+        raise ValueError(f"--quantization fp8 needs the CPU, float32 and the native kernels (they run its W8A32 "
+                         f"matmuls); got device {device.type}, dtype {str(dtype).removeprefix('torch.')}, native "
+                         f"kernels {'on' if cpu_kernels.available(torch.float32, CPU) else 'off'}")
+    return True
+
+
+def _fp8_linears(tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's tensors with every linear weight quantized to fp8 (models/fp8_codes.py)."""
+    for name, t in tensors:
+        if isinstance(t, torch.Tensor) and quantizes_to_fp8(name, t):
+            try:
+                yield name, quantize_fp8(t, name)
+            except ValueError as e:
+                raise ModelLoadError(str(e)) from None
+        else:
+            yield name, t
+
+
+def _packer(model_config: ModelConfig, quantized: bool, source: str) -> Callable[[str, QuantizedWeight], RunWeight]:
+    """How quantized weights are packed: PackedWeight (fp32 activations), or in the fast mode
+    (--activation-quantization int8) Int8ActivationWeight where the type has an int8 kernel, else PackedWeight
+    (logged). ValueError when the fast mode cannot run (not a GGUF model run quantized, or no kernel here)."""
+    if model_config.activation_quantization == "none":
+        return lambda name, w: PackedWeight.from_codes(w)
+    if not quantized:
+        raise ValueError(f"--activation-quantization {model_config.activation_quantization} needs a GGUF model run "
+                         f"quantized on the CPU in float32 with the native kernels; {source} is not")
+    if not quant_q8act.available():
+        raise ValueError(f"--activation-quantization {model_config.activation_quantization} needs the AVX2 native "
+                         "kernels, which did not build or load on this machine")
+
+    def pack(name: str, w: QuantizedWeight) -> RunWeight:
+        fast = Int8ActivationWeight.from_quantized(w)
+        if fast is None:
+            logger.info("%s (%s) has no int8-activation kernel: it runs with float32 activations", name,
+                        "/".join(w.qtypes))
+            return PackedWeight.from_codes(w)
+        return fast
+
+    return pack
+
+
 def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """Build the model on the meta device, load its weights onto `device` in `dtype`; eval mode.
 
@@ -217,6 +271,7 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     resolved = resolve_model(model_config.model)
     source = str(resolved.path)
     quantized = runs_gguf_quantized(model_config, resolved, device, dtype)
+    pack = _packer(model_config, quantized, source)
     if resolved.kind == "gguf":
         reader = open_gguf(resolved.path)
         info = gguf_model_info(reader, resolved.path)
@@ -224,11 +279,13 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     else:
         info = _hf_model_info(resolved.path, _generation_config(model_config, resolved))
         tensors = _safetensors_tensors(resolved.path)
+        if runs_fp8(model_config, resolved, device, dtype):
+            tensors = _fp8_linears(tensors)
     model_cls = get_model_class(info.architecture, source)
     with torch.device("meta"):
         model = model_cls(info)
     with _one_cpu_thread():
-        state = _fused_state_dict(model, tensors, source, device, dtype)
+        state = _fused_state_dict(model, tensors, source, device, dtype, pack)
     if info.tie_word_embeddings:
         state.pop("lm_head.weight", None)
         if "model.embed_tokens.weight" in state:
@@ -243,7 +300,8 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
         if tuple(t.shape) != tuple(expected[name].shape):
             raise ModelLoadError(f"{source}: weight {name} has shape {list(t.shape)}, "
                                  f"expected {list(expected[name].shape)}")
-    quantized_weights = {name: state.pop(name) for name in list(state) if isinstance(state[name], PackedWeight)}
+    quantized_weights = {name: state.pop(name) for name in list(state)
+                         if isinstance(state[name], PackedWeight | Int8ActivationWeight)}
     model.load_state_dict(state, assign=True, strict=not quantized_weights)
     for name, weight in quantized_weights.items():
         model.get_submodule(name.removesuffix(".weight")).set_quantized_weight(weight)
