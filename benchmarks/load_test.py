@@ -526,8 +526,9 @@ def run_storm(server, num_requests: int = 1000, concurrency: int = 128, close_fr
     idle_after_s = time.monotonic() - start - elapsed
     num_closes = closes["stream"] + closes["plain"]
     log = server.log() if getattr(server, "log_path", None) else None
-    if log is not None:  # "Received request cmpl-storm-...: ..." once the request is handed to the engine
-        received = {line.split("Received request ", 1)[1].split(":", 1)[0].split("-", 1)[1]
+    if log is not None:  # "Received request cmpl-storm-...-<8 hex>: ..." once the request is handed to the engine
+        # the engine id is the response id plus a random suffix (serving_base.add_requests): drop both ends
+        received = {line.split("Received request ", 1)[1].split(":", 1)[0].split("-", 1)[1].rsplit("-", 1)[0]
                     for line in log.splitlines() if "Received request " in line and f"storm-{run_id}-" in line}
         expected_aborts = sum(request_id in received for request_id in closed_ids)
     else:
