@@ -1,5 +1,5 @@
-"""--kv-cache-dtype end to end on the tiny model: the pool's capacity, DESIGN invariant 2 within a KV dtype, and
-start-up refusals."""
+"""Precision modes end to end on the tiny model (--kv-cache-dtype, quantized GGUF weights, int8 activations, fp8
+weights): the KV pool's capacity, DESIGN invariant 2 within each mode, and start-up refusals."""
 
 from __future__ import annotations
 
@@ -50,22 +50,35 @@ def _mixed_prompts(vocab: int) -> list[list[int]]:
             for i in range(16)]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8"])
-def test_batching_never_changes_greedy_output_within_an_fp8_cache(tiny_llama_dir, kv_cache_dtype):
-    """DESIGN invariant 2 with an fp8 pool: alone, batched, prefix caching on/off, chunked, preempted: identical."""
-    fp8 = _llm(tiny_llama_dir, num_gpu_blocks_override=256, kv_cache_dtype=kv_cache_dtype)
-    prompts = _mixed_prompts(fp8.llm_engine.engine_core.vocab_size)
-    alone = [_tokens(fp8.generate([p], GREEDY_12, use_tqdm=False))[0] for p in prompts]
-    assert _tokens(fp8.generate(prompts, GREEDY_12, use_tqdm=False)) == alone
-    no_prefix = _llm(tiny_llama_dir, num_gpu_blocks_override=256, kv_cache_dtype=kv_cache_dtype,
-                     enable_prefix_caching=False)
+COMBINATIONS = {  # name: (model fixture, engine options of the feature under test)
+    "fp8-kv": ("tiny_llama_dir", {"kv_cache_dtype": "fp8"}),
+    "gguf-quantized": ("tiny_llama_gguf_quantized", {}),
+    "gguf-int8-activations": ("tiny_llama_gguf_quantized", {"activation_quantization": "int8"}),
+    "gguf-int8-activations-fp8-kv": ("tiny_llama_gguf_quantized",
+                                     {"activation_quantization": "int8", "kv_cache_dtype": "fp8"}),
+    "fp8-weights": ("tiny_llama_dir", {"quantization": "fp8"}),
+}
+
+
+@pytest.mark.parametrize("name", list(COMBINATIONS))
+def test_batching_never_changes_greedy_output_within_a_precision_mode(request, name):
+    """DESIGN invariant 2 within each precision mode (quantized weights, int8 activations, fp8 weights, fp8 KV):
+    alone, batched, prefix caching off, chunked, preempted and n=2 all give the same tokens."""
+    fixture, options = COMBINATIONS[name]
+    model = request.getfixturevalue(fixture)
+    base = _llm(model, num_gpu_blocks_override=256, **options)
+    prompts = _mixed_prompts(base.llm_engine.engine_core.vocab_size)
+    alone = [_tokens(base.generate([p], GREEDY_12, use_tqdm=False))[0] for p in prompts]
+    assert _tokens(base.generate(prompts, GREEDY_12, use_tqdm=False)) == alone
+    two = base.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=2),
+                        use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in two] == [[a, a] for a in alone[:4]]
+    no_prefix = _llm(model, num_gpu_blocks_override=256, enable_prefix_caching=False, **options)
     assert _tokens(no_prefix.generate(prompts, GREEDY_12, use_tqdm=False)) == alone
-    chunked = _llm(tiny_llama_dir, num_gpu_blocks_override=256, kv_cache_dtype=kv_cache_dtype,
-                   max_num_batched_tokens=32)
+    chunked = _llm(model, num_gpu_blocks_override=256, max_num_batched_tokens=32, **options)
     assert _tokens(chunked.generate(prompts, GREEDY_12, use_tqdm=False)) == alone
     # 20 blocks of 16 tokens: 16 requests of up to ~110 tokens cannot all run at once.
-    small = _llm(tiny_llama_dir, num_gpu_blocks_override=20, kv_cache_dtype=kv_cache_dtype,
-                 max_num_batched_tokens=64)
+    small = _llm(model, num_gpu_blocks_override=20, max_num_batched_tokens=64, **options)
     assert _tokens(small.generate(prompts, GREEDY_12, use_tqdm=False)) == alone
     assert small.llm_engine.num_preemptions > 0
 
