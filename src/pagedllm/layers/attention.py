@@ -97,6 +97,20 @@ def build_plan(md: AttentionMetadata, block_size: int, native: bool, always_read
                           decode_mask, prefills)
 
 
+def step_plan(md: AttentionMetadata, kv_cache: torch.Tensor, dtype: torch.dtype,
+              device: torch.device) -> _AttentionPlan:
+    """This step's plan (`md.plan`), built by the first caller of the step and shared by every layer (and by the
+    native decode step, models/llama_native_step.py). kv_cache: any layer's (they share dtype and shape);
+    dtype, device: the activations'."""
+    plan: _AttentionPlan | None = md.plan
+    if plan is None:
+        plan = md.plan = build_plan(md, kv_cache.shape[2], cpu_kernels.kv_cache_native(kv_cache.dtype, dtype, device),
+                                    always_read_cache=kv_cache.dtype != dtype)
+        if plan.native and plan.decode_rows is not None:  # once per step, not per layer
+            cpu_kernels.check_decode_args(kv_cache[0], kv_cache[1], plan.decode_block_table, plan.decode_seq_lens)
+    return plan
+
+
 class PagedAttention(nn.Module):
     """Attention for one layer; its KV cache is `get_forward_context().kv_caches[layer_idx]`."""
 
@@ -114,13 +128,7 @@ class PagedAttention(nn.Module):
         md = ctx.attn_metadata
         kv_cache = ctx.kv_caches[self.layer_idx]  # [2, num_blocks, block_size, Hkv, D]
         num_padded, n = qkv.shape[0], md.num_actual_tokens
-        plan: _AttentionPlan | None = md.plan
-        if plan is None:
-            plan = md.plan = build_plan(md, kv_cache.shape[2],
-                                        cpu_kernels.kv_cache_native(kv_cache.dtype, qkv.dtype, qkv.device),
-                                        always_read_cache=kv_cache.dtype != qkv.dtype)
-            if plan.native and plan.decode_rows is not None:  # once per step, not per layer
-                cpu_kernels.check_decode_args(kv_cache[0], kv_cache[1], plan.decode_block_table, plan.decode_seq_lens)
+        plan = step_plan(md, kv_cache, qkv.dtype, qkv.device)
         if plan.native and plan.all_decode and qkv.is_contiguous() and cos_sin.is_contiguous():  # one native call
             if num_padded > n:
                 qkv, cos_sin = qkv[:n], cos_sin[:n]

@@ -15,6 +15,7 @@ from pagedllm.engine.messages import LogprobsEntry
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.forward_context import AttentionMetadata, kv_cache_shape, set_forward_context
 from pagedllm.layers.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs, logprobs_to_entries
+from pagedllm.models.llama_native_step import LlamaNativeDecodeStep
 from pagedllm.worker.cpu_allocator import PoolPrefault, keep_freed_memory, zeroed_pool
 from pagedllm.worker.input_batch import InputBatch, RequestState
 from pagedllm.worker.runner_output import ModelRunnerOutput
@@ -39,6 +40,7 @@ class ModelRunner:
         self.kv_prefault: PoolPrefault | None = None
         # Generators of seeded requests survive preemption: sampling resumes where it stopped.
         self.generators: dict[str, torch.Generator] = {}
+        self.native_step = LlamaNativeDecodeStep.build(model) if device.type == "cpu" else None
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = kv_cache_shape(num_blocks, self.block_size, self.info.num_kv_heads, self.info.head_dim)
@@ -69,7 +71,7 @@ class ModelRunner:
         num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         input_ids, positions, attn_metadata = self._prepare_inputs(rows, num_sched)
         with set_forward_context(attn_metadata, self.kv_caches):
-            hidden_states = self.model(input_ids, positions)  # [T, hidden]
+            hidden_states = self._forward(input_ids, positions)  # [T, hidden]
 
         # A request samples when this step's tokens reach the end of the tokens it has.
         seq_lens = batch.num_computed_tokens[rows] + num_sched
@@ -90,6 +92,15 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(req_ids, rows, num_sched, attn_metadata, hidden_states)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The model's hidden states for this step: one native call for a step of decodes where the model has a
+        native decode step (models/llama_native_step.py, bitwise the same), else its modules."""
+        if self.native_step is not None:
+            hidden_states = self.native_step.forward(input_ids, positions)
+            if hidden_states is not None:
+                return hidden_states
+        return self.model(input_ids, positions)
 
     # ---- state ----------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
