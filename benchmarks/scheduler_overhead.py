@@ -18,8 +18,8 @@ import time
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.messages import ModelRunnerOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.runner_output import ModelRunnerOutput
 
 BLOCK_SIZE = 16
 NUM_REQS = 256

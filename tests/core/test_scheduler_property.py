@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.messages import ModelRunnerOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.runner_output import ModelRunnerOutput
 
 from .utils import assert_all_free, check_pool_invariants, create_scheduler
 

@@ -6,8 +6,8 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.messages import ModelRunnerOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.runner_output import ModelRunnerOutput
 
 EOS_TOKEN_ID = 50000
 

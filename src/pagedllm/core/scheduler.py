@@ -27,12 +27,11 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs
-from pagedllm.metrics.stats import SchedulerStats
+from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 
 if TYPE_CHECKING:
     from pagedllm.core.block_pool import KVCacheBlock
-    from pagedllm.worker.runner_output import ModelRunnerOutput
+    from pagedllm.messages import ModelRunnerOutput
 
 
 class QueueFullError(Exception):

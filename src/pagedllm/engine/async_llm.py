@@ -27,13 +27,11 @@ from collections.abc import AsyncIterator, Callable
 
 from pagedllm.core.scheduler import QueueFullError
 from pagedllm.engine.core_client import EngineCoreClient, EngineDeadError
-from pagedllm.engine.core_proc import FromEngine, Outputs, Rejected, UtilityResult
 from pagedllm.engine.input_processor import InputProcessor, InvalidRequestError
-from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
+from pagedllm.messages import EngineCoreRequest, FromEngine, Outputs, Rejected, SchedulerStats, UtilityResult
 from pagedllm.metrics.loggers import IterationStats, LoggingStatLogger, RequestStatsTracker
 from pagedllm.metrics.prometheus import PrometheusStatLogger
-from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 

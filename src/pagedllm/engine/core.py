@@ -16,10 +16,9 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.engine.input_processor import ModelLimits
-from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from pagedllm.layers.forward_context import kv_cache_bytes_per_block
 from pagedllm.layers.kv_cache_dtype import resolve_kv_cache_dtype
+from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, ModelLimits
 from pagedllm.models.loader import load_model, resolve_device, resolve_dtype, resolve_model
 from pagedllm.worker.model_runner import ModelRunner
 

@@ -6,7 +6,7 @@
 Only the main thread touches the scheduler and the KV cache. The IO threads decode and encode msgspec
 msgpack, so serialization overlaps the model's forward pass (zmq and msgspec release the GIL). Nothing is
 pickled: the configuration arrives as JSON on stdin, every socket message is one of the typed envelopes
-below.
+of `pagedllm.messages`.
 
 Lifetime: the process exits when the API server dies (stdin reaches EOF: the kernel closes the pipe when
 the parent exits, however it exits), on SIGTERM, or when a step raises (after reporting the error).
@@ -33,87 +33,30 @@ import signal
 import sys
 import threading
 import time
-from typing import Literal
 
 import msgspec
 import zmq
 
-from pagedllm.engine.input_processor import ModelLimits
-from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.log_escape import escape_control
-from pagedllm.metrics.stats import SchedulerStats
+from pagedllm.messages import (
+    MAX_MESSAGE_BYTES,
+    AbortRequests,
+    AddRequest,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineFailed,
+    FromEngine,
+    Outputs,
+    Ready,
+    Rejected,
+    SchedulerStats,
+    StartupFailed,
+    ToEngine,
+    UtilityCall,
+    UtilityResult,
+)
 
 logger = logging.getLogger(__name__)
-
-MAX_MESSAGE_BYTES = 64 << 20
-"""Receive cap on every socket (zmq.MAXMSGSIZE): a bigger message drops the connection, not the process."""
-
-# ---- envelopes: API server → engine core ---------------------------------------------------------------
-
-
-class AddRequest(msgspec.Struct, tag="add", array_like=True):
-    request: EngineCoreRequest
-
-
-class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
-    request_ids: list[str]
-
-
-class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
-    """"ping" is answered at once by the input thread, with how long the busy loop has been in its current
-    step (a long step must not look like a dead engine); "stats" by the busy loop between steps."""
-
-    call_id: int
-    method: Literal["ping", "stats"]
-
-
-ToEngine = AddRequest | AbortRequests | UtilityCall
-
-# ---- envelopes: engine core → API server ---------------------------------------------------------------
-
-
-class Ready(msgspec.Struct, tag="ready", array_like=True):
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    limits: ModelLimits
-    """What the frontend validates requests against (vocabulary, context length, EOS, defaults)."""
-    model_name: str
-    """The model's default served name."""
-    pid: int
-    cache_config_info: dict[str, str] = msgspec.field(default_factory=dict)
-    """Labels of the `vllm:cache_config_info` gauge (EngineCore.cache_config_info)."""
-
-
-class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):
-    message: str
-
-
-class Outputs(msgspec.Struct, tag="outputs", array_like=True):
-    outputs: EngineCoreOutputs
-    num_added: int
-    """Requests the engine has taken in so far (rejected ones included)."""
-
-
-class Rejected(msgspec.Struct, tag="rejected", array_like=True):
-    request_id: str
-    code: Literal["queue_full", "invalid"]
-    message: str
-
-
-class UtilityResult(msgspec.Struct, tag="utility_result", array_like=True):
-    call_id: int
-    stats: SchedulerStats | None = None
-    step_running_s: float = 0.0
-    """For "ping": seconds the busy loop has been in its current step (0.0: between steps or idle)."""
-
-
-class EngineFailed(msgspec.Struct, tag="engine_failed", array_like=True):
-    message: str
-
-
-FromEngine = Ready | StartupFailed | Outputs | Rejected | UtilityResult | EngineFailed
-
 
 class EngineCoreProc:
     """Owns an EngineCore and its sockets; `run_busy_loop` runs until shutdown."""

@@ -8,9 +8,8 @@ happens here, before the engine sees it, and raises InvalidRequestError with the
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
-from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.messages import EngineCoreRequest, ModelLimits
 from pagedllm.sampling_params import SamplingParams, SamplingParamsError
 
 # SamplingParams fields that a model's generation_config.json may default (vLLM's list).
@@ -33,19 +32,6 @@ class InvalidRequestError(ValueError):
         super().__init__(message)
         self.param = param
         self.code = code
-
-
-@dataclass
-class ModelLimits:
-    """What the frontend must know of the loaded model to validate requests."""
-
-    vocab_size: int
-    max_model_len: int
-    eos_token_id: int | None
-    extra_stop_token_ids: list[int] = field(default_factory=list)
-    """Further EOS ids from generation_config.json; they stop a request like EOS."""
-    generation_defaults: dict = field(default_factory=dict)
-    """SamplingParams defaults from generation_config.json (vLLM's --generation-config auto)."""
 
 
 class InputProcessor:

@@ -11,13 +11,12 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import SchedulerOutput
-from pagedllm.engine.messages import LogprobsEntry
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.forward_context import AttentionMetadata, kv_cache_shape, set_forward_context
 from pagedllm.layers.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs, logprobs_to_entries
+from pagedllm.messages import LogprobsEntry, ModelRunnerOutput
 from pagedllm.worker.cpu_allocator import PoolPrefault, keep_freed_memory, zeroed_pool
 from pagedllm.worker.input_batch import InputBatch, RequestState
-from pagedllm.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

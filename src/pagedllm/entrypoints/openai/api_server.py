@@ -20,7 +20,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
@@ -37,6 +37,7 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import pagedllm
+from pagedllm.config import ServerConfig
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.input_processor import MAX_CACHE_SALT_LEN, is_valid_unicode
 from pagedllm.entrypoints.openai import errors
@@ -54,8 +55,6 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from pagedllm.entrypoints.openai.serving_base import (
-    FLAG_DEFAULTS,
-    RequestCaps,
     precheck_caps,
     to_api_error,
     too_deep,
@@ -69,41 +68,13 @@ logger = logging.getLogger(__name__)
 UNGUARDED_PATHS = {"/health", "/metrics"}
 
 
-@dataclass(kw_only=True)
-class ServerSettings(RequestCaps):
-    """What the routes need to know beyond the engine (filled from the serve flags)."""
-
-    served_model_names: list[str]
-    api_keys: list[str] = field(default_factory=list)
-    """Any of these keys is accepted as `Authorization: Bearer KEY`; none: no key needed."""
-    log_requests: bool = not FLAG_DEFAULTS.disable_log_requests
-    # The rest are the serve flags of the same names (ServerConfig), with their defaults.
-    protect_metrics: bool = FLAG_DEFAULTS.protect_metrics
-    cache_salt_from_api_key: bool = FLAG_DEFAULTS.cache_salt_from_api_key
-    health_check_timeout: float = FLAG_DEFAULTS.health_check_timeout
-    enable_debug_routes: bool = FLAG_DEFAULTS.enable_debug_routes
-    max_request_bytes: int = FLAG_DEFAULTS.max_request_bytes
-
-    def __post_init__(self) -> None:
-        if not all(key and key.strip() == key for key in self.api_keys):
-            raise ValueError("api_keys must be non-empty strings without surrounding whitespace.")
-        if self.cache_salt_from_api_key and not self.api_keys:
-            raise ValueError("cache_salt_from_api_key needs api_keys: without a key there is no tenant.")
-
-    @classmethod
-    def from_flags(cls, server_config, served_model_names: list[str], api_keys: list[str]) -> ServerSettings:
-        """The settings of a `pagedllm serve` (a ServerConfig): every field named like a flag takes its value."""
-        own = {"served_model_names", "api_keys", "log_requests"}
-        flags = {f.name: getattr(server_config, f.name) for f in fields(cls)
-                 if f.name not in own and hasattr(server_config, f.name)}
-        return cls(served_model_names=served_model_names, api_keys=api_keys,
-                   log_requests=not server_config.disable_log_requests, **flags)
-
-
 @dataclass
 class ServerState:
+    """What the routes share: the engine, the serve flags, the names clients may ask for, and the drain."""
+
     engine: AsyncLLM
-    settings: ServerSettings
+    config: ServerConfig
+    served_model_names: list[str]
     draining: bool = False
     started: float = field(default_factory=time.time)
 
@@ -122,7 +93,7 @@ class GuardMiddleware:
     def __init__(self, app, state: ServerState):
         self.app = app
         self.state = state
-        self.expected = [(f"Bearer {key}".encode(), key) for key in state.settings.api_keys]
+        self.expected = [(f"Bearer {key}".encode(), key) for key in state.config.api_keys]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -135,7 +106,7 @@ class GuardMiddleware:
     async def _call_with_body_cap(self, scope, receive, send):
         """Count the body as it arrives (a chunked body has no Content-Length): past the cap, the app's
         read fails and whatever it answers is replaced by a 413."""
-        cap = self.state.settings.max_request_bytes
+        cap = self.state.config.max_request_bytes
         received = 0
         too_large = False
 
@@ -162,8 +133,8 @@ class GuardMiddleware:
         headers: dict[bytes, bytes] = {}
         for name, value in scope["headers"]:  # a repeated header counts once, first wins (as Starlette's and vLLM's)
             headers.setdefault(name, value)
-        settings = self.state.settings
-        if self.expected and (path not in UNGUARDED_PATHS or (path == "/metrics" and settings.protect_metrics)):
+        config = self.state.config
+        if self.expected and (path not in UNGUARDED_PATHS or (path == "/metrics" and config.protect_metrics)):
             given = headers.get(b"authorization", b"")
             matched = None
             for expected, key in self.expected:  # compare with every key: the time does not tell which
@@ -180,7 +151,7 @@ class GuardMiddleware:
             return errors.unavailable(f"The engine is not available: {self.state.engine.client.dead_reason}",
                                       "engine_dead")
         length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_request_bytes:
+        if length is not None and length.isdigit() and int(length) > config.max_request_bytes:
             return _too_large()
         return None
 
@@ -253,7 +224,7 @@ async def _run_until_disconnect(request: Request, coro):
     return task.result()
 
 
-def _prechecked_route_class(caps: RequestCaps) -> type[APIRoute]:
+def _prechecked_route_class(caps: ServerConfig) -> type[APIRoute]:
     """A route whose JSON body is checked against the request caps (precheck_caps) before FastAPI parses and
     validates it: a list of 100,000 prompts is rejected in milliseconds, not after building 100,000 objects."""
 
@@ -334,11 +305,11 @@ def build_app(state: ServerState) -> FastAPI:
                   description="An OpenAI-compatible LLM server (vLLM's API: OpenAI's fields plus vLLM's sampling "
                               "extras). Errors are `{\"error\": {message, type, param, code}}`.")
     app.openapi = lambda: _openapi_document(app)
-    generation = APIRouter(route_class=_prechecked_route_class(state.settings))
+    generation = APIRouter(route_class=_prechecked_route_class(state.config))
     engine = state.engine
-    settings = state.settings
-    completions = OpenAIServingCompletion(engine, settings.served_model_names, settings)
-    chat = OpenAIServingChat(engine, settings.served_model_names, settings)
+    config = state.config
+    completions = OpenAIServingCompletion(engine, state.served_model_names, config)
+    chat = OpenAIServingChat(engine, state.served_model_names, config)
     app.add_middleware(GuardMiddleware, state=state)
 
     @app.exception_handler(errors.APIError)
@@ -367,7 +338,7 @@ def build_app(state: ServerState) -> FastAPI:
     salt_secret = os.urandom(32)
 
     def apply_tenant_salt(body, request: Request) -> None:
-        if not settings.cache_salt_from_api_key:
+        if not config.cache_salt_from_api_key:
             return
         salt = body.cache_salt
         if salt is not None and not (0 < len(salt) <= MAX_CACHE_SALT_LEN and is_valid_unicode(salt)):
@@ -394,14 +365,14 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models", responses={200: {"model": ModelList}, **_error_responses(401, 503)})
     async def show_models():
         cards = [ModelCard(id=name, root=engine.client.ready.model_name, max_model_len=engine.max_model_len)
-                 for name in settings.served_model_names]
+                 for name in state.served_model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.get("/health", response_class=Response,
              responses={200: {"description": "The engine is healthy (an empty body)."}, **_error_responses(503)})
     async def health():
         try:
-            await engine.check_health(settings.health_check_timeout)
+            await engine.check_health(config.health_check_timeout)
         except Exception as e:
             reason = str(e) or type(e).__name__
             return errors.unavailable(f"unhealthy: {reason}", "unhealthy").to_response()
@@ -427,7 +398,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise errors.bad_request("Give exactly one of prompt and messages.", param="prompt")
         if body.messages is not None:
             text = render_chat(tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
-                               timeout_s=settings.chat_template_timeout, max_chars=settings.max_chat_template_chars)
+                               None, None, None, config.chat_template_timeout, config.max_chat_template_chars)
             token_ids = await completions.encode(text, bool(body.add_special_tokens), check_length=False)
         else:
             if not is_valid_unicode(body.prompt):
@@ -452,7 +423,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise errors.bad_request(f"Token id {bad} is out of vocabulary (size {vocab_size}).", param="tokens")
         return JSONResponse(DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens)).model_dump())
 
-    if settings.enable_debug_routes:
+    if config.enable_debug_routes:
         @app.get("/debug/kv_cache")
         async def debug_kv_cache():
             try:

@@ -9,17 +9,16 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from pydantic import BaseModel
 
+from pagedllm.config import ServerConfig
 from pagedllm.core.scheduler import QueueFullError
 from pagedllm.engine.async_llm import AsyncLLM, RequestAbortedError, RequestFailedError
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.engine.input_processor import InvalidRequestError, is_valid_unicode
-from pagedllm.entrypoints.cli.serve import ServerConfig
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.protocol import (
     Logprob,
@@ -41,29 +40,11 @@ PROMPT_CHARS_MARGIN = 2
 tokenized: no tokenization of it can fit (the margin covers normalizers that merge characters)."""
 
 
-FLAG_DEFAULTS = ServerConfig()
-"""The serve flags' defaults: the one place each cap's default is written (ServerConfig documents them)."""
-
-
-@dataclass
-class RequestCaps:
-    """Caps on one request: each is the serve flag of the same name (see ServerConfig), with its default."""
-
-    max_n: int = FLAG_DEFAULTS.max_n
-    max_prompts: int = FLAG_DEFAULTS.max_prompts
-    max_choices: int = FLAG_DEFAULTS.max_choices
-    max_logit_bias: int = FLAG_DEFAULTS.max_logit_bias
-    max_stop: int = FLAG_DEFAULTS.max_stop
-    chat_template_timeout: float = FLAG_DEFAULTS.chat_template_timeout
-    max_chat_template_chars: int = FLAG_DEFAULTS.max_chat_template_chars
-    trust_request_chat_template: bool = FLAG_DEFAULTS.trust_request_chat_template
-
-
-def n_above_cap(n: int, caps: RequestCaps) -> errors.APIError:
+def n_above_cap(n: int, caps: ServerConfig) -> errors.APIError:
     return errors.bad_request(f"n must be in [1, {caps.max_n}], got {n}.", param="n")
 
 
-def too_many(param: str, count: int, caps: RequestCaps) -> errors.APIError:
+def too_many(param: str, count: int, caps: ServerConfig) -> errors.APIError:
     """The error for a list (or logit_bias map) over its cap."""
     if param == "prompt":
         return errors.bad_request(f"prompt is a list of {count} prompts; at most {caps.max_prompts} are allowed "
@@ -81,7 +62,7 @@ def too_deep() -> errors.APIError:
     return errors.bad_request("The request body is nested too deeply to parse.", code="json_too_deep")
 
 
-def _cap_of(param: str, caps: RequestCaps) -> int:
+def _cap_of(param: str, caps: ServerConfig) -> int:
     return {"prompt": caps.max_prompts, "logit_bias": caps.max_logit_bias}.get(param, caps.max_stop)
 
 
@@ -91,7 +72,7 @@ _RAW_ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
 _RAW_SMALL_INT = msgspec.json.Decoder(int)
 
 
-def precheck_caps(body: bytes, caps: RequestCaps) -> Any:
+def precheck_caps(body: bytes, caps: ServerConfig) -> Any:
     """Reject a JSON request body whose n, prompt list, stop list, stop_token_ids or logit_bias is over its cap,
     before the body is parsed into Python objects and validated (100,000 prompts cost ~100 ms to parse and
     validate; here ~10 ms: the body is scanned, not built).
@@ -137,7 +118,7 @@ def precheck_caps(body: bytes, caps: RequestCaps) -> Any:
     return None
 
 
-def _precheck_parsed(body: bytes, caps: RequestCaps) -> Any:
+def _precheck_parsed(body: bytes, caps: ServerConfig) -> Any:
     try:
         data = json.loads(body)
     except ValueError:  # JSONDecodeError, bad UTF-8, an integer of too many digits
@@ -162,13 +143,11 @@ _DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], settings=None):
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], config: ServerConfig | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names
-        self.settings = settings if settings is not None else RequestCaps()
-        self.log_requests = getattr(settings, "log_requests", False)
-        self.max_n = self.settings.max_n
+        self.config = config if config is not None else ServerConfig()
         self.max_prompt_chars = engine.max_model_len * longest_token_chars(self.tokenizer) * PROMPT_CHARS_MARGIN
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
@@ -207,7 +186,7 @@ class OpenAIServing:
 
     def check_request_caps(self, request: SamplingFields, num_prompts: int = 1) -> None:
         """The caps that bound one request's work, checked before any tokenization (each a serve flag)."""
-        caps = self.settings
+        caps = self.config
         if not 1 <= request.n <= caps.max_n:
             raise n_above_cap(request.n, caps)
         if num_prompts * request.n > caps.max_choices:
@@ -271,10 +250,10 @@ class OpenAIServing:
         The engine id is the response's id plus a random suffix, as vLLM does: a client-supplied request_id is
         echoed in the response but never shared with another request, so two requests (two tenants) with the
         same request_id both run and neither can tell that the other exists."""
-        if not 1 <= params.n <= self.max_n:
-            raise n_above_cap(params.n, self.settings)
+        if not 1 <= params.n <= self.config.max_n:
+            raise n_above_cap(params.n, self.config)
         engine_id = f"{request_id}-{random_uuid()[:8]}"
-        if self.log_requests:
+        if not self.config.disable_log_requests:
             logger.info("Received request %s: %d prompt(s), %d prompt tokens, params %s", escape_control(engine_id),
                         len(prompts), sum(len(ids) for _, ids in prompts), escape_control(_short(params)))
         self.engine.check_admission(params.n * len(prompts))  # again: the queue may have filled meanwhile

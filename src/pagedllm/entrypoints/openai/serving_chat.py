@@ -58,10 +58,8 @@ def request_chat_template(request: ChatCompletionRequest, trusted: bool) -> str 
 
 
 def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                continue_final_message: bool, chat_template: str | None = None,
-                chat_template_kwargs: dict[str, Any] | None = None, tools: list | None = None,
-                timeout_s: float = chat_template_module.DEFAULT_TIMEOUT_S,
-                max_chars: int = chat_template_module.DEFAULT_MAX_CHARS) -> str:
+                continue_final_message: bool, chat_template: str | None, chat_template_kwargs: dict[str, Any] | None,
+                tools: list | None, timeout_s: float, max_chars: int) -> str:
     """The prompt text for a conversation, rendered in the limited sandbox of chat_template.py (in this
     process: for the model's own template; a request's goes through ChatTemplateProcess).
 
@@ -166,10 +164,10 @@ class OpenAIServingChat(OpenAIServing):
         self.check_stream_fields(request, request.prompt_logprobs)
         self.check_request_caps(request)
         self.engine.check_admission(request.n)
-        template = request_chat_template(request, self.settings.trust_request_chat_template)
+        template = request_chat_template(request, self.config.trust_request_chat_template)
         render_args = (self.tokenizer, request.messages, request.add_generation_prompt, request.continue_final_message,
-                       template, request.chat_template_kwargs, request.tools, self.settings.chat_template_timeout,
-                       self.settings.max_chat_template_chars)
+                       template, request.chat_template_kwargs, request.tools, self.config.chat_template_timeout,
+                       self.config.max_chat_template_chars)
         if template is None:
             prompt = render_chat(*render_args)
         else:

@@ -74,8 +74,8 @@ class OpenAIServingCompletion(OpenAIServing):
             items = list(prompt)
         if not items:
             raise errors.bad_request("prompt must not be empty.", param="prompt")
-        if len(items) > self.settings.max_prompts:
-            raise too_many("prompt", len(items), self.settings)
+        if len(items) > self.config.max_prompts:
+            raise too_many("prompt", len(items), self.config)
         if not all(isinstance(item, str) or _is_token_ids(item) for item in items):
             raise errors.bad_request("prompt must be a string, a list of strings, a list of token ids, or a list "
                                      "of lists of token ids.", param="prompt")
