@@ -10,9 +10,11 @@ import pytest
 from pydantic import ValidationError
 
 from pagedllm.config import ServerConfig
+from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
-from pagedllm.entrypoints.openai.serving_base import json_logprob, precheck_caps
+from pagedllm.entrypoints.openai.formatting import json_logprob
+from pagedllm.entrypoints.openai.protocol import CompletionRequest, DetokenizeRequest
+from pagedllm.entrypoints.openai.request_caps import precheck_caps
 
 CAPS = ServerConfig()
 

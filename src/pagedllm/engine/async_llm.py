@@ -191,6 +191,11 @@ class AsyncLLM:
             self.queues.pop(request_id, None)
             queue.put_nowait(RequestAbortedError("The request was aborted by the server."))
 
+    def finish_all_aborted(self) -> None:
+        """finish_aborted for every open request (the drain timeout at shutdown)."""
+        for request_id in list(self.queues):
+            self.finish_aborted(request_id)
+
     def _abort_in_engine(self, engine_ids: list[str]) -> None:
         """Count the engine requests as aborted (metrics) and abort them in the engine core."""
         stats = IterationStats()

@@ -102,10 +102,7 @@ class InputProcessor:
         if params.min_tokens > params.max_tokens:
             raise InvalidRequestError(f"min_tokens ({params.min_tokens}) must be at most max_tokens "
                                       f"({params.max_tokens}).", param="min_tokens")
-        if cache_salt is not None and not (isinstance(cache_salt, str) and 0 < len(cache_salt) <= MAX_CACHE_SALT_LEN
-                                           and is_valid_unicode(cache_salt)):
-            raise InvalidRequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_LEN} "
-                                      "characters of valid Unicode.", param="cache_salt")
+        check_cache_salt(cache_salt)
         if not all(is_valid_unicode(s) for s in params.stop):
             raise InvalidRequestError("stop strings must be valid Unicode (no lone surrogates).", param="stop")
         if limits.extra_stop_token_ids and not params.ignore_eos:
@@ -121,6 +118,15 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
         )
+
+
+def check_cache_salt(cache_salt: str | None) -> None:
+    """Raises InvalidRequestError unless cache_salt is None or 1 to MAX_CACHE_SALT_LEN characters of valid
+    Unicode (the one check of a client's salt, with or without --cache-salt-from-api-key)."""
+    if cache_salt is not None and not (isinstance(cache_salt, str) and 0 < len(cache_salt) <= MAX_CACHE_SALT_LEN
+                                       and is_valid_unicode(cache_salt)):
+        raise InvalidRequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_LEN} "
+                                  "characters of valid Unicode.", param="cache_salt")
 
 
 def is_valid_unicode(text: str) -> bool:

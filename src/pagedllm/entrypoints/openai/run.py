@@ -12,7 +12,7 @@ import uvicorn
 from pagedllm.config import EngineConfig, ServerConfig
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineCoreClient, EngineStartupError
-from pagedllm.entrypoints.openai.api_server import DrainingServer, ServerState, build_app
+from pagedllm.entrypoints.openai.app import build_app
 from pagedllm.entrypoints.openai.connection_limits import (
     ConnectionLimitedH11Protocol,
     ConnectionLimits,
@@ -20,6 +20,8 @@ from pagedllm.entrypoints.openai.connection_limits import (
     effective_max_connections,
     raise_fd_limit,
 )
+from pagedllm.entrypoints.openai.draining import DrainingServer
+from pagedllm.entrypoints.openai.server_state import ServerState
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,7 @@ from typing import Any
 from pagedllm.engine.input_processor import is_valid_unicode
 from pagedllm.entrypoints.openai import chat_template as chat_template_module
 from pagedllm.entrypoints.openai import errors
-from pagedllm.entrypoints.openai.chat_template_process import ChatTemplateProcess, ChatTemplateProcessError
-from pagedllm.entrypoints.openai.protocol import (
+from pagedllm.entrypoints.openai.chat_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -22,18 +21,18 @@ from pagedllm.entrypoints.openai.protocol import (
     DeltaMessage,
     TopLogprob,
 )
-from pagedllm.entrypoints.openai.serving_base import (
+from pagedllm.entrypoints.openai.chat_template_process import ChatTemplateProcess, ChatTemplateProcessError
+from pagedllm.entrypoints.openai.formatting import (
     SSE_DONE,
-    OpenAIServing,
     chosen_entry,
     json_logprob,
-    merge_streams,
     prompt_logprobs_json,
     sse,
     sse_error,
     top_entries,
     usage,
 )
+from pagedllm.entrypoints.openai.serving_base import OpenAIServing, merge_streams
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.sampling_params import MAX_LOGPROBS
 

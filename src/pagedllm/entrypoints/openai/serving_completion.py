@@ -7,6 +7,16 @@ from collections.abc import AsyncIterator
 
 from pagedllm.engine.input_processor import is_valid_unicode
 from pagedllm.entrypoints.openai import errors
+from pagedllm.entrypoints.openai.formatting import (
+    SSE_DONE,
+    chosen_entry,
+    json_logprob,
+    prompt_logprobs_json,
+    sse,
+    sse_error,
+    top_entries,
+    usage,
+)
 from pagedllm.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -14,19 +24,8 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionResponseChoice,
     CompletionStreamResponse,
 )
-from pagedllm.entrypoints.openai.serving_base import (
-    SSE_DONE,
-    OpenAIServing,
-    chosen_entry,
-    json_logprob,
-    merge_streams,
-    prompt_logprobs_json,
-    sse,
-    sse_error,
-    too_many,
-    top_entries,
-    usage,
-)
+from pagedllm.entrypoints.openai.request_caps import too_many
+from pagedllm.entrypoints.openai.serving_base import OpenAIServing, merge_streams
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 Prompt = tuple[str | None, list[int]]
