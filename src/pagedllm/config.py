@@ -35,7 +35,9 @@ class ModelConfig:
     """Weights and activations dtype. auto: bfloat16 on CUDA or where the CPU has AMX or AVX512-BF16,
     else float32."""
     max_model_len: int | None = None
-    """Longest prompt + output in tokens; default: the model's context length."""
+    """Longest prompt + output in tokens; default: the model's context length. The engine core resolves it
+    once at load (EngineCore.max_model_len) and hands the value to the scheduler, the runner and the
+    frontend (ModelLimits)."""
     seed: int = 0
     """Seed for requests that give no seed of their own."""
     generation_config: str = "auto"
@@ -113,8 +115,6 @@ class SchedulerConfig:
     """Most requests waiting, counted as vllm:num_requests_waiting counts them: one per choice per prompt (a
     request with n=16, or 16 prompts, counts 16). A request that would go beyond is rejected at once (HTTP 503,
     Retry-After); one that needs more places than the cap on an empty queue, with HTTP 400. Default: no cap."""
-    max_model_len: int = 8192
-    """Set from the model config at start-up."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -313,14 +313,10 @@ def add_dataclass_flags(group, cls: type, prefix: str, skip: frozenset[str] | se
 
 def add_engine_flags(group, skip: frozenset[str] | set[str] = frozenset(), suppress_defaults: bool = False,
                      prefix: str = "engine_") -> None:
-    """Flags for every engine argument (ModelConfig, CacheConfig, SchedulerConfig) except `skip`.
-
-    SchedulerConfig.max_model_len is not a flag: it is copied from ModelConfig's at start-up.
-    """
+    """Flags for every engine argument (ModelConfig, CacheConfig, SchedulerConfig) except `skip`."""
     seen = set(skip)
     for cls in (ModelConfig, CacheConfig, SchedulerConfig):
-        extra = {"max_model_len"} if cls is SchedulerConfig else set()
-        add_dataclass_flags(group, cls, prefix, frozenset(seen | extra), suppress_defaults)
+        add_dataclass_flags(group, cls, prefix, frozenset(seen), suppress_defaults)
         seen |= {f.name for f in fields(cls)}
 
 

@@ -28,7 +28,8 @@ from collections.abc import AsyncIterator, Callable
 from pagedllm.core.scheduler import QueueFullError
 from pagedllm.engine.core_client import EngineCoreClient, EngineDeadError
 from pagedllm.engine.input_processor import InputProcessor, InvalidRequestError
-from pagedllm.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
+from pagedllm.engine.output_processor import OutputKind, OutputProcessor
+from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.messages import EngineCoreRequest, FromEngine, Outputs, Rejected, SchedulerStats, UtilityResult
 from pagedllm.metrics.loggers import IterationStats, LoggingStatLogger, RequestStatsTracker
 from pagedllm.metrics.prometheus import PrometheusStatLogger
@@ -128,19 +129,8 @@ class AsyncLLM:
         if request_id in self.queues:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use.", param="request_id")
         arrival_time = time.time()
-        if params.n == 1:
-            requests = [self.input_processor.process(request_id, prompt_token_ids, params, arrival_time,
-                                                     priority, cache_salt)]
-            self.output_processor.add_request(requests[0], prompt, None, 0, output_kind)
-        else:
-            parent = ParentRequest(request_id, params.n)
-            requests = []
-            for index, child in enumerate(self.input_processor.child_params(params)):
-                requests.append(self.input_processor.process(parent.child_id(index), prompt_token_ids, child,
-                                                             arrival_time, priority, cache_salt))
-            for index, request in enumerate(requests):
-                self.output_processor.add_request(request, prompt, parent, index, output_kind)
-            parent.pending = requests[1:]
+        requests = fan_out(self.input_processor, self.output_processor, request_id, prompt_token_ids, params, prompt,
+                           output_kind, arrival_time, priority, cache_salt)
         if not self._engine_to_request:  # the engine was idle: the watchdog counts from now
             self.last_progress_time = time.monotonic()
         for request in requests:

@@ -23,7 +23,7 @@ from pagedllm.config import (
 
 logger = logging.getLogger("pagedllm.serve")
 
-# Set elsewhere: the positional MODEL, and SchedulerConfig.max_model_len (copied from ModelConfig's).
+# Set elsewhere: the positional MODEL.
 _SKIPPED = {"model"}
 
 
