@@ -9,13 +9,11 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.messages import ModelLimits
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.tokenizer import get_tokenizer
 
 
 @pytest.fixture(scope="module")
-def processors(tiny_llama_dir):
-    return InputProcessor(ModelLimits(vocab_size=384, max_model_len=64, eos_token_id=2)), get_tokenizer(
-        str(tiny_llama_dir))
+def processors(tiny_tokenizer):
+    return InputProcessor(ModelLimits(vocab_size=384, max_model_len=64, eos_token_id=2)), tiny_tokenizer
 
 
 def test_n_children_seeded_and_only_the_first_sent(processors):

@@ -14,11 +14,6 @@ the parent exits, however it exits), on SIGTERM, or when a step raises (after re
 On exit the process removes its `ipc://` socket files and their directory (if empty), so nothing is left
 behind when the API server was killed before it could clean up.
 
-Fault injection (tests only): `PAGEDLLM_FAULT_INJECT=KIND:after_steps=N[,times=K][,seconds=S]` makes the
-model's forward pass misbehave after N successful steps, K times (default 1): `raise_in_forward` raises (the
-step's requests fail with an error, the engine keeps serving), `hang_in_forward` blocks the busy loop
-forever, `sleep_in_forward` makes the step last S seconds longer (a long step that is not a hang).
-
 Run as `python -m pagedllm.engine.core_proc --input-addr ADDR --output-addr ADDR` with the EngineConfig
 as one JSON line on stdin; `EngineCoreClient` does this.
 """
@@ -186,37 +181,6 @@ def _connect(ctx: zmq.Context, kind: int, addr: str) -> zmq.Socket:
     return sock
 
 
-FAULT_INJECT_ENV = "PAGEDLLM_FAULT_INJECT"
-
-
-def install_fault(engine_core, spec: str) -> None:
-    """Wrap the runner's execute_model per a PAGEDLLM_FAULT_INJECT spec (see the module docstring)."""
-    kind, _, options = spec.partition(":")
-    opts = dict(item.split("=", 1) for item in options.split(",") if item)
-    after_steps, times = int(opts.get("after_steps", 0)), int(opts.get("times", 1))
-    seconds = float(opts.get("seconds", 0))
-    if kind not in ("raise_in_forward", "hang_in_forward", "sleep_in_forward"):
-        raise ValueError(f"unknown {FAULT_INJECT_ENV} kind {kind!r}")
-    runner = engine_core.runner
-    execute_model = runner.execute_model
-    calls = {"n": 0}
-
-    def faulty_execute_model(scheduler_output):
-        calls["n"] += 1
-        if after_steps < calls["n"] <= after_steps + times:
-            logger.warning("%s: injecting %s at step %d", FAULT_INJECT_ENV, kind, calls["n"])
-            if kind == "raise_in_forward":
-                raise RuntimeError("injected fault in the forward pass")
-            if kind == "sleep_in_forward":
-                time.sleep(seconds)
-                return execute_model(scheduler_output)
-            while True:
-                time.sleep(3600)
-        return execute_model(scheduler_output)
-
-    runner.execute_model = faulty_execute_model
-
-
 def _remove_ipc_files(*addrs: str) -> None:
     for addr in addrs:
         if addr.startswith("ipc://"):
@@ -259,8 +223,6 @@ def run_engine_core(config, input_addr: str, output_addr: str) -> int:
     ready = False
     try:
         engine_core = EngineCore(config)
-        if os.environ.get(FAULT_INJECT_ENV):
-            install_fault(engine_core, os.environ[FAULT_INJECT_ENV])
         proc = EngineCoreProc(engine_core, input_addr, output_addr)
         resolved = engine_core.resolved_model
         proc.send(Ready(num_blocks=engine_core.num_blocks, block_size=config.cache_config.block_size,
