@@ -41,6 +41,7 @@ def _hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow  # tens of seconds: out of the fast run (-m "not slow"), still in CI
 def test_greedy_matches_transformers_token_for_token(llm, tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
@@ -65,6 +66,7 @@ def _mixed_prompts(vocab: int) -> list[list[int]]:
     return prompts
 
 
+@pytest.mark.slow  # tens of seconds: out of the fast run (-m "not slow"), still in CI
 def test_batching_never_changes_greedy_output(tiny_llama_dir):
     """DESIGN invariant 2: alone, batched, prefix caching on/off, chunked, preempted: identical."""
     llm = _llm(tiny_llama_dir)
