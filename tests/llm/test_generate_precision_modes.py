@@ -60,6 +60,7 @@ COMBINATIONS = {  # name: (model fixture, engine options of the feature under te
 }
 
 
+@pytest.mark.slow  # tens of seconds: out of the fast run (-m "not slow"), still in CI
 @pytest.mark.parametrize("name", list(COMBINATIONS))
 def test_batching_never_changes_greedy_output_within_a_precision_mode(request, name):
     """DESIGN invariant 2 within each precision mode (quantized weights, int8 activations, fp8 weights, fp8 KV):

@@ -11,21 +11,21 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import SchedulerOutput
-from pagedllm.engine.messages import LogprobsEntry
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.forward_context import AttentionMetadata, kv_cache_shape, set_forward_context
 from pagedllm.layers.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs, logprobs_to_entries
+from pagedllm.math_utils import cdiv
+from pagedllm.messages import LogprobsEntry, ModelRunnerOutput
 from pagedllm.models.llama_native_step import LlamaNativeDecodeStep
 from pagedllm.worker.cpu_allocator import PoolPrefault, keep_freed_memory, zeroed_pool
 from pagedllm.worker.input_batch import InputBatch, RequestState
-from pagedllm.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, model_info, device: torch.device,
-                 dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None):
+                 dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None, *, max_model_len: int):
         self.config = config
         self.model = model
         self.info = model_info
@@ -33,8 +33,7 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype or dtype  # the pool's storage dtype (layers/kv_cache_dtype.py)
         self.block_size = config.cache_config.block_size
-        sched = config.scheduler_config
-        self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.block_size)
+        self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, max_model_len, self.block_size)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.kv_prefault: PoolPrefault | None = None
@@ -146,7 +145,7 @@ class ModelRunner:
         input_ids = batch.token_ids[row_of_token, positions]  # [T]
         slot_mapping = batch.block_table[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = num_computed + num_sched
-        max_blocks = int(-(-seq_lens.max() // bs))
+        max_blocks = int(cdiv(seq_lens.max(), bs))
         block_table = batch.block_table[rows, :max_blocks]  # [num_reqs, max_blocks]
         dev = self.device
         metadata = AttentionMetadata(
