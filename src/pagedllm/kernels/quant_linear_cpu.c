@@ -242,21 +242,37 @@ static void micro_any(int rows, int np, const float *buf, int64_t kc, const floa
     }
 }
 
+/* The packed bytes of k's [k0, k0 + kc) of strip s (its one or two panels) into the cache: issued before a tile's
+ * micro-kernel calls for the next tile, they arrive while the fmas run (Q8_0 LM head, M=16: 0.93x the time; the 4-bit linears: even). */
+ALWAYS_INLINE void prefetch_strip(int bits, const uint8_t *w, int64_t panel_bytes, int64_t num_panels, int64_t group,
+                                  int64_t K, int64_t s, int64_t k0) {
+    const int64_t gbytes = group_bytes(bits, group), kc = K - k0 < KC ? K - k0 : KC;
+    for (int64_t p = 2 * s; p < 2 * s + 2 && p < num_panels; p++) {
+        const char *a = (const char *)w + p * panel_bytes + k0 / group * gbytes;
+        for (int64_t off = 0; off < kc / group * gbytes; off += 64) _mm_prefetch(a + off, _MM_HINT_T0);
+    }
+}
+
 /* Large M, one thread's share: strips [s_begin, s_end) of 16 outputs. Per tile of MC rows and KC k's it decodes
  * each strip once into an L1 buffer and runs the micro-kernel over the tile's rows. The loops over strips and K
  * tiles nest whichever way keeps the larger operand in cache: K tiles outside when the thread's outputs are fewer
  * than K (the MC x KC tile of x is reused by every strip), inside otherwise (a strip's MC x 16 outputs stay in
  * L1 across its K tiles instead of all the thread's outputs going through L3 between tiles: gate_up, 2 threads,
- * 1536 outputs each for K = 576). Either way each output's chain visits k in order. */
+ * 1536 outputs each for K = 576). Either way each output's chain visits k in order. (s_next, k_next): the tile
+ * that follows, prefetched; s_next < 0: none. */
 ALWAYS_INLINE void gemm_tile(int bits, const uint8_t *w, int64_t panel_bytes, int64_t num_panels, int64_t group,
                              const float *x, float *y, int64_t N, int64_t K, int64_t m0, int64_t mc, int64_t s,
-                             int64_t k0, float *buf) {
+                             int64_t k0, float *buf, int64_t s_next, int64_t k_next) {
     const int np = 2 * s + 2 <= num_panels ? 2 : 1;
     const int64_t n0 = 2 * s * PANEL, kc = K - k0 < KC ? K - k0 : KC;
     decode_strip(bits, w + 2 * s * panel_bytes, panel_bytes, np, group, k0, kc, buf);
-    for (int64_t m = m0; m < m0 + mc; m += MR) {
-        const int rows = m0 + mc - m < MR ? (int)(m0 + mc - m) : MR;
+    if (s_next >= 0) prefetch_strip(bits, w, panel_bytes, num_panels, group, K, s_next, k_next);
+    const int64_t blocks = (mc + MR - 1) / MR;  /* row blocks of even sizes: 16 rows as 6 + 5 + 5 (0.91x the time
+                                                   of 6 + 6 + 4, whose 8 chains barely cover the fma latency) */
+    for (int64_t i = 0, m = m0; i < blocks; i++) {
+        const int rows = (int)(mc * (i + 1) / blocks - mc * i / blocks);
         micro_any(rows, np, buf, kc, x + m * K + k0, K, y + m * N + n0, N, N - n0, k0 == 0);
+        m += rows;
     }
 }
 
@@ -269,12 +285,18 @@ ALWAYS_INLINE void gemm_strips(int bits, const uint8_t *w, int64_t group, const 
         const int64_t mc = M - m0 < MC ? M - m0 : MC;
         if (strips_outside) {
             for (int64_t s = s_begin; s < s_end; s++)
-                for (int64_t k0 = 0; k0 < K; k0 += KC)
-                    gemm_tile(bits, w, panel_bytes, num_panels, group, x, y, N, K, m0, mc, s, k0, buf);
+                for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                    const int last_k = k0 + KC >= K;
+                    gemm_tile(bits, w, panel_bytes, num_panels, group, x, y, N, K, m0, mc, s, k0, buf,
+                              !last_k ? s : s + 1 < s_end ? s + 1 : -1, !last_k ? k0 + KC : 0);
+                }
         } else {
             for (int64_t k0 = 0; k0 < K; k0 += KC)
-                for (int64_t s = s_begin; s < s_end; s++)
-                    gemm_tile(bits, w, panel_bytes, num_panels, group, x, y, N, K, m0, mc, s, k0, buf);
+                for (int64_t s = s_begin; s < s_end; s++) {
+                    const int last_s = s + 1 >= s_end;
+                    gemm_tile(bits, w, panel_bytes, num_panels, group, x, y, N, K, m0, mc, s, k0, buf,
+                              !last_s ? s + 1 : k0 + KC < K ? s_begin : -1, !last_s ? k0 : k0 + KC);
+                }
         }
     }
 }
