@@ -21,6 +21,8 @@ from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, Engine
 from pagedllm.layers.forward_context import kv_cache_bytes_per_block
 from pagedllm.layers.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedllm.models.loader import load_model, resolve_device, resolve_dtype, resolve_model
+from pagedllm.tokenizer import get_tokenizer
+from pagedllm.worker.kv_scales import CALIBRATION_TEXT, calculate_kv_scales
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,8 @@ class EngineCore:
         self.num_blocks = self._determine_num_blocks()
         self.runner = ModelRunner(config, model, info, self.device, self.dtype, self.kv_cache_dtype)
         self.runner.initialize_kv_cache(self.num_blocks)
+        if cc.calculate_kv_scales:
+            self._calculate_kv_scales()
         self.scheduler = Scheduler(sc, cc, self.num_blocks)
         logger.info("EngineCore ready in %.1f s: %s on %s in %s", time.perf_counter() - start,
                     self.resolved_model.path, self.device, str(self.dtype).removeprefix("torch."))
@@ -126,6 +130,16 @@ class EngineCore:
         if self.runner.kv_prefault is not None:
             self.runner.kv_prefault.stop()
         self.runner.kv_caches.clear()
+
+    def _calculate_kv_scales(self) -> None:
+        """--calculate-kv-scales: every attention layer's k_scale and v_scale from the fixed calibration text."""
+        tokenizer = get_tokenizer(self.config.model_config.tokenizer or self.resolved_model)
+        token_ids = tokenizer.encode(CALIBRATION_TEXT.read_text())[: self.max_model_len]
+        start = time.perf_counter()
+        scales = calculate_kv_scales(self.runner.model, token_ids, self.device, self.dtype)
+        logger.info("KV cache scales calculated from %d calibration tokens in %.1f s: k_scale %s, v_scale %s",
+                    len(token_ids), time.perf_counter() - start, sorted({k for k, _ in scales}),
+                    sorted({v for _, v in scales}))
 
     # ---- sizing ----------------------------------------------------------------------------------
     def _determine_num_blocks(self) -> int:

@@ -6,7 +6,10 @@
  *   KV_FP8_E4M3 OCP E4M3FN (torch.float8_e4m3fn): bias 7, no infinities, 0x7F / 0xFF NaN, max finite 448
  *   KV_FP8_E5M2 OCP E5M2 (torch.float8_e5m2): bias 15, the top byte of an IEEE fp16, max finite 57344
  *
- * Scale 1.0: codes are the values themselves (no per-tensor scale; our checkpoints carry none).
+ * Scales (vLLM's k_scale / v_scale, one per layer for K and one for V): a stored code c stands for c * scale, so
+ * the write encodes x / scale. Scales are powers of two (layers/kv_cache_dtype.py), so x / scale == x * (1 / scale)
+ * and c * scale are exact and the readers fold them into the softmax scale (K) and the output (V) with the same
+ * result as scaling every value. fp32 and bf16 caches always have scale 1.
  *
  * Encode (float -> code): round to nearest, ties to even; a value beyond the format's largest finite value,
  * infinities included, saturates to it with its sign; NaN becomes the format's NaN (sign kept: 0x7F / 0xFF for
@@ -99,14 +102,14 @@ static inline float kv_load1(const uint8_t *row, int64_t i, int fmt) {
     }
 }
 
-/* out[i] = x[i] encoded in `fmt`, i in [0, n). */
-static inline void kv_store_row(const float *x, int64_t n, int fmt, uint8_t *out) {
+/* out[i] = x[i] * inv_scale encoded in `fmt`, i in [0, n); inv_scale = 1 / scale, a power of two (exact). */
+static inline void kv_store_row(const float *x, int64_t n, int fmt, float inv_scale, uint8_t *out) {
     switch (fmt) {
     case KV_BF16:
         for (int64_t i = 0; i < n; i++) { const uint16_t c = kv_encode_bf16(x[i]); memcpy(out + 2 * i, &c, 2); }
         break;
-    case KV_FP8_E4M3: for (int64_t i = 0; i < n; i++) out[i] = kv_encode_e4m3(x[i]); break;
-    case KV_FP8_E5M2: for (int64_t i = 0; i < n; i++) out[i] = kv_encode_e5m2(x[i]); break;
+    case KV_FP8_E4M3: for (int64_t i = 0; i < n; i++) out[i] = kv_encode_e4m3(x[i] * inv_scale); break;
+    case KV_FP8_E5M2: for (int64_t i = 0; i < n; i++) out[i] = kv_encode_e5m2(x[i] * inv_scale); break;
     default: memcpy(out, x, sizeof(float) * (size_t)n);
     }
 }
