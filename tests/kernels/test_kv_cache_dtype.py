@@ -238,3 +238,47 @@ def test_power_of_two_scale():
     assert power_of_two_scale(200.0, 200.0) == 1.0
     assert power_of_two_scale(201.0, 200.0) == 2.0
     assert power_of_two_scale(0.0, 200.0) == power_of_two_scale(float("nan"), 200.0) == 1.0
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_error_feedback_write_matches_the_torch_path_and_cancels_errors_where_queries_look(dtype):
+    """K rows rounded with error feedback (GPTQ's carry weights from the queries' second moment H): the native write
+    (separate and fused) stores the torch path's codes bit for bit, and e^T H e, the mean squared score error, is
+    well below plain rounding's."""
+    from pagedllm.layers.kv_cache_dtype import to_cache_dtype_compensated
+    from pagedllm.worker.kv_scales import error_feedback_weights
+
+    gen = torch.Generator().manual_seed(6)
+    hkv, d = 3, 64
+    direction = torch.randn(hkv, 1, d, generator=gen, dtype=torch.float64)
+    queries = torch.randn(hkv, 500, d, generator=gen, dtype=torch.float64) + 4 * direction  # one dominant direction
+    h = queries.transpose(1, 2) @ queries / 500  # [Hkv, D, D]
+    w = error_feedback_weights(h)
+    k = torch.randn(40, hkv, d, generator=gen) * 3 + 2
+    k_scale = 2.0**-4
+    expected = to_cache_dtype_compensated(k, dtype, k_scale, w)
+    cache = torch.zeros(2, 4, 16, hkv, d, dtype=dtype)
+    slots = torch.arange(40) + 5
+    cpu_kernels.write_kv_cache(k, k, cache[0], cache[1], slots, k_scale, 1.0, w)
+    flat = cache.view(2, 64, hkv, d)
+    assert torch.equal(flat[0, slots].view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(flat[1, slots].view(torch.uint8), to_cache_dtype(k, dtype).view(torch.uint8))  # V: plain
+
+    def score_error(codes):  # mean over rows of e^T H e, per head
+        e = (codes.double() * k_scale - k.double()).transpose(0, 1)  # [Hkv, T, D]
+        return torch.einsum("htd,hde,hte->", e, h, e).item() / 40
+
+    plain = to_cache_dtype(k, dtype, k_scale).float()
+    assert score_error(expected.float()) < 0.5 * score_error(plain)
+    # the fused write of one token per sequence stores the same codes
+    qkv = torch.randn(4, (6 + 2 * hkv) * d, generator=gen)
+    rows = qkv.view(4, 6 + 2 * hkv, d)
+    cos_sin = torch.stack([torch.ones(4, d // 2), torch.zeros(4, d // 2)], dim=1)  # rotary by angle 0
+    fused = torch.zeros(2, 4, 16, hkv, d, dtype=dtype)
+    block_table = torch.arange(4, dtype=torch.int32).view(4, 1)
+    seq_lens = torch.ones(4, dtype=torch.int32)
+    slots = torch.arange(4) * 16
+    cpu_kernels.fused_decode_attention(qkv.clone(), cos_sin, slots, fused, block_table, seq_lens, 0.125, 6, k_scale,
+                                       1.0, w)
+    assert torch.equal(fused[0, :, 0].view(torch.uint8),
+                       to_cache_dtype_compensated(rows[:, 6:6 + hkv], dtype, k_scale, w).view(torch.uint8))

@@ -12,16 +12,21 @@
 #define PARALLEL_MIN_ROWS 64
 
 /* key_cache[slot_mapping[t]] = encode(k[t] / k_scale), value_cache the same with v_scale, for t in [0, num_tokens).
- * k_scale, v_scale: powers of two (1 for fp32 and bf16 caches). */
+ * k_scale, v_scale: powers of two (1 for fp32 and bf16 caches). k_comp: NULL, or (fp8 only) the error-feedback
+ * weights [row_size / head_dim, head_dim, head_dim] K rows are rounded with (kv_store_row_compensated). */
 void kv_cache_write(const float *k, const float *v, int64_t stride, void *key_cache, void *value_cache,
                     const int64_t *slot_mapping, int64_t num_tokens, int64_t row_size, int fmt, float k_scale,
-                    float v_scale) {
+                    float v_scale, const float *k_comp, int64_t head_dim) {
     const int64_t row_bytes = row_size * kv_elem_size(fmt);
     const float k_inv = 1.0f / k_scale, v_inv = 1.0f / v_scale;
 #pragma omp parallel for schedule(static) if (num_tokens >= PARALLEL_MIN_ROWS)
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t slot = slot_mapping[t];
-        kv_store_row(k + t * stride, row_size, fmt, k_inv, (uint8_t *)key_cache + slot * row_bytes);
+        if (k_comp != NULL)
+            kv_store_row_compensated(k + t * stride, row_size / head_dim, head_dim, fmt, k_scale, k_comp,
+                                     (uint8_t *)key_cache + slot * row_bytes);
+        else
+            kv_store_row(k + t * stride, row_size, fmt, k_inv, (uint8_t *)key_cache + slot * row_bytes);
         kv_store_row(v + t * stride, row_size, fmt, v_inv, (uint8_t *)value_cache + slot * row_bytes);
     }
 }

@@ -114,6 +114,30 @@ static inline void kv_store_row(const float *x, int64_t n, int fmt, float inv_sc
     }
 }
 
+/* The K row of one token, num_heads heads of d values, stored with error feedback (fp8 only): each head's values are
+ * rounded in order, and the error of value i, e_i = r_i - decode(code_i) * scale, is carried into the values after it,
+ * r_j -= e_i * w[i][j] for j > i (r starts as x; w [num_heads, d, d] row-major, only j > i read). w comes from the
+ * queries' second moment H (worker/kv_scales.py, GPTQ's rule: w = U / diag(U) row-wise, U the upper Cholesky factor of
+ * H^-1), so the rounding errors cancel along the directions queries look in and the scores move less. The carry is
+ * computed in double from float operands (the product exact), so FMA contraction cannot change it and the torch path
+ * (layers/kv_cache_dtype.py, to_cache_dtype_compensated) stores the same codes. */
+static inline void kv_store_row_compensated(const float *x, int64_t num_heads, int64_t d, int fmt, float scale,
+                                            const float *w, uint8_t *out) {
+    const float inv_scale = 1.0f / scale;
+    float r[d];
+    for (int64_t h = 0; h < num_heads; h++) {
+        const float *wh = w + h * d * d;
+        for (int64_t i = 0; i < d; i++) r[i] = x[h * d + i];
+        for (int64_t i = 0; i < d; i++) {
+            const uint8_t c = fmt == KV_FP8_E4M3 ? kv_encode_e4m3(r[i] * inv_scale) : kv_encode_e5m2(r[i] * inv_scale);
+            out[h * d + i] = c;
+            const float e = r[i] - (fmt == KV_FP8_E4M3 ? kv_decode_e4m3(c) : kv_decode_e5m2(c)) * scale;
+            const double ed = (double)e;
+            for (int64_t j = i + 1; j < d; j++) r[j] = (float)((double)r[j] - ed * (double)wh[i * d + j]);
+        }
+    }
+}
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KV_SIMD 1

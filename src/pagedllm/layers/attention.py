@@ -33,7 +33,7 @@ from torch import nn
 
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.forward_context import AttentionMetadata, get_forward_context
-from pagedllm.layers.kv_cache_dtype import index_copy, to_cache_dtype
+from pagedllm.layers.kv_cache_dtype import index_copy, to_cache_dtype, to_cache_dtype_compensated
 from pagedllm.layers.rotary import apply_rotary_qkv
 
 GROUPED_SCORES_MAX_BYTES = 64 << 20  # scores [Hkv, G * Tq, seq_len] above this go through SDPA
@@ -112,6 +112,9 @@ class PagedAttention(nn.Module):
         # value by value.
         self.k_scale = 1.0
         self.v_scale = 1.0
+        # None, or (fp8 cache, set at load with the scales) [Hkv, D, D] float32 error-feedback weights K rows are
+        # rounded with (kv_cache_dtype.to_cache_dtype_compensated); reading is unchanged.
+        self.k_comp: torch.Tensor | None = None
 
     def forward(self, qkv: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         # qkv: [T, (H + 2 * Hkv) * D], the fused projection before rotary; cos_sin: [T, 2, D / 2] -> out [T, H * D]
@@ -131,7 +134,7 @@ class PagedAttention(nn.Module):
                 qkv, cos_sin = qkv[:n], cos_sin[:n]
             out = cpu_kernels.fused_decode_attention(qkv, cos_sin, md.slot_mapping, kv_cache, plan.decode_block_table,
                                                      plan.decode_seq_lens, self.scale, self.num_heads, self.k_scale,
-                                                     self.v_scale)
+                                                     self.v_scale, self.k_comp)
         else:
             out = self._attend(*apply_rotary_qkv(qkv[:n], cos_sin[:n], self.num_heads, self.num_kv_heads,
                                                  self.head_dim), kv_cache, md.slot_mapping[:n], plan)
@@ -160,10 +163,14 @@ class PagedAttention(nn.Module):
                native: bool) -> None:
         # k, v: [T, Hkv, D] -> the cache's slots, in its dtype
         if native:
-            cpu_kernels.write_kv_cache(k, v, kv_cache[0], kv_cache[1], slots, self.k_scale, self.v_scale)
+            cpu_kernels.write_kv_cache(k, v, kv_cache[0], kv_cache[1], slots, self.k_scale, self.v_scale, self.k_comp)
             return
         shape = (kv_cache.shape[1] * kv_cache.shape[2], self.num_kv_heads, self.head_dim)  # [num_slots, Hkv, D]
-        index_copy(kv_cache[0].view(shape), slots, to_cache_dtype(k, kv_cache.dtype, self.k_scale))
+        if self.k_comp is not None:
+            k_codes = to_cache_dtype_compensated(k, kv_cache.dtype, self.k_scale, self.k_comp)
+        else:
+            k_codes = to_cache_dtype(k, kv_cache.dtype, self.k_scale)
+        index_copy(kv_cache[0].view(shape), slots, k_codes)
         index_copy(kv_cache[1].view(shape), slots, to_cache_dtype(v, kv_cache.dtype, self.v_scale))
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:

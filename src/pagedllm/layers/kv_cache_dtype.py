@@ -65,6 +65,22 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> t
     return x.clamp(-limit, limit).to(dtype)
 
 
+def to_cache_dtype_compensated(x: torch.Tensor, dtype: torch.dtype, scale: float, w: torch.Tensor) -> torch.Tensor:
+    """K rows x [T, Hkv, D] in an fp8 cache dtype, rounded with error feedback as the native write does
+    (kernels/kv_dtype_cpu.h, kv_store_row_compensated): value i of each head is stored as to_cache_dtype would, and
+    its error e_i = r_i - stored_i * scale is carried into the values after it, r_j -= e_i * w[h, i, j], the carry
+    computed in float64 from float32 operands and rounded back to float32. w: [Hkv, D, D] float32."""
+    r = x.float().clone()
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    wd = w.double()
+    for i in range(x.shape[-1]):
+        code = to_cache_dtype(r[..., i], dtype, scale)  # [T, Hkv]
+        out[..., i] = code
+        e = r[..., i] - code.float() * scale
+        r[..., i + 1:] = (r[..., i + 1:].double() - e.double()[..., None] * wd[None, :, i, i + 1:]).float()
+    return out
+
+
 def power_of_two_scale(amax: float, target: float) -> float:
     """The smallest power of two s with amax / s <= target (1.0 for amax 0 or not finite): vLLM's calculated scale
     amax / target, rounded up to a power of two so that scaling is exact."""
