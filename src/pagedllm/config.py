@@ -81,7 +81,8 @@ class CacheConfig:
     computes in the model dtype."""
     calculate_kv_scales: bool = False
     """fp8 KV cache: per-layer K and V scales (vLLM's k_scale = amax(K) / 200, v_scale = amax(V) / 100, as powers of
-    two) calculated once at load from a fixed calibration text, not from live requests; off: scale 1.0."""
+    two) calculated once at load from a fixed calibration text, not from live requests, and K rounded with error
+    feedback along the directions that text's queries look in (less logprob drift); off: scale 1.0, plain rounding."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -1,9 +1,10 @@
 """Paged attention over a flattened batch that mixes prefill chunks and decodes.
 
 Per call, from the fused qkv projection: (1) rotary on q and k; (2) write this step's K/V into the cache at
-`slot_mapping` (in the cache's dtype: layers/kv_cache_dtype.py); (3) each query attends to its request's cached
-tokens, read through the block table, plus the causal part of its own chunk. When every row is a decode and the
-native kernel runs, (1) to (3) are one call per layer (`cpu_kernels.fused_decode_attention`).
+`slot_mapping` (in the cache's dtype, divided by the layer's k_scale / v_scale: layers/kv_cache_dtype.py); (3) each
+query attends to its request's cached tokens, read through the block table, plus the causal part of its own chunk
+(k_scale folded into the softmax scale, v_scale into the output). When every row is a decode and the native kernel
+runs, (1) to (3) are one call per layer (`cpu_kernels.fused_decode_attention`).
 
 Plan, built once per step (`AttentionMetadata.plan`) and reused by every layer:
 - decode rows (query length 1) are batched. On the CPU in fp32 the native kernel

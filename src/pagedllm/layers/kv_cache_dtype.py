@@ -14,6 +14,8 @@ them once at load from a fixed calibration text (worker/kv_scales.py): never fro
 tokens do not depend on which others ran. Every scale is a power of two, so x / scale and c * scale are exact and
 the attention folds k_scale into its softmax scale and v_scale into its output with the same result as scaling
 every value; only where the format's range sits moves (its subnormals and its largest finite value).
+The same calibration sets error-feedback rounding for K (`to_cache_dtype_compensated`): what is stored changes, not
+how it is read.
 
 Writes round to nearest, ties to even, and saturate at the largest finite value (infinities too); NaN stays NaN.
 Attention converts the stored values back to the model dtype as it reads them (exact: every stored value is
