@@ -3,7 +3,7 @@
 workload (batch 64, ~320 tokens of context) by default.
 
     .venv/bin/python benchmarks/decode_step.py [--batch 64 --prompt-len 304 --steps 32] [--dtype float32]
-        [--threads N] [--profile-steps 4] [--kv-cache-memory BYTES] [--kv-cache-dtype fp8 [--calculate-kv-scales]]
+        [--threads N] [--profile-steps 4] [--kv-cache-memory BYTES] [--kv-cache-dtype fp8 [--no-calculate-kv-scales]]
 
 Prints one JSON line: median / min / max ms per decode step, tokens per second at that batch, and the median
 process CPU time per step (all threads; on a shared machine it moves less with other jobs than wall time does).
@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before running")
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache (default: the engine's)")
     parser.add_argument("--kv-cache-dtype", default="auto")
-    parser.add_argument("--calculate-kv-scales", action="store_true")
+    parser.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--profile-steps", type=int, default=0, help="profile this many extra decode steps")
     args = parser.parse_args()
 

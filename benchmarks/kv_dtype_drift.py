@@ -2,9 +2,9 @@
 
     .venv/bin/python benchmarks/kv_dtype_drift.py [--long-tokens 256]
 
-For each --kv-cache-dtype (float32 = auto, bfloat16, fp8_e4m3, fp8_e5m2; the fp8 ones also with
---calculate-kv-scales, "+calibrated": per-layer scales and error-feedback rounding of K; "+scales only": the scales
-without the K rounding), on the prompts of
+For each --kv-cache-dtype (float32 = auto, bfloat16, fp8_e4m3, fp8_e5m2; the fp8 ones with their default
+--calculate-kv-scales, "+calibrated": per-layer scales and error-feedback rounding of K; "scale 1":
+--no-calculate-kv-scales; "+scales only": the scales without the K rounding), on the prompts of
 tests/fixtures/smollm2_greedy_fp32.json:
 - greedy prefix match: how many of the 32 greedy tokens (EOS masked, as the fixture's `output_ids_ignore_eos`)
   agree with the fixture before the first difference (decode path: the native kernel over the quantized pool);
@@ -27,9 +27,9 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.worker import kv_scales
 
 FIXTURE = Path(__file__).parent.parent / "tests" / "fixtures" / "smollm2_greedy_fp32.json"
-CALIBRATED = {"calculate_kv_scales": True}
-KV_DTYPES = {"auto": {}, "bfloat16": {}, "fp8_e4m3": {}, "fp8_e4m3+scales only": CALIBRATED,
-             "fp8_e4m3+calibrated": CALIBRATED, "fp8_e5m2": {}, "fp8_e5m2+calibrated": CALIBRATED}
+SCALE_ONE = {"calculate_kv_scales": False}
+KV_DTYPES = {"auto": {}, "bfloat16": {}, "fp8_e4m3 scale 1": SCALE_ONE, "fp8_e4m3+scales only": {},
+             "fp8_e4m3+calibrated": {}, "fp8_e5m2 scale 1": SCALE_ONE, "fp8_e5m2+calibrated": {}}
 
 
 def _prefix_match(a: list[int], b: list[int]) -> int:
@@ -66,7 +66,8 @@ def main() -> None:
     for name, options in KV_DTYPES.items():
         # "scales only": the calibration's K rounding weights replaced by None (plain round to nearest)
         kv_scales.error_feedback_weights = (lambda h: None) if name.endswith("scales only") else plain_rounding
-        llm = LLM(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20, kv_cache_dtype=name.split("+")[0],
+        kv_cache_dtype = name.split("+")[0].split()[0]
+        llm = LLM(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20, kv_cache_dtype=kv_cache_dtype,
                   **options)
         blocks = llm.llm_engine.engine_core.num_blocks
         outs = llm.generate(prompts, greedy, use_tqdm=False)

@@ -1,4 +1,5 @@
-"""--calculate-kv-scales: per-layer K/V scales of an fp8 KV cache from a fixed calibration text at load."""
+"""--calculate-kv-scales (on by default for fp8 caches): per-layer K/V scales and K's error-feedback rounding,
+from a fixed calibration text at load."""
 
 from __future__ import annotations
 
@@ -51,14 +52,19 @@ def test_scales_keep_fp8_drift_small_where_scale_one_loses_the_values(small_kv_l
     exact = _llm(small_kv_llama_dir)
     prompts = _prompts(exact.llm_engine.engine_core.vocab_size)
     reference = _prompt_logprobs(exact, prompts)
-    unscaled = np.abs(_prompt_logprobs(_llm(small_kv_llama_dir, kv_cache_dtype="fp8"), prompts) - reference).mean()
-    scaled_llm = _llm(small_kv_llama_dir, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    unscaled_llm = _llm(small_kv_llama_dir, kv_cache_dtype="fp8", calculate_kv_scales=False)
+    unscaled = np.abs(_prompt_logprobs(unscaled_llm, prompts) - reference).mean()
+    scaled_llm = _llm(small_kv_llama_dir, kv_cache_dtype="fp8")  # the default for fp8
     scaled = np.abs(_prompt_logprobs(scaled_llm, prompts) - reference).mean()
     assert scaled < 0.04 and unscaled > 10 * scaled, (scaled, unscaled)  # measured 0.021, 0.49
     layers = attention_layers(scaled_llm.llm_engine.engine_core.runner.model)
     for layer in layers:  # powers of two around the shrunk values' range
         for scale in (layer.k_scale, layer.v_scale):
             assert scale == 2.0 ** round(np.log2(scale)) and 2.0**-20 < scale < 2.0**-8
+        assert layer.k_comp is not None and layer.k_comp.shape == (layer.num_kv_heads, layer.head_dim, layer.head_dim)
+    assert scaled_llm.llm_engine.engine_core.cache_config_info()["calculate_kv_scales"] == "True"
+    for layer in attention_layers(unscaled_llm.llm_engine.engine_core.runner.model):
+        assert (layer.k_scale, layer.v_scale, layer.k_comp) == (1.0, 1.0, None)
 
 
 def test_scales_are_fixed_at_load_and_the_torch_path_agrees(small_kv_llama_dir, monkeypatch):
@@ -83,3 +89,18 @@ def test_scales_are_fixed_at_load_and_the_torch_path_agrees(small_kv_llama_dir, 
 def test_calculate_kv_scales_needs_an_fp8_cache(tiny_llama_dir):
     with pytest.raises(ValueError, match="calculate-kv-scales needs an fp8"):
         _llm(tiny_llama_dir, calculate_kv_scales=True)
+    auto = _llm(tiny_llama_dir)  # not asked, not fp8: nothing calculated
+    assert auto.llm_engine.engine_core.cache_config_info()["calculate_kv_scales"] == "False"
+    assert all(layer.k_comp is None for layer in attention_layers(auto.llm_engine.engine_core.runner.model))
+
+
+def test_flag_is_tri_state():
+    import argparse
+
+    from pagedllm.config import CacheConfig, add_dataclass_flags
+
+    parser = argparse.ArgumentParser()
+    add_dataclass_flags(parser, CacheConfig, "")
+    assert parser.parse_args([]).calculate_kv_scales is None
+    assert parser.parse_args(["--calculate-kv-scales"]).calculate_kv_scales is True
+    assert parser.parse_args(["--no-calculate-kv-scales"]).calculate_kv_scales is False

@@ -53,7 +53,7 @@ class EngineCore:
         self.num_blocks = self._determine_num_blocks()
         self.runner = ModelRunner(config, model, info, self.device, self.dtype, self.kv_cache_dtype)
         self.runner.initialize_kv_cache(self.num_blocks)
-        if cc.calculate_kv_scales:
+        if cc.kv_scales_calculated:
             self._calculate_kv_scales()
         self.scheduler = Scheduler(sc, cc, self.num_blocks)
         logger.info("EngineCore ready in %.1f s: %s on %s in %s", time.perf_counter() - start,
@@ -76,6 +76,7 @@ class EngineCore:
         cc = self.config.cache_config
         return {"block_size": str(cc.block_size), "cache_dtype": cc.kv_cache_dtype,
                 "enable_prefix_caching": str(cc.enable_prefix_caching),
+                "calculate_kv_scales": str(cc.kv_scales_calculated),
                 "gpu_memory_utilization": str(cc.gpu_memory_utilization),
                 "kv_cache_memory_bytes": str(cc.kv_cache_memory), "num_gpu_blocks": str(self.num_blocks),
                 "num_gpu_blocks_override": str(cc.num_gpu_blocks_override)}
