@@ -102,6 +102,13 @@ static inline float kv_load1(const uint8_t *row, int64_t i, int fmt) {
     }
 }
 
+/* What kv_load8_raw / kv_load1_raw return is the value / kv_raw_unit(fmt) (a power of two). */
+static inline float kv_raw_unit(int fmt) { return fmt == KV_FP8_E4M3 ? 256.0f : 1.0f; }
+
+static inline float kv_load1_raw(const uint8_t *row, int64_t i, int fmt) {
+    return kv_load1(row, i, fmt) * (1.0f / kv_raw_unit(fmt));
+}
+
 /* out[i] = x[i] * inv_scale encoded in `fmt`, i in [0, n); inv_scale = 1 / scale, a power of two (exact). */
 static inline void kv_store_row(const float *x, int64_t n, int fmt, float inv_scale, uint8_t *out) {
     switch (fmt) {
@@ -161,5 +168,17 @@ static inline __m256 kv_load8(const uint8_t *p, int fmt) {
     }
     default: return _mm256_loadu_ps((const float *)p);
     }
+}
+
+/* kv_load8 / kv_raw_unit(fmt), for readers that fold kv_raw_unit into their scales: e4m3 skips the final * 2^8 (exact
+ * either way), and takes its sign by sign extension: c as int16 is 0xFF80 | magnitude when negative, so c << 7 has
+ * the sign in bits 15 and 14 and the magnitude in bits 13..7; masking bit 14 leaves the fp16 of value / 2^8. NaN codes
+ * (magnitude 0x7F) get an all-ones exponent, as in kv_load8. */
+static inline __m256 kv_load8_raw(const uint8_t *p, int fmt) {
+    if (fmt != KV_FP8_E4M3) return kv_load8(p, fmt);
+    const __m128i c = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    const __m128i nan = _mm_and_si128(_mm_cmpeq_epi16(_mm_and_si128(c, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7F)),
+                                      _mm_set1_epi16(0x7C00));
+    return _mm256_cvtph_ps(_mm_or_si128(_mm_and_si128(_mm_slli_epi16(c, 7), _mm_set1_epi16((short)0xBF80)), nan));
 }
 #endif
