@@ -102,13 +102,6 @@ static inline float kv_load1(const uint8_t *row, int64_t i, int fmt) {
     }
 }
 
-/* What kv_load8_raw / kv_load1_raw return is the value / kv_raw_unit(fmt) (a power of two). */
-static inline float kv_raw_unit(int fmt) { return fmt == KV_FP8_E4M3 ? 256.0f : 1.0f; }
-
-static inline float kv_load1_raw(const uint8_t *row, int64_t i, int fmt) {
-    return kv_load1(row, i, fmt) * (1.0f / kv_raw_unit(fmt));
-}
-
 /* out[i] = x[i] * inv_scale encoded in `fmt`, i in [0, n); inv_scale = 1 / scale, a power of two (exact). */
 static inline void kv_store_row(const float *x, int64_t n, int fmt, float inv_scale, uint8_t *out) {
     switch (fmt) {
@@ -151,34 +144,23 @@ static inline void kv_store_row_compensated(const float *x, int64_t num_heads, i
 
 /* Elements [0, 8) of a row stored in `fmt` (p points at element 0), as 8 floats. e5m2 is the top byte of an fp16
  * (vcvtph2ps converts exactly, subnormals, infinities and NaN included); e4m3 becomes the fp16 with the same
- * exponent and mantissa bits placed 3 bits lower (value / 2^8, exact), NaN fixed up, times 2^8. */
+ * exponent and mantissa bits placed 3 bits lower (value / 2^8, exact), NaN fixed up, times 2^8. The 2^8 is kept here
+ * rather than folded into the attention's scales: value / 2^8 times a tiny softmax weight can fall into fp32
+ * subnormals, which are slow on x86. */
 static inline __m256 kv_load8(const uint8_t *p, int fmt) {
     switch (fmt) {
     case KV_BF16:
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
     case KV_FP8_E5M2:
         return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i *)p)));
-    case KV_FP8_E4M3: {
-        const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)); /* 8 x u16 */
-        const __m128i mag = _mm_and_si128(c, _mm_set1_epi16(0x7F));
-        const __m128i nan = _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7C00));
-        const __m128i h = _mm_or_si128(_mm_or_si128(_mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x80)), 8),
-                                                    _mm_slli_epi16(mag, 7)), nan);
-        return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+    case KV_FP8_E4M3: { /* c as int16 is 0xFF80 | magnitude when negative: c << 7 has the sign in bits 15 and 14 */
+        const __m128i c = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+        const __m128i nan = _mm_and_si128(_mm_cmpeq_epi16(_mm_and_si128(c, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7F)),
+                                          _mm_set1_epi16(0x7C00));
+        const __m128i h = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(c, 7), _mm_set1_epi16((short)0xBF80)), nan);
+        return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f)); /* value / 2^8 -> value (exact) */
     }
     default: return _mm256_loadu_ps((const float *)p);
     }
-}
-
-/* kv_load8 / kv_raw_unit(fmt), for readers that fold kv_raw_unit into their scales: e4m3 skips the final * 2^8 (exact
- * either way), and takes its sign by sign extension: c as int16 is 0xFF80 | magnitude when negative, so c << 7 has
- * the sign in bits 15 and 14 and the magnitude in bits 13..7; masking bit 14 leaves the fp16 of value / 2^8. NaN codes
- * (magnitude 0x7F) get an all-ones exponent, as in kv_load8. */
-static inline __m256 kv_load8_raw(const uint8_t *p, int fmt) {
-    if (fmt != KV_FP8_E4M3) return kv_load8(p, fmt);
-    const __m128i c = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
-    const __m128i nan = _mm_and_si128(_mm_cmpeq_epi16(_mm_and_si128(c, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7F)),
-                                      _mm_set1_epi16(0x7C00));
-    return _mm256_cvtph_ps(_mm_or_si128(_mm_and_si128(_mm_slli_epi16(c, 7), _mm_set1_epi16((short)0xBF80)), nan));
 }
 #endif

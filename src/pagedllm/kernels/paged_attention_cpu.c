@@ -53,13 +53,13 @@ ALWAYS_INLINE void qk_head64(const float *q, const uint8_t *const *k_rows, int64
     for (; t + 4 <= len; t += 4) {
         const uint8_t *k0 = k_rows[t] + k_offset, *k1 = k_rows[t + 1] + k_offset, *k2 = k_rows[t + 2] + k_offset,
                       *k3 = k_rows[t + 3] + k_offset;
-        __m256 a0 = _mm256_mul_ps(qv[0], kv_load8_raw(k0, fmt)), a1 = _mm256_mul_ps(qv[0], kv_load8_raw(k1, fmt)),
-               a2 = _mm256_mul_ps(qv[0], kv_load8_raw(k2, fmt)), a3 = _mm256_mul_ps(qv[0], kv_load8_raw(k3, fmt));
+        __m256 a0 = _mm256_mul_ps(qv[0], kv_load8(k0, fmt)), a1 = _mm256_mul_ps(qv[0], kv_load8(k1, fmt)),
+               a2 = _mm256_mul_ps(qv[0], kv_load8(k2, fmt)), a3 = _mm256_mul_ps(qv[0], kv_load8(k3, fmt));
         for (int j = 1; j < 8; j++) {
-            a0 = _mm256_fmadd_ps(qv[j], kv_load8_raw(k0 + es8 * j, fmt), a0);
-            a1 = _mm256_fmadd_ps(qv[j], kv_load8_raw(k1 + es8 * j, fmt), a1);
-            a2 = _mm256_fmadd_ps(qv[j], kv_load8_raw(k2 + es8 * j, fmt), a2);
-            a3 = _mm256_fmadd_ps(qv[j], kv_load8_raw(k3 + es8 * j, fmt), a3);
+            a0 = _mm256_fmadd_ps(qv[j], kv_load8(k0 + es8 * j, fmt), a0);
+            a1 = _mm256_fmadd_ps(qv[j], kv_load8(k1 + es8 * j, fmt), a1);
+            a2 = _mm256_fmadd_ps(qv[j], kv_load8(k2 + es8 * j, fmt), a2);
+            a3 = _mm256_fmadd_ps(qv[j], kv_load8(k3 + es8 * j, fmt), a3);
         }
         /* [a0 a1 a2 a3] -> their four horizontal sums */
         const __m256 h01 = _mm256_hadd_ps(a0, a1), h23 = _mm256_hadd_ps(a2, a3);
@@ -69,8 +69,8 @@ ALWAYS_INLINE void qk_head64(const float *q, const uint8_t *const *k_rows, int64
     }
     for (; t < len; t++) {
         const uint8_t *k = k_rows[t] + k_offset;
-        __m256 a = _mm256_mul_ps(qv[0], kv_load8_raw(k, fmt));
-        for (int j = 1; j < 8; j++) a = _mm256_fmadd_ps(qv[j], kv_load8_raw(k + es8 * j, fmt), a);
+        __m256 a = _mm256_mul_ps(qv[0], kv_load8(k, fmt));
+        for (int j = 1; j < 8; j++) a = _mm256_fmadd_ps(qv[j], kv_load8(k + es8 * j, fmt), a);
         scores[t] = scale * hsum8(a);
     }
 }
@@ -86,8 +86,8 @@ ALWAYS_INLINE void dot_group(const float *q, const uint8_t *k, int64_t group, in
             const float *qg = q + g * d;
             __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
             for (int64_t i = 0; i < d; i += 16) {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), kv_load8_raw(k + i * es, fmt), a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 8), kv_load8_raw(k + (i + 8) * es, fmt), a1);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), kv_load8(k + i * es, fmt), a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 8), kv_load8(k + (i + 8) * es, fmt), a1);
             }
             scores[g * stride] = scale * hsum8(_mm256_add_ps(a0, a1));
         }
@@ -96,7 +96,7 @@ ALWAYS_INLINE void dot_group(const float *q, const uint8_t *k, int64_t group, in
 #endif
     for (int64_t g = 0; g < group; g++) {
         float s = 0.0f;
-        for (int64_t i = 0; i < d; i++) s += q[g * d + i] * kv_load1_raw(k, i, fmt);
+        for (int64_t i = 0; i < d; i++) s += q[g * d + i] * kv_load1(k, i, fmt);
         scores[g * stride] = scale * s;
     }
 }
@@ -115,7 +115,7 @@ ALWAYS_INLINE void pv_head(const float *p, int64_t len, const uint8_t *const *v_
         for (int64_t t = 0; t < len; t++) {
             const uint8_t *v = v_rows[t] + v_offset + i * es;
             const __m256 pt = _mm256_set1_ps(p[t]);
-            for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(pt, kv_load8_raw(v + 8 * j * es, fmt), a[j]);
+            for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(pt, kv_load8(v + 8 * j * es, fmt), a[j]);
         }
         for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + i + 8 * j, _mm256_mul_ps(a[j], _mm256_set1_ps(v_scale)));
     }
@@ -125,14 +125,14 @@ ALWAYS_INLINE void pv_head(const float *p, int64_t len, const uint8_t *const *v_
         for (int64_t t = 0; t < len; t++) {
             const uint8_t *v = v_rows[t] + v_offset + i * es;
             const __m256 pt = _mm256_set1_ps(p[t]);
-            for (int j = 0; j < 4; j++) a[j] = _mm256_fmadd_ps(pt, kv_load8_raw(v + 8 * j * es, fmt), a[j]);
+            for (int j = 0; j < 4; j++) a[j] = _mm256_fmadd_ps(pt, kv_load8(v + 8 * j * es, fmt), a[j]);
         }
         for (int j = 0; j < 4; j++) _mm256_storeu_ps(o + i + 8 * j, _mm256_mul_ps(a[j], _mm256_set1_ps(v_scale)));
     }
 #endif
     for (; i < d; i++) {
         float acc = 0.0f;
-        for (int64_t t = 0; t < len; t++) acc += p[t] * kv_load1_raw(v_rows[t] + v_offset, i, fmt);
+        for (int64_t t = 0; t < len; t++) acc += p[t] * kv_load1(v_rows[t] + v_offset, i, fmt);
         o[i] = acc * v_scale;
     }
 }
@@ -155,10 +155,7 @@ ALWAYS_INLINE int attend_seq(float *qs, const float *cos_sin, const int64_t *slo
             kv_store_row(k, num_kv_heads * head_dim, fmt, 1.0f / k_scale, (uint8_t *)key_cache + *slot * row);
         kv_store_row(v, num_kv_heads * head_dim, fmt, 1.0f / v_scale, (uint8_t *)value_cache + *slot * row);
     }
-    /* q . (c * k_scale) * scale == q . c * (scale * k_scale): both factors powers of two or 1; the values come as
-     * value / kv_raw_unit (kv_load8_raw), so the unit joins the scales */
-    scale *= k_scale * kv_raw_unit(fmt);
-    v_scale *= kv_raw_unit(fmt);
+    scale *= k_scale; /* q . (c * k_scale) * scale == q . c * (scale * k_scale): both factors powers of two or 1 */
     const int64_t n = len > 0 ? len : 1;
     /* scratch: where each context token's K and V rows are (n pointers each), then [num_heads, n] scores */
     const uint8_t **k_rows = (const uint8_t **)malloc(sizeof(uint8_t *) * (size_t)(2 * n) +
