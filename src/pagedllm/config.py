@@ -79,8 +79,22 @@ class CacheConfig:
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     """KV cache storage dtype. auto: the model dtype. bfloat16 holds 2x and fp8 4x the tokens of a float32 cache in
     the same memory; fp8 means fp8_e4m3 (OCP E4M3FN, largest value 448), fp8_e5m2 has more range and less
-    precision. Values are rounded to nearest and saturated, with scale 1.0; attention computes in the model
-    dtype."""
+    precision. Values are rounded to nearest and saturated, with scale 1.0 unless --calculate-kv-scales; attention
+    computes in the model dtype."""
+    calculate_kv_scales: bool | None = None
+    """fp8 KV cache: per-layer K and V scales (vLLM's k_scale = amax(K) / 200, v_scale = amax(V) / 100, as powers of
+    two) calculated once at load from a fixed calibration text, not from live requests, and K rounded with error
+    feedback along the directions that text's queries look in (less logprob drift). Default: on for fp8 caches;
+    --no-calculate-kv-scales: scale 1.0 and plain rounding, as vLLM without checkpoint scales."""
+
+    @property
+    def uses_fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype.startswith("fp8")
+
+    @property
+    def kv_scales_calculated(self) -> bool:
+        """Whether the engine calculates fp8 KV scales at load (calculate_kv_scales, default: for fp8 caches)."""
+        return self.uses_fp8_kv_cache if self.calculate_kv_scales is None else self.calculate_kv_scales
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -90,6 +104,9 @@ class CacheConfig:
         choices = typing.get_args(typing.get_type_hints(CacheConfig)["kv_cache_dtype"])
         if self.kv_cache_dtype not in choices:
             raise ValueError(f"--kv-cache-dtype must be one of {', '.join(choices)}, got {self.kv_cache_dtype!r}.")
+        if self.calculate_kv_scales and not self.uses_fp8_kv_cache:
+            raise ValueError(f"--calculate-kv-scales needs an fp8 --kv-cache-dtype (fp8, fp8_e4m3, fp8_e5m2), got "
+                             f"{self.kv_cache_dtype!r}.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError("--num-gpu-blocks-override must be at least 1.")
 
@@ -299,7 +316,7 @@ def add_dataclass_flags(group, cls: type, prefix: str, skip: frozenset[str] | se
         kwargs: dict[str, Any] = {"dest": prefix + f.name, "default": default, "help": docs.get(f.name, "")}
         kind = hints[f.name]
         args = [a for a in typing.get_args(kind) if a is not type(None)]
-        if kind is bool:
+        if kind is bool or args == [bool]:  # bool | None: None until --x / --no-x says otherwise
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         elif typing.get_origin(kind) is Literal:
             group.add_argument(flag, choices=typing.get_args(kind), **kwargs)

@@ -52,6 +52,7 @@ def _mixed_prompts(vocab: int) -> list[list[int]]:
 
 COMBINATIONS = {  # name: (model fixture, engine options of the feature under test)
     "fp8-kv": ("tiny_llama_dir", {"kv_cache_dtype": "fp8"}),
+    "fp8-kv-scale-one": ("tiny_llama_dir", {"kv_cache_dtype": "fp8", "calculate_kv_scales": False}),
     "gguf-quantized": ("tiny_llama_gguf_quantized", {}),
     "gguf-int8-activations": ("tiny_llama_gguf_quantized", {"activation_quantization": "int8"}),
     "gguf-int8-activations-fp8-kv": ("tiny_llama_gguf_quantized",

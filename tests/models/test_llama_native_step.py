@@ -15,6 +15,7 @@ from pagedllm.kernels import cpu_kernels, quant_q8act
 from pagedllm.models import llama_native_step
 from pagedllm.models.llama_native_step import LlamaNativeDecodeStep
 from pagedllm.models.loader import load_model
+from pagedllm.worker.kv_scales import calculate_kv_scales
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(torch.float32, torch.device("cpu")),
                                 reason="native CPU kernels unavailable")
@@ -79,6 +80,17 @@ def test_decode_steps_are_bitwise_the_module_path(request, mode, threads):
 def test_a_narrow_kv_cache_is_bitwise_the_module_path(tiny_llama_gguf_quantized, kv_dtype):
     model = load_model(ModelConfig(model=str(tiny_llama_gguf_quantized)), CPU, torch.float32)
     _compare(model, LlamaNativeDecodeStep.build(model), 3, kv_dtype)
+
+
+def test_calibrated_fp8_kv_scales_are_bitwise_the_module_path(tiny_llama_gguf_quantized):
+    """--calculate-kv-scales sets each layer's k_scale, v_scale and K rounding after the runner (and its native
+    step) is built: the native step must pick them up."""
+    model = load_model(ModelConfig(model=str(tiny_llama_gguf_quantized)), CPU, torch.float32)
+    step = LlamaNativeDecodeStep.build(model)
+    calculate_kv_scales(model, list(range(3, 90)), CPU, torch.float32)
+    attns = [layer.self_attn.attn for layer in model.model.layers]
+    assert any(a.k_scale != 1.0 or a.v_scale != 1.0 for a in attns) and all(a.k_comp is not None for a in attns)
+    _compare(model, step, 3, torch.float8_e4m3fn)
 
 
 def test_biases_are_added_as_the_linears_add_them(tiny_llama_gguf_quantized):

@@ -20,6 +20,8 @@ from pagedllm.layers.forward_context import kv_cache_bytes_per_block
 from pagedllm.layers.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, ModelLimits
 from pagedllm.models.loader import load_model, resolve_device, resolve_dtype, resolve_model
+from pagedllm.tokenizer import get_tokenizer
+from pagedllm.worker.kv_scales import CALIBRATION_TEXT, calculate_kv_scales
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,8 @@ class EngineCore:
         self.runner = ModelRunner(config, model, info, self.device, self.dtype, self.kv_cache_dtype,
                                   max_model_len=self.max_model_len)
         self.runner.initialize_kv_cache(self.num_blocks)
+        if cc.kv_scales_calculated:
+            self._calculate_kv_scales()
         logger.info("EngineCore ready in %.1f s: %s on %s in %s", time.perf_counter() - start,
                     self.resolved_model.path, self.device, str(self.dtype).removeprefix("torch."))
 
@@ -74,6 +78,7 @@ class EngineCore:
         cc = self.config.cache_config
         return {"block_size": str(cc.block_size), "cache_dtype": cc.kv_cache_dtype,
                 "enable_prefix_caching": str(cc.enable_prefix_caching),
+                "calculate_kv_scales": str(cc.kv_scales_calculated),
                 "gpu_memory_utilization": str(cc.gpu_memory_utilization),
                 "kv_cache_memory_bytes": str(cc.kv_cache_memory), "num_gpu_blocks": str(self.num_blocks),
                 "num_gpu_blocks_override": str(cc.num_gpu_blocks_override)}
@@ -128,6 +133,16 @@ class EngineCore:
         if self.runner.kv_prefault is not None:
             self.runner.kv_prefault.stop()
         self.runner.kv_caches.clear()
+
+    def _calculate_kv_scales(self) -> None:
+        """--calculate-kv-scales: every attention layer's k_scale and v_scale from the fixed calibration text."""
+        tokenizer = get_tokenizer(self.config.model_config.tokenizer or self.resolved_model)
+        token_ids = tokenizer.encode(CALIBRATION_TEXT.read_text())[: self.max_model_len]
+        start = time.perf_counter()
+        scales = calculate_kv_scales(self.runner.model, token_ids, self.device, self.dtype)
+        logger.info("KV cache scales calculated from %d calibration tokens in %.1f s: k_scale %s, v_scale %s",
+                    len(token_ids), time.perf_counter() - start, sorted({k for k, _ in scales}),
+                    sorted({v for _, v in scales}))
 
     # ---- sizing ----------------------------------------------------------------------------------
     def _determine_num_blocks(self) -> int:

@@ -161,8 +161,8 @@ def _declare_attention(lib: ctypes.CDLL) -> None:
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     signatures = {
         "paged_decode_attention": (ctypes.c_int, [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr] + [i64] * 5
-                                   + [f32, i32]),
-        "kv_cache_write": (None, [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i32]),
+                                   + [f32, i32, f32, f32, ptr]),
+        "kv_cache_write": (None, [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i32, f32, f32, ptr, i64]),
         "kv_encode": (None, [ptr, i64, i32, ptr]),
         "kv_decode": (None, [ptr, i64, i32, i32, ptr]),
     }
@@ -211,8 +211,10 @@ def kv_cache_native(kv_dtype: torch.dtype, compute_dtype: torch.dtype, device: t
 
 
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Decode attention read in place through the block table.
+                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
+    """Decode attention read in place through the block table. A cached K code c stands for c * k_scale, a V code
+    for c * v_scale (powers of two: layers/kv_cache_dtype.py).
 
     Args:
         q: [S, H, D] float32, each row contiguous (the row stride may exceed H * D).
@@ -226,14 +228,16 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     assert q.dtype == torch.float32 and q.stride()[1:] == (d, 1)
     check_decode_args(key_cache, value_cache, block_table, seq_lens)
     return _decode(q, q.stride(0), None, None, key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[1:],
-                   key_cache.dtype, block_table, seq_lens, scale, h)
+                   key_cache.dtype, block_table, seq_lens, scale, h, k_scale, v_scale, None)
 
 
 def fused_decode_attention(qkv: torch.Tensor, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
                            kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           num_heads: int) -> torch.Tensor:
+                           num_heads: int, k_scale: float = 1.0, v_scale: float = 1.0,
+                           k_comp: torch.Tensor | None = None) -> torch.Tensor:
     """One call for a layer's batch of decodes: rotary on q and k in place in qkv (as rotary_qkv does), the K/V
-    write at slot_mapping (as write_kv_cache does), then paged_decode_attention.
+    write at slot_mapping (as write_kv_cache does), then paged_decode_attention (k_scale, v_scale, k_comp: as
+    theirs).
 
     Args:
         qkv: [S, (H + 2 * Hkv) * D] float32, contiguous: the fused qkv projection, not yet rotated.
@@ -248,19 +252,21 @@ def fused_decode_attention(qkv: torch.Tensor, cos_sin: torch.Tensor, slot_mappin
     key = kv_cache.data_ptr()
     value = key + kv_cache.stride(0) * kv_cache.element_size()
     return _decode(qkv, qkv.shape[1], cos_sin.data_ptr(), slot_mapping.data_ptr(), key, value, kv_cache.shape[2:],
-                   kv_cache.dtype, block_table, seq_lens, scale, num_heads)
+                   kv_cache.dtype, block_table, seq_lens, scale, num_heads, k_scale, v_scale,
+                   _comp_ptr(k_comp, (kv_cache.shape[3], kv_cache.shape[4])))
 
 
 def _decode(q: torch.Tensor, q_stride: int, cos_sin: int | None, slot_mapping: int | None, key_cache: int,
             value_cache: int, block_shape: torch.Size, kv_dtype: torch.dtype, block_table: torch.Tensor,
-            seq_lens: torch.Tensor, scale: float, num_heads: int) -> torch.Tensor:
+            seq_lens: torch.Tensor, scale: float, num_heads: int, k_scale: float, v_scale: float,
+            k_comp: int | None) -> torch.Tensor:
     block_size, hkv, d = block_shape  # of the cache: [block_size, Hkv, D]
     s = q.shape[0]
     out = q.new_empty(s, num_heads, d)
     rc = _library().paged_decode_attention(q.data_ptr(), q_stride, cos_sin, slot_mapping, key_cache, value_cache,
                                            block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
                                            out.data_ptr(), s, num_heads, hkv, d, block_size, scale,
-                                           KV_FORMATS[kv_dtype])
+                                           KV_FORMATS[kv_dtype], k_scale, v_scale, k_comp)
     if rc != 0:
         raise MemoryError("paged decode attention could not allocate its scratch buffer")
     return out
@@ -276,8 +282,11 @@ def check_decode_args(key_cache: torch.Tensor, value_cache: torch.Tensor, block_
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """key_cache[slot_mapping[t]] = k[t] (and v), encoded in the cache's dtype (round to nearest even, saturating).
+                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+                   k_comp: torch.Tensor | None = None) -> None:
+    """key_cache[slot_mapping[t]] = k[t] / k_scale (and v / v_scale), encoded in the cache's dtype (round to nearest
+    even, saturating); the scales are powers of two, so this is to_cache_dtype's result. k_comp: None, or (fp8
+    caches) [Hkv, D, D] float32 error-feedback weights K is rounded with: to_cache_dtype_compensated's result.
 
     Args:
         k, v: [T, Hkv, D] float32, each row contiguous (rows may be strided: views of a fused qkv).
@@ -290,7 +299,17 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, va
     assert key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype
     assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == (t,)
     lib.kv_cache_write(k.data_ptr(), v.data_ptr(), k.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
-                       slot_mapping.data_ptr(), t, hkv * d, KV_FORMATS[key_cache.dtype])
+                       slot_mapping.data_ptr(), t, hkv * d, KV_FORMATS[key_cache.dtype], k_scale, v_scale,
+                       _comp_ptr(k_comp, (hkv, d)), d)
+
+
+def _comp_ptr(k_comp: torch.Tensor | None, hkv_d: tuple[int, int]) -> int | None:
+    """The error-feedback weights' address for the kernels (None: plain rounding), after checking their layout."""
+    if k_comp is None:
+        return None
+    hkv, d = hkv_d
+    assert k_comp.dtype == torch.float32 and k_comp.is_contiguous() and k_comp.shape == (hkv, d, d)
+    return k_comp.data_ptr()
 
 
 def kv_encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

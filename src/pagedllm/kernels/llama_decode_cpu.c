@@ -37,7 +37,7 @@ int paged_decode_attention(float *q, int64_t q_stride, const float *cos_sin, con
                            void *key_cache, void *value_cache, const int32_t *block_table,
                            int64_t block_table_stride, const int32_t *seq_lens, float *out, int64_t num_seqs,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                           float scale, int fmt);
+                           float scale, int fmt, float k_scale, float v_scale, const float *k_comp);
 
 enum { LINEAR_PACKED = 0, LINEAR_Q8ACT = 1 };
 
@@ -55,6 +55,8 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_attention_norm; /* [hidden] */
     decode_linear qkv, o, gate_up, down;
+    float k_scale, v_scale;                        /* the attention's KV cache scales (1.0 unless calibrated) */
+    const float *k_comp;                           /* K rounding weights [Hkv, D, D], or NULL (kv_dtype_cpu.h) */
 } decode_layer;
 
 typedef struct {
@@ -95,7 +97,8 @@ int llama_decode_step(const decode_model *model, const decode_layer *layers, voi
         uint8_t *key_cache = (uint8_t *)key_caches[i];
         if (paged_decode_attention(qkv, qkv_size, cos_sin, slot_mapping, key_cache, key_cache + value_bytes,
                                    block_table, block_table_stride, seq_lens, attn, s, model->num_heads,
-                                   model->num_kv_heads, d, block_size, model->scale, kv_fmt) != 0)
+                                   model->num_kv_heads, d, block_size, model->scale, kv_fmt, layer->k_scale,
+                                   layer->v_scale, layer->k_comp) != 0)
             return -1;
         if (linear(&layer->o, attn, h, s) != 0) return -1;
         fused_add_rms_norm_f32(h, res, layer->post_attention_norm, s, hidden, model->eps);

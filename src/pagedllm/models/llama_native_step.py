@@ -52,7 +52,8 @@ class _Linear(ctypes.Structure):  # decode_linear
 
 class _Layer(ctypes.Structure):  # decode_layer
     _fields_ = [("input_norm", _ptr), ("post_attention_norm", _ptr), ("qkv", _Linear), ("o", _Linear),
-                ("gate_up", _Linear), ("down", _Linear)]
+                ("gate_up", _Linear), ("down", _Linear), ("k_scale", ctypes.c_float), ("v_scale", ctypes.c_float),
+                ("k_comp", _ptr)]
 
 
 class _Model(ctypes.Structure):  # decode_model
@@ -108,6 +109,7 @@ class LlamaNativeDecodeStep:
         info = model.info
         q, kv = info.num_heads * info.head_dim, info.num_kv_heads * info.head_dim
         self._scratch_floats = q + 2 * kv + q + 3 * info.intermediate_size  # per row: qkv, attn, gate_up, act
+        self._attns = [layer.self_attn.attn for layer in model.model.layers]
         self._kv_caches: list[torch.Tensor] | None = None  # the list _key_caches points into
         self._key_caches: ctypes.Array | None = None
 
@@ -159,6 +161,7 @@ class LlamaNativeDecodeStep:
         kv = ctx.kv_caches[0]  # [2, num_blocks, block_size, Hkv, D]; every layer's alike
         table, slots = plan.decode_block_table, md.slot_mapping
         assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (n,)
+        self._sync_kv_scales(kv)
         rc = self._fn(self._c_model, self._c_layers, self._key_cache_array(ctx.kv_caches),
                       kv.stride(0) * kv.element_size(), cpu_kernels.KV_FORMATS[kv.dtype], kv.shape[2],
                       table.data_ptr(), table.stride(0), plan.decode_seq_lens.data_ptr(), slots.data_ptr(),
@@ -166,6 +169,14 @@ class LlamaNativeDecodeStep:
         if rc != 0:
             raise MemoryError("the native decode step's kernels could not allocate their scratch buffers")
         return h
+
+    def _sync_kv_scales(self, kv: torch.Tensor) -> None:
+        """Each layer's k_scale, v_scale and K rounding weights as its PagedAttention holds them now (they are set
+        after load, by --calculate-kv-scales; a few attribute copies per layer, every step)."""
+        hkv_d = (kv.shape[3], kv.shape[4])
+        for c_layer, attn in zip(self._c_layers, self._attns, strict=True):
+            c_layer.k_scale, c_layer.v_scale = attn.k_scale, attn.v_scale
+            c_layer.k_comp = cpu_kernels._comp_ptr(attn.k_comp, hkv_d)
 
     def _key_cache_array(self, kv_caches: list[torch.Tensor]) -> ctypes.Array:
         """Each layer's K cache address (its V cache follows at kv.stride(0)), built once per list of caches."""
