@@ -196,6 +196,13 @@ def _declare_quant_linear(lib: ctypes.CDLL) -> None:
     lib.quant_gather_rows_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64]
 
 
+def require(ok: bool, what: str) -> None:
+    """An argument check before a native call: raises ValueError (what: the condition that failed), where an assert
+    would vanish under `python -O` and let a bad pointer or shape reach C code."""
+    if not ok:
+        raise ValueError(f"native kernel argument check failed: {what}")
+
+
 def available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the native kernels (decode attention, elementwise ops) can run for this dtype on this device."""
     return device.type == "cpu" and dtype == torch.float32 and _library() is not None
@@ -225,7 +232,8 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         out: [S, H, D] float32.
     """
     s, h, d = q.shape
-    assert q.dtype == torch.float32 and q.stride()[1:] == (d, 1)
+    require(q.dtype == torch.float32 and q.stride()[1:] == (d, 1),
+            "q.dtype == torch.float32 and q.stride()[1:] == (d, 1)")
     check_decode_args(key_cache, value_cache, block_table, seq_lens)
     return _decode(q, q.stride(0), None, None, key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[1:],
                    key_cache.dtype, block_table, seq_lens, scale, h, k_scale, v_scale, None)
@@ -275,10 +283,14 @@ def _decode(q: torch.Tensor, q_stride: int, cos_sin: int | None, slot_mapping: i
 def check_decode_args(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                       seq_lens: torch.Tensor) -> None:
     """The layouts the decode attention kernel assumes of the cache and the step's metadata."""
-    assert key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype
-    assert key_cache.dtype in KV_FORMATS and key_cache.is_cpu and block_table.is_cpu and seq_lens.is_cpu
-    assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
-    assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and len(seq_lens) == len(block_table)
+    require(key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype,
+            "key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype")
+    require(key_cache.dtype in KV_FORMATS and key_cache.is_cpu and block_table.is_cpu and seq_lens.is_cpu,
+            "key_cache.dtype in KV_FORMATS and key_cache.is_cpu and block_table.is_cpu and seq_lens.is_cpu")
+    require(block_table.dtype == torch.int32 and block_table.stride(1) == 1,
+            "block_table.dtype == torch.int32 and block_table.stride(1) == 1")
+    require(seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and len(seq_lens) == len(block_table),
+            "seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and len(seq_lens) == len(block_table)")
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -295,9 +307,12 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, va
     """
     lib = _library()
     t, hkv, d = k.shape
-    assert k.dtype == v.dtype == torch.float32 and k.stride() == v.stride() and k.stride()[1:] == (d, 1)
-    assert key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype
-    assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == (t,)
+    require(k.dtype == v.dtype == torch.float32 and k.stride() == v.stride() and k.stride()[1:] == (d, 1),
+            "k.dtype == v.dtype == torch.float32 and k.stride() == v.stride() and k.stride()[1:] == (d, 1)")
+    require(key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype,
+            "key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype")
+    require(slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == (t,),
+            "slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == (t,)")
     lib.kv_cache_write(k.data_ptr(), v.data_ptr(), k.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
                        slot_mapping.data_ptr(), t, hkv * d, KV_FORMATS[key_cache.dtype], k_scale, v_scale,
                        _comp_ptr(k_comp, (hkv, d)), d)
@@ -308,13 +323,14 @@ def _comp_ptr(k_comp: torch.Tensor | None, hkv_d: tuple[int, int]) -> int | None
     if k_comp is None:
         return None
     hkv, d = hkv_d
-    assert k_comp.dtype == torch.float32 and k_comp.is_contiguous() and k_comp.shape == (hkv, d, d)
+    require(k_comp.dtype == torch.float32 and k_comp.is_contiguous() and k_comp.shape == (hkv, d, d),
+            "k_comp.dtype == torch.float32 and k_comp.is_contiguous() and k_comp.shape == (hkv, d, d)")
     return k_comp.data_ptr()
 
 
 def kv_encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x (float32, contiguous) encoded as the KV cache stores it in `dtype`: a new tensor of that dtype."""
-    assert x.dtype == torch.float32 and x.is_contiguous()
+    require(x.dtype == torch.float32 and x.is_contiguous(), "x.dtype == torch.float32 and x.is_contiguous()")
     out = torch.empty(x.shape, dtype=dtype)
     _library().kv_encode(x.data_ptr(), x.numel(), KV_FORMATS[dtype], out.data_ptr())
     return out
@@ -323,7 +339,7 @@ def kv_encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def kv_decode(codes: torch.Tensor, vector: bool = True) -> torch.Tensor:
     """codes (a KV_FORMATS dtype, contiguous) as float32, through the attention kernel's vector loads (vector)
     or the scalar conversion."""
-    assert codes.is_contiguous()
+    require(codes.is_contiguous(), "codes.is_contiguous()")
     out = torch.empty(codes.shape, dtype=torch.float32)
     _library().kv_decode(codes.data_ptr(), codes.numel(), KV_FORMATS[codes.dtype], int(vector), out.data_ptr())
     return out
@@ -331,7 +347,8 @@ def kv_decode(codes: torch.Tensor, vector: bool = True) -> torch.Tensor:
 
 def _check_f32(*tensors: torch.Tensor) -> None:
     for t in tensors:  # a loop, not all(...): these run ~120 times per decode step
-        assert t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
+        require(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous(),
+                "t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -346,7 +363,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     lib = _library()
     _check_f32(x, weight)
     hidden = x.shape[-1]
-    assert lib is not None and weight.shape == (hidden,)
+    require(lib is not None and weight.shape == (hidden,), "lib is not None and weight.shape == (hidden,)")
     out = x.new_empty(x.shape)
     lib.rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps)
     return out
@@ -362,7 +379,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     lib = _library()
     _check_f32(x, residual, weight)
     hidden = x.shape[-1]
-    assert lib is not None and residual.shape == x.shape and weight.shape == (hidden,)
+    require(lib is not None and residual.shape == x.shape and weight.shape == (hidden,),
+            "lib is not None and residual.shape == x.shape and weight.shape == (hidden,)")
     lib.fused_add_rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.numel() // hidden, hidden,
                                eps)
 
@@ -377,8 +395,9 @@ def rotary_qkv(qkv: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, num_kv_
     lib = _library()
     _check_f32(qkv, cos_sin)
     t = qkv.shape[0]
-    assert lib is not None and head_dim % 2 == 0 and qkv.shape == (t, (num_heads + 2 * num_kv_heads) * head_dim)
-    assert cos_sin.shape == (t, 2, head_dim // 2)
+    require(lib is not None and head_dim % 2 == 0 and qkv.shape == (t, (num_heads + 2 * num_kv_heads) * head_dim),
+            "lib is not None and head_dim % 2 == 0 and qkv.shape == (t, (num_heads + 2 * num_kv_heads) * head_dim)")
+    require(cos_sin.shape == (t, 2, head_dim // 2), "cos_sin.shape == (t, 2, head_dim // 2)")
     lib.rotary_qkv_f32(qkv.data_ptr(), cos_sin.data_ptr(), t, num_heads, num_kv_heads, head_dim)
 
 
@@ -393,7 +412,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     lib = _library()
     _check_f32(x)
     size = x.shape[-1] // 2
-    assert lib is not None and x.shape[-1] == 2 * size
+    require(lib is not None and x.shape[-1] == 2 * size, "lib is not None and x.shape[-1] == 2 * size")
     out = x.new_empty(*x.shape[:-1], size)
     lib.silu_and_mul_f32(x.data_ptr(), out.data_ptr(), out.numel() // size if size else 0, size)
     return out
@@ -411,7 +430,8 @@ def quant_linear(packed: torch.Tensor, bits: int, group: int, x: torch.Tensor, o
     lib = _library()
     _check_f32(x)
     m, k = x.shape
-    assert lib is not None and packed.dtype == torch.uint8 and packed.is_contiguous() and k % group == 0
+    require(lib is not None and packed.dtype == torch.uint8 and packed.is_contiguous() and k % group == 0,
+            "lib is not None and packed.dtype == torch.uint8 and packed.is_contiguous() and k % group == 0")
     y = x.new_empty(m, out_features)
     lib.quant_linear_f32(packed.data_ptr(), bits, group, x.data_ptr(), y.data_ptr(), m, out_features, k)
     return y
@@ -423,7 +443,8 @@ def quant_gather_rows(packed: torch.Tensor, bits: int, group: int, ids: torch.Te
     ids: [T] int64, every id in [0, out_features) (the caller checks).
     """
     lib = _library()
-    assert lib is not None and packed.dtype == torch.uint8 and packed.is_contiguous() and ids.dtype == torch.int64
+    require(lib is not None and packed.dtype == torch.uint8 and packed.is_contiguous() and ids.dtype == torch.int64,
+            "lib is not None and packed.dtype == torch.uint8 and packed.is_contiguous() and ids.dtype == torch.int64")
     ids = ids.contiguous()
     out = torch.empty(ids.numel(), in_features, dtype=torch.float32)
     lib.quant_gather_rows_f32(packed.data_ptr(), bits, group, ids.data_ptr(), out.data_ptr(), ids.numel(), in_features)

@@ -36,6 +36,7 @@ from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.forward_context import AttentionMetadata, get_forward_context
 from pagedllm.layers.kv_cache_dtype import index_copy, to_cache_dtype, to_cache_dtype_compensated
 from pagedllm.layers.rotary import apply_rotary_qkv
+from pagedllm.math_utils import cdiv
 
 GROUPED_SCORES_MAX_BYTES = 64 << 20  # scores [Hkv, G * Tq, seq_len] above this go through SDPA
 
@@ -77,7 +78,7 @@ def build_plan(md: AttentionMetadata, block_size: int, native: bool, always_read
     if len(decode_reqs):
         req_idx = torch.from_numpy(decode_reqs).to(device)
         decode_rows = torch.from_numpy(qsl[decode_reqs]).to(device)
-        nb = int(-(-seq_lens[decode_reqs].max() // block_size))
+        nb = int(cdiv(seq_lens[decode_reqs].max(), block_size))
         lens = torch.from_numpy(seq_lens[decode_reqs]).to(device)  # [B]
         if native:
             decode_block_table = md.block_table[req_idx, :nb].to(torch.int32).contiguous()  # [B, nb]
@@ -91,7 +92,7 @@ def build_plan(md: AttentionMetadata, block_size: int, native: bool, always_read
         start, end, seq_len = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
         block_ids = None
         if seq_len > end - start or always_read_cache:
-            block_ids = md.block_table[r, : -(-seq_len // block_size)].long()
+            block_ids = md.block_table[r, : cdiv(seq_len, block_size)].long()
         prefills.append(_Prefill(start, end, seq_len, block_ids))
     all_decode = decode_rows is not None and not prefills
     return _AttentionPlan(native, all_decode, decode_rows, decode_block_table, decode_seq_lens, decode_block_ids, nb,

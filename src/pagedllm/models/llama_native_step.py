@@ -160,7 +160,8 @@ class LlamaNativeDecodeStep:
         scratch = torch.empty(n * self._scratch_floats)
         kv = ctx.kv_caches[0]  # [2, num_blocks, block_size, Hkv, D]; every layer's alike
         table, slots = plan.decode_block_table, md.slot_mapping
-        assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (n,)
+        cpu_kernels.require(slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (n,),
+                            "slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (n,)")
         self._sync_kv_scales(kv)
         rc = self._fn(self._c_model, self._c_layers, self._key_cache_array(ctx.kv_caches),
                       kv.stride(0) * kv.element_size(), cpu_kernels.KV_FORMATS[kv.dtype], kv.shape[2],
@@ -183,7 +184,8 @@ class LlamaNativeDecodeStep:
         if kv_caches is not self._kv_caches:
             first = kv_caches[0]
             for kv in kv_caches:
-                assert kv.is_contiguous() and kv.dtype == first.dtype and kv.shape == first.shape and kv.is_cpu
+                cpu_kernels.require(kv.is_contiguous() and kv.dtype == first.dtype and kv.shape == first.shape
+                                    and kv.is_cpu, "every layer's KV cache contiguous, on the CPU, alike")
             self._key_caches = (ctypes.c_void_p * len(kv_caches))(*(kv.data_ptr() for kv in kv_caches))
             self._kv_caches = kv_caches
         return self._key_caches

@@ -28,6 +28,7 @@ from torch import nn
 from pagedllm.layers.attention import PagedAttention
 from pagedllm.layers.forward_context import AttentionMetadata, kv_cache_shape, set_forward_context
 from pagedllm.layers.kv_cache_dtype import power_of_two_scale
+from pagedllm.math_utils import cdiv
 
 CALIBRATION_TEXT = Path(__file__).with_name("kv_scale_calibration.txt")
 K_SCALE_CONSTANT = 200.0  # vLLM's: amax(K) / k_scale
@@ -60,7 +61,7 @@ def calibrate(model: nn.Module, token_ids: list[int], device: torch.device,
 
         a._attend = record  # this instance only, for this pass
     t = len(token_ids)
-    num_blocks = -(-t // BLOCK_SIZE)
+    num_blocks = cdiv(t, BLOCK_SIZE)
     caches = [torch.zeros(kv_cache_shape(num_blocks, BLOCK_SIZE, a.num_kv_heads, a.head_dim), dtype=dtype,
                           device=device) for a in layers]
     query_start_loc, seq_lens = np.array([0, t], dtype=np.int64), np.array([t], dtype=np.int64)
