@@ -37,7 +37,8 @@ def test_a_pool_too_small_for_one_request_is_refused(tiny_llama_dir, monkeypatch
     from pagedllm.worker.model_runner import ModelRunner
 
     monkeypatch.setattr(ModelRunner, "initialize_kv_cache", lambda self, n: allocated.append(n))
-    with pytest.raises(ValueError, match=r"3 KV blocks of 16 tokens cannot hold one request of max_model_len=512"):
+    with pytest.raises(ValueError, match=r"holds 3 blocks \(48 tokens\), so it cannot hold one request of "
+                                         r"max_model_len=512 tokens, which needs 32 blocks"):
         EngineCore(_config(tiny_llama_dir, num_gpu_blocks_override=3))
     assert allocated == []  # refused before the pool is allocated
     EngineCore(_config(tiny_llama_dir, num_gpu_blocks_override=32)).shutdown()  # 32 x 16 = 512: fits

@@ -38,9 +38,9 @@ class KVCacheManager:
         blocks_per_request = cdiv(max_model_len, block_size)
         if num_blocks < blocks_per_request:
             raise ValueError(
-                f"{num_blocks} KV blocks of {block_size} tokens cannot hold one request of "
-                f"max_model_len={max_model_len} tokens ({blocks_per_request} blocks); lower "
-                "--max-model-len or raise --kv-cache-memory.")
+                f"The KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens), so it cannot hold one "
+                f"request of max_model_len={max_model_len} tokens, which needs {blocks_per_request} blocks. Raise "
+                "--kv-cache-memory or lower --max-model-len.")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
