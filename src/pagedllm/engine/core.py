@@ -51,7 +51,7 @@ class EngineCore:
         self.num_blocks = self._determine_num_blocks()
         self.runner = ModelRunner(config, model, info, self.device, self.dtype, self.kv_cache_dtype)
         self.runner.initialize_kv_cache(self.num_blocks)
-        self.scheduler = Scheduler(sc, cc, self.num_blocks)
+        self.scheduler = Scheduler(sc, cc, self.num_blocks, config.speculative_config)
         logger.info("EngineCore ready in %.1f s: %s on %s in %s", time.perf_counter() - start,
                     self.resolved_model.path, self.device, str(self.dtype).removeprefix("torch."))
 

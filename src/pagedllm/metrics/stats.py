@@ -5,6 +5,26 @@ from __future__ import annotations
 import msgspec
 
 
+class SpecDecodingStats(msgspec.Struct, kw_only=True):
+    """Drafts verified since the last snapshot (vLLM's spec_decode counters)."""
+
+    num_spec_tokens: int = 0
+    """Most drafts per request per step (num_speculative_tokens): the length of num_accepted_tokens_per_pos."""
+    num_drafts: int = 0
+    """Requests that had drafts verified (one per request per step)."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []
+    """[num_spec_tokens]: drafts accepted at each position of a draft run."""
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for i in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+
 class SchedulerStats(msgspec.Struct, kw_only=True):
     """A snapshot of the scheduler after one step.
 
@@ -21,6 +41,8 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     prefix_cache_hits_delta: int = 0
     """Of those, tokens found cached."""
     num_preemptions_delta: int = 0
+    spec_decoding_stats: SpecDecodingStats | None = None
+    """Speculative decoding counters since the last snapshot; None when speculation is off."""
     total_ref_cnt: int | None = None
     """Sum of every block's ref_cnt (0 when nothing holds a block). Filled only by the debug `stats` utility:
     it walks the whole pool, too slow for every step."""

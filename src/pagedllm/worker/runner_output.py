@@ -13,7 +13,8 @@ class ModelRunnerOutput:
 
     req_ids: every request scheduled this step, in batch order.
     sampled_token_ids: aligned with req_ids; [] for a request whose prefill chunk did not reach the
-        end of its tokens (it samples nothing this step), else one sampled token id.
+        end of its tokens (it samples nothing this step), else the sampled token ids: one, or with
+        speculative decoding the accepted drafts and then the target's own token (1 to drafts + 1).
     logprobs: for requests that asked for logprobs and sampled: one entry per sampled token.
     prompt_logprobs: for requests that asked for prompt logprobs: entries for the prompt positions
         computed this step (the first prompt token has None), in order.
@@ -23,6 +24,9 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[LogprobsEntry | None]] = field(default_factory=dict)
+    spec_token_ids: list[list[int]] | None = None
+    """Speculative decoding: aligned with req_ids, the drafts proposed for each request's next step ([]: none);
+    None when speculation is off."""
 
     @property
     def req_id_to_index(self) -> dict[str, int]:
