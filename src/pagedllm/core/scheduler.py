@@ -142,6 +142,8 @@ class Scheduler:
         self._last_stats = (0, 0, 0)  # (queries, hits, preemptions) at the last make_stats()
         self.speculative_config = speculative_config
         self._spec_stats = self._new_spec_stats()
+        self.spec_decoding_totals = self._new_spec_stats()
+        """Every draft verified since start (the per-snapshot deltas go out in make_stats)."""
 
     # ---- requests in and out ----
 
@@ -416,6 +418,7 @@ class Scheduler:
                 num_accepted = max(len(new_token_ids or ()) - 1, 0)
                 num_computed_tokens = request.num_computed_tokens = start + 1 + num_accepted
                 self._spec_stats.observe(len(drafts), num_accepted)
+                self.spec_decoding_totals.observe(len(drafts), num_accepted)
             if proposals is not None and index is not None:
                 request.spec_token_ids = proposals[index]
             finished = False
