@@ -52,7 +52,7 @@ def _assert_all_free(llm: LLM) -> None:
 def reference(tiny_llama_dir):
     llm = _llm(tiny_llama_dir)
     prompts = _prompts(llm.llm_engine.engine_core.vocab_size)
-    return prompts, [_tokens(llm.generate([p], GREEDY_24, use_tqdm=False))[0] for p in prompts]
+    return prompts, [_tokens(llm.generate([p], GREEDY_24, use_tqdm=False))[0] for p in prompts], llm
 
 
 @pytest.mark.parametrize("engine_args", [
@@ -62,7 +62,7 @@ def reference(tiny_llama_dir):
     {"num_gpu_blocks_override": 24, "max_model_len": 128},  # preemption
 ], ids=["default", "no-prefix-caching", "chunked", "preempted"])
 def test_greedy_output_is_bit_identical_with_speculation(tiny_llama_dir, reference, engine_args):
-    prompts, expected = reference
+    prompts, expected, _ = reference
     llm = _llm(tiny_llama_dir, speculative_config=NGRAM, **engine_args)
     assert _tokens(llm.generate(prompts, GREEDY_24, use_tqdm=False)) == expected  # batched
     if not engine_args:
@@ -76,7 +76,7 @@ def test_greedy_output_is_bit_identical_with_speculation(tiny_llama_dir, referen
 
 
 def test_stop_inside_an_accepted_run_n_siblings_and_seeds(tiny_llama_dir, reference):
-    prompts, expected = reference
+    prompts, expected, plain = reference
     llm = _llm(tiny_llama_dir, speculative_config=NGRAM)
     # a stop token that greedy decoding reaches after a few tokens: output ends there, as without speculation
     i = next(i for i, e in enumerate(expected) if len(set(e[3:])) < len(e[3:]))
@@ -85,6 +85,16 @@ def test_stop_inside_an_accepted_run_n_siblings_and_seeds(tiny_llama_dir, refere
                           use_tqdm=False)
     assert out.outputs[0].token_ids == expected[i][:expected[i].index(stop_token) + 1]
     assert out.outputs[0].finish_reason == "stop"
+    # stop strings completed late in the output (after accepted runs): same text and tokens as without speculation
+    accepted_before = _spec_stats(llm).num_accepted_tokens
+    tokenizer = plain.get_tokenizer()
+    stops = [SamplingParams(temperature=0.0, max_tokens=24, stop=[tokenizer.decode(e[-5:])[1:4]]) for e in expected]
+    with_spec = llm.generate(prompts, stops, use_tqdm=False)
+    without = plain.generate(prompts, stops, use_tqdm=False)
+    assert _spec_stats(llm).num_accepted_tokens > accepted_before
+    assert [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].stop_reason) for o in with_spec] == \
+        [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].stop_reason) for o in without]
+    assert sum(o.outputs[0].finish_reason == "stop" for o in without) >= len(prompts) // 2
     (short,) = llm.generate([prompts[i]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
                             use_tqdm=False)
     assert short.outputs[0].token_ids == expected[i][:3]  # max_tokens trims the drafts
