@@ -47,6 +47,7 @@ def main() -> None:
             elapsed = time.perf_counter() - start
             rates[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
             outputs[name] = [o.outputs[0].token_ids for o in outs]
+            print(f"{name}: {rates[name][-1]:.2f} output tok/s", flush=True)
     totals = llms["on"].llm_engine.engine_core.scheduler.spec_decoding_totals
     result = {
         "dataset": args.dataset_name, "num_prompts": args.num_prompts, "output_len": args.output_len,
