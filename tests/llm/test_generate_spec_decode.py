@@ -120,13 +120,14 @@ def test_smollm2_greedy_with_speculation_matches_reference_and_plain_decoding():
     cases = json.loads(FIXTURE.read_text())["cases"]
     rng = random.Random(3)
     randoms = [[rng.randrange(49152) for _ in range(rng.randrange(4, 40))] for _ in range(3)]
-    params = SamplingParams(temperature=0.0, max_tokens=32, min_tokens=0, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    to_eos = SamplingParams(temperature=0.0, max_tokens=32)  # the reference's output_ids stop at EOS
     kwargs = dict(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20)
     plain = _tokens(LLM(**kwargs).generate(randoms, params, use_tqdm=False))
     llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
                                   "prompt_lookup_max": 4}, **kwargs)
     prompts = [c["prompt_ids"] for c in cases]
-    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == [c["output_ids_ignore_eos"] for c in cases]
-    assert _tokens(llm.generate(prompts[:1], params, use_tqdm=False)) == [cases[0]["output_ids_ignore_eos"]]
+    assert _tokens(llm.generate(prompts, to_eos, use_tqdm=False)) == [c["output_ids"] for c in cases]
+    assert _tokens(llm.generate(prompts[:1], to_eos, use_tqdm=False)) == [cases[0]["output_ids"]]
     assert _tokens(llm.generate(randoms, params, use_tqdm=False)) == plain
     assert _spec_stats(llm).num_accepted_tokens > 0
