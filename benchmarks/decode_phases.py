@@ -12,6 +12,10 @@ it, rotary ran outside, in "decoder layers").
 `cpu` times the phases in CPU time of the calling thread (time.thread_time) instead of wall time: with
 OMP_NUM_THREADS=1 all the work runs on that thread, so the figures do not count the time other processes hold
 the core (on a crowded machine wall time measures the queue, not the code).
+
+Decode steps of a quantized model run as one native call (models/llama_native_step.py): "native decode step"
+then holds the decoder layers and the final norm, and the per-module phases stay empty. PAGEDLLM_NATIVE_STEP=0
+runs the modules instead (the before / after comparison).
 """
 
 import collections
@@ -26,6 +30,7 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.layers.attention import PagedAttention
 from pagedllm.layers.linear import Linear
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from pagedllm.models.llama_native_step import LlamaNativeDecodeStep
 from pagedllm.worker.model_runner import ModelRunner
 
 PHASES = [
@@ -33,6 +38,7 @@ PHASES = [
     (ModelRunner, "_update_states", "update_states"),
     (ModelRunner, "_prepare_inputs", "prepare_inputs"),
     (LlamaForCausalLM, "forward", "model forward"),
+    (LlamaNativeDecodeStep, "forward", "native decode step"),
     (LlamaDecoderLayer, "forward", "decoder layers"),
     (Linear, "forward", "linears incl. LM head"),
     (PagedAttention, "forward", "attention"),

@@ -3,7 +3,7 @@
 workload (batch 64, ~320 tokens of context) by default.
 
     .venv/bin/python benchmarks/decode_step.py [--batch 64 --prompt-len 304 --steps 32] [--dtype float32]
-        [--threads N] [--profile-steps 4] [--kv-cache-memory BYTES]
+        [--threads N] [--profile-steps 4] [--kv-cache-memory BYTES] [--kv-cache-dtype fp8 [--no-calculate-kv-scales]]
 
 Prints one JSON line: median / min / max ms per decode step, tokens per second at that batch, and the median
 process CPU time per step (all threads; on a shared machine it moves less with other jobs than wall time does).
@@ -26,6 +26,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before running")
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache (default: the engine's)")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--profile-steps", type=int, default=0, help="profile this many extra decode steps")
     args = parser.parse_args()
 
@@ -36,7 +38,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(dtype=args.dtype, max_model_len=2048, seed=0, max_num_seqs=max(args.batch, 1),
-              max_num_batched_tokens=8192, kv_cache_memory=args.kv_cache_memory)
+              max_num_batched_tokens=8192, kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
+              calculate_kv_scales=args.calculate_kv_scales)
     engine = llm.llm_engine
     rng = random.Random(0)
     total = args.steps + args.profile_steps + 4
@@ -61,6 +64,7 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
     median = statistics.median(times)
     print(json.dumps({"batch": args.batch, "context": args.prompt_len, "dtype": args.dtype,
+                      "kv_cache_dtype": args.kv_cache_dtype, "calculate_kv_scales": args.calculate_kv_scales,
                       "threads": torch.get_num_threads(), "step_ms_median": round(median * 1e3, 1),
                       "step_ms_min": round(min(times) * 1e3, 1), "step_ms_max": round(max(times) * 1e3, 1),
                       "cpu_ms_median": round(statistics.median(cpu_times) * 1e3, 1),

@@ -2,7 +2,9 @@
 
     .venv/bin/python benchmarks/kv_dtype_drift.py [--long-tokens 256]
 
-For each --kv-cache-dtype (float32 = auto, bfloat16, fp8_e4m3, fp8_e5m2), on the prompts of
+For each --kv-cache-dtype (float32 = auto, bfloat16, fp8_e4m3, fp8_e5m2; the fp8 ones with their default
+--calculate-kv-scales, "+calibrated": per-layer scales and error-feedback rounding of K; "scale 1":
+--no-calculate-kv-scales; "+scales only": the scales without the K rounding), on the prompts of
 tests/fixtures/smollm2_greedy_fp32.json:
 - greedy prefix match: how many of the 32 greedy tokens (EOS masked, as the fixture's `output_ids_ignore_eos`)
   agree with the fixture before the first difference (decode path: the native kernel over the quantized pool);
@@ -22,9 +24,12 @@ from pathlib import Path
 import numpy as np
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.worker import kv_scales
 
 FIXTURE = Path(__file__).parent.parent / "tests" / "fixtures" / "smollm2_greedy_fp32.json"
-KV_DTYPES = ["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
+SCALE_ONE = {"calculate_kv_scales": False}
+KV_DTYPES = {"auto": {}, "bfloat16": {}, "fp8_e4m3 scale 1": SCALE_ONE, "fp8_e4m3+scales only": {},
+             "fp8_e4m3+calibrated": {}, "fp8_e5m2 scale 1": SCALE_ONE, "fp8_e5m2+calibrated": {}}
 
 
 def _prefix_match(a: list[int], b: list[int]) -> int:
@@ -55,10 +60,15 @@ def main() -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32)
     long_greedy = SamplingParams(temperature=0.0, max_tokens=args.long_tokens, ignore_eos=True)
     base_short = base_long = long_cont = None
-    print(f"{'kv dtype':10s} {'blocks':>7s} {'greedy prefix match':>22s} {'mean |dlogp|':>13s} {'max |dlogp|':>12s} "
+    print(f"{'kv dtype':20s} {'blocks':>7s} {'greedy prefix match':>22s} {'mean |dlogp|':>13s} {'max |dlogp|':>12s} "
           f"{'mean |dlogp| long':>18s} {'max long':>9s}")
-    for name in KV_DTYPES:
-        llm = LLM(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20, kv_cache_dtype=name)
+    plain_rounding = kv_scales.error_feedback_weights
+    for name, options in KV_DTYPES.items():
+        # "scales only": the calibration's K rounding weights replaced by None (plain round to nearest)
+        kv_scales.error_feedback_weights = (lambda h: None) if name.endswith("scales only") else plain_rounding
+        kv_cache_dtype = name.split("+")[0].split()[0]
+        llm = LLM(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20, kv_cache_dtype=kv_cache_dtype,
+                  **options)
         blocks = llm.llm_engine.engine_core.num_blocks
         outs = llm.generate(prompts, greedy, use_tqdm=False)
         matches = [_prefix_match(o.outputs[0].token_ids, ref) for o, ref in zip(outs, references, strict=True)]
@@ -69,7 +79,7 @@ def main() -> None:
         if base_short is None:
             base_short, base_long = short, long
         d_short, d_long = np.abs(short - base_short), np.abs(long - base_long)
-        print(f"{name:10s} {blocks:7d} {str(matches) + ' / 32':>22s} {d_short.mean():13.4f} {d_short.max():12.4f} "
+        print(f"{name:20s} {blocks:7d} {str(matches) + ' / 32':>22s} {d_short.mean():13.4f} {d_short.max():12.4f} "
               f"{d_long.mean():18.4f} {d_long.max():9.4f}", flush=True)
         llm.llm_engine.engine_core.shutdown()
 

@@ -2,10 +2,12 @@
 weight (the path before quantized execution), the lossless quantized kernel (quant_linear_cpu.c, the GGUF
 default) and the 8-bit-activation kernel (quant_q8act_cpu.c, `activation_quantization="int8"`).
 
-    python benchmarks/quant_linear_shapes.py [--reps 7] [--threads 2] [--m 1,4,16,64,256,2048]
+    python benchmarks/quant_linear_shapes.py [--reps 7] [--threads 2] [--m 1,4,16,64,256,2048] [--clock wall|cpu]
 
 Weights are random GGUF blocks of the type the default model uses for each shape (Q4_1 linears, the Q8_0 tied
 LM head). Prints the median milliseconds per call of each path and the int8 kernel's speed-up over each.
+On a crowded machine two-thread wall times measure the queue (a parallel region waits for a descheduled thread):
+there `--threads 1 --clock cpu` times the work itself.
 """
 
 from __future__ import annotations
@@ -43,18 +45,18 @@ def random_blocks(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndar
     return blocks.reshape(-1)
 
 
-def median_ms(fn, x: torch.Tensor, reps: int) -> float:
+def median_ms(fn, x: torch.Tensor, reps: int, clock=time.perf_counter) -> float:
     """Median of `reps` timed calls; each timed call repeats fn until it has run >= 20 ms (noisy shared CPU)."""
     fn(x)  # warm-up
-    t0 = time.perf_counter()
+    t0 = clock()
     fn(x)
-    inner = max(1, int(0.02 / max(time.perf_counter() - t0, 1e-6)))
+    inner = max(1, int(0.02 / max(clock() - t0, 1e-6)))
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(inner):
             fn(x)
-        times.append((time.perf_counter() - t0) / inner)
+        times.append((clock() - t0) / inner)
     return statistics.median(times) * 1e3
 
 
@@ -64,7 +66,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--m", default="1,4,16,64,256,2048", help="rows per call (tokens in the step)")
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: process CPU time (with --threads 1, the compute time even when other jobs take "
+                             "the core; with more threads it counts OpenMP's spinning too)")
     args = parser.parse_args()
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     print(f"{'shape':14} {'M':>5} {'onednn ms':>10} {'lossless ms':>12} {'int8-act ms':>12} {'x onednn':>9} "
@@ -83,9 +89,9 @@ def main() -> None:
                 continue  # logits are computed for sampled rows only: at most max_num_seqs per step
             x = torch.randn(m, k)
             with torch.inference_mode():
-                t_dense = median_ms(dense, x, args.reps)
-                t_lossless = median_ms(lossless.matmul, x, args.reps)
-                t_q8 = median_ms(int8.matmul, x, args.reps)
+                t_dense = median_ms(dense, x, args.reps, clock)
+                t_lossless = median_ms(lossless.matmul, x, args.reps, clock)
+                t_q8 = median_ms(int8.matmul, x, args.reps, clock)
             print(f"{name:14} {m:5d} {t_dense:10.3f} {t_lossless:12.3f} {t_q8:12.3f} {t_dense / t_q8:9.2f} "
                   f"{t_lossless / t_q8:10.2f}", flush=True)
 

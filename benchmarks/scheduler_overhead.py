@@ -18,8 +18,8 @@ import time
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.messages import ModelRunnerOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.runner_output import ModelRunnerOutput
 
 BLOCK_SIZE = 16
 NUM_REQS = 256
@@ -33,11 +33,10 @@ def make_request(req_id: str, prompt: list[int], max_tokens: int) -> Request:
 
 def decode_scheduler(num_steps: int) -> Scheduler:
     """256 requests whose ~1,000-token prompts are already prefilled; they decode from here on."""
-    scheduler_config = SchedulerConfig(max_num_seqs=NUM_REQS, max_num_batched_tokens=2 * CONTEXT_LEN * NUM_REQS,
-                                       max_model_len=4096)
+    scheduler_config = SchedulerConfig(max_num_seqs=NUM_REQS, max_num_batched_tokens=2 * CONTEXT_LEN * NUM_REQS)
     cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True)
     num_blocks = NUM_REQS * (CONTEXT_LEN + num_steps + 64) // BLOCK_SIZE + 1
-    scheduler = Scheduler(scheduler_config, cache_config, num_blocks)
+    scheduler = Scheduler(scheduler_config, cache_config, num_blocks, max_model_len=4096)
     for i in range(NUM_REQS):
         prompt = [(i * 7919 + j) % 32000 for j in range(CONTEXT_LEN - 7 + i % 16)]
         scheduler.add_request(make_request(f"req-{i}", prompt, max_tokens=num_steps + 10))
@@ -77,9 +76,9 @@ def bench_step(repeats: int, profile: bool) -> tuple[float, float]:
 
 
 def bench_lookup(repeats: int) -> float:
-    scheduler_config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8192, max_model_len=8192)
+    scheduler_config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8192)
     cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True)
-    scheduler = Scheduler(scheduler_config, cache_config, num_blocks=1024)
+    scheduler = Scheduler(scheduler_config, cache_config, num_blocks=1024, max_model_len=8192)
     prompt = [(j * 31) % 32000 for j in range(4000)]
     first = make_request("first", prompt, max_tokens=1)
     scheduler.add_request(first)

@@ -136,6 +136,12 @@ def write_llama_gguf(path: Path, model, tokenizer, qtypes: dict | None = None) -
 
 
 @pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory):
+    """The tiny model's tokenizer alone (no model, no torch): for frontend tests."""
+    return _build_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"))
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """A tiny random fp32 Llama (3 layers, hidden 64, 4 heads / 2 KV heads, vocab 384) as an HF folder."""
     folder = tmp_path_factory.mktemp("tiny-llama")

@@ -44,10 +44,17 @@ def serve_command(model: Path | None, port: int, *extra_args: str, debug_routes:
             "--uvicorn-log-level", "warning", *(["--enable-debug-routes"] if debug_routes else []), *extra_args]
 
 
+FAULT_INJECTION_DIR = Path(__file__).parent / "fault_injection"
+
+
 def serve_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """One thread per server: several run at once on the 2-core machines."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-            **(extra or {})}
+    """One thread per server: several run at once on the 2-core machines. With PAGEDLLM_FAULT_INJECT in
+    `extra`, the test-only fault hook (fault_injection/sitecustomize.py) goes on PYTHONPATH."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           **(extra or {})}
+    if env.get("PAGEDLLM_FAULT_INJECT"):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(FAULT_INJECTION_DIR), env.get("PYTHONPATH")) if p)
+    return env
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = STARTUP_TIMEOUT_S,

@@ -36,7 +36,9 @@ class ModelConfig:
     """Weights and activations dtype. auto: bfloat16 on CUDA or where the CPU has AMX or AVX512-BF16,
     else float32."""
     max_model_len: int | None = None
-    """Longest prompt + output in tokens; default: the model's context length."""
+    """Longest prompt + output in tokens; default: the model's context length. The engine core resolves it
+    once at load (EngineCore.max_model_len) and hands the value to the scheduler, the runner and the
+    frontend (ModelLimits)."""
     seed: int = 0
     """Seed for requests that give no seed of their own."""
     generation_config: str = "auto"
@@ -70,7 +72,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     """Reuse the KV cache of identical prompt prefixes across requests."""
     kv_cache_memory: int | None = None
-    """Bytes of KV cache (default 4 GiB on CPU; on CUDA, --gpu-memory-utilization decides)."""
+    """Bytes of KV cache (default 4 GiB on CPU; on CUDA, the GPU memory utilization below decides)."""
     gpu_memory_utilization: float = 0.9
     """Fraction of GPU memory for weights, activations and KV cache (CUDA only)."""
     num_gpu_blocks_override: int | None = None
@@ -78,8 +80,22 @@ class CacheConfig:
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     """KV cache storage dtype. auto: the model dtype. bfloat16 holds 2x and fp8 4x the tokens of a float32 cache in
     the same memory; fp8 means fp8_e4m3 (OCP E4M3FN, largest value 448), fp8_e5m2 has more range and less
-    precision. Values are rounded to nearest and saturated, with scale 1.0; attention computes in the model
-    dtype."""
+    precision. Values are rounded to nearest and saturated, with scale 1.0 unless --calculate-kv-scales; attention
+    computes in the model dtype."""
+    calculate_kv_scales: bool | None = None
+    """fp8 KV cache: per-layer K and V scales (vLLM's k_scale = amax(K) / 200, v_scale = amax(V) / 100, as powers of
+    two) calculated once at load from a fixed calibration text, not from live requests, and K rounded with error
+    feedback along the directions that text's queries look in (less logprob drift). Default: on for fp8 caches;
+    --no-calculate-kv-scales: scale 1.0 and plain rounding, as vLLM without checkpoint scales."""
+
+    @property
+    def uses_fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype.startswith("fp8")
+
+    @property
+    def kv_scales_calculated(self) -> bool:
+        """Whether the engine calculates fp8 KV scales at load (calculate_kv_scales, default: for fp8 caches)."""
+        return self.uses_fp8_kv_cache if self.calculate_kv_scales is None else self.calculate_kv_scales
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -89,6 +105,9 @@ class CacheConfig:
         choices = typing.get_args(typing.get_type_hints(CacheConfig)["kv_cache_dtype"])
         if self.kv_cache_dtype not in choices:
             raise ValueError(f"--kv-cache-dtype must be one of {', '.join(choices)}, got {self.kv_cache_dtype!r}.")
+        if self.calculate_kv_scales and not self.uses_fp8_kv_cache:
+            raise ValueError(f"--calculate-kv-scales needs an fp8 --kv-cache-dtype (fp8, fp8_e4m3, fp8_e5m2), got "
+                             f"{self.kv_cache_dtype!r}.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError("--num-gpu-blocks-override must be at least 1.")
 
@@ -114,8 +133,6 @@ class SchedulerConfig:
     """Most requests waiting, counted as vllm:num_requests_waiting counts them: one per choice per prompt (a
     request with n=16, or 16 prompts, counts 16). A request that would go beyond is rejected at once (HTTP 503,
     Retry-After); one that needs more places than the cap on an empty queue, with HTTP 400. Default: no cap."""
-    max_model_len: int = 8192
-    """Set from the model config at start-up."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -241,6 +258,116 @@ class EngineConfig:
         return cls(**parts)
 
 
+@dataclass
+class ServerConfig:
+    """The API server's settings: one field per `pagedllm serve` server flag, with its default. Validated on
+    construction (ValueError with a message for the user)."""
+
+    host: str | None = None
+    """Host name or address to listen on; default: all interfaces."""
+    port: int = 8000
+    """Port to listen on."""
+    api_key: str | None = None
+    """Require `Authorization: Bearer KEY` on every route except /health (and /metrics unless
+    --protect-metrics). Several keys (one per tenant): comma-separated; a blank key anywhere in the list is
+    refused at start-up. Default: the VLLM_API_KEY environment variable, if set (keeps the key out of ps)."""
+    cache_salt_from_api_key: bool = False
+    """Derive each request's cache_salt on the server from the caller's API key (HMAC-SHA256 under a
+    per-process secret, combined with any client cache_salt), so tenants never share prefix-cache blocks,
+    even when a client sends no salt. Needs --api-key."""
+    protect_metrics: bool = False
+    """Make --api-key guard /metrics too."""
+    disable_log_requests: bool = False
+    """Do not log each request's id, prompt length and sampling parameters."""
+    disable_log_stats: bool = False
+    """Do not log throughput, queue and KV-cache statistics every 10 seconds."""
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
+    """Log level of uvicorn (access log, server events)."""
+    health_check_timeout: float = 10.0
+    """Seconds the engine-core process may take to answer /health before it answers 503. The engine core
+    answers during a step, so a long step (a long prefill chunk) does not fail /health."""
+    engine_hang_timeout: float = 300.0
+    """Seconds with unfinished requests in the engine core and no step finished before it is declared hung:
+    its open requests fail, /health answers 503 and the server exits (0: never). Requests the engine has
+    finished do not count, however slowly their clients read; a slow step on a busy machine must not kill
+    the server."""
+    max_buffered_outputs: int = 4096
+    """Most outputs (one per choice per engine step) a streaming request may have waiting for its client;
+    beyond, the client is taken as stalled and the request is aborted, its KV blocks freed."""
+    drain_timeout: float = 30.0
+    """Seconds SIGTERM waits for open requests to finish before aborting them and exiting."""
+    engine_startup_timeout: float = 600.0
+    """Seconds to wait for the engine core to load the model and report ready."""
+    engine_death_exit_delay: float = 3.0
+    """Seconds the server keeps answering 503 after the engine core dies, before it exits."""
+    max_n: int = 128
+    """Largest `n` (choices per request) accepted; checked before anything else is done."""
+    max_prompts: int = 1024
+    """Most prompts in one /v1/completions request (a list of prompts); checked before tokenization."""
+    max_choices: int = 1024
+    """Most choices in one request: prompts x n (64 prompts with n=128 are 8,192 sequences to generate); HTTP 400
+    beyond, checked before tokenization."""
+    max_logit_bias: int = 1024
+    """Most logit_bias entries in one request."""
+    max_stop: int = 64
+    """Most stop strings (and, separately, stop_token_ids) in one request."""
+    chat_template_timeout: float = 1.0
+    """Seconds a chat template may take to render before the request is rejected (HTTP 400)."""
+    max_chat_template_chars: int = 1 << 20
+    """Most characters a chat template may render (or build in one value) before HTTP 400."""
+    trust_request_chat_template: bool = False
+    """Accept a chat template sent in a request (`chat_template`, or `chat_template_kwargs.chat_template`);
+    without this flag such a request is refused with HTTP 400, as vLLM does. A request's template is code:
+    it is compiled and rendered in a child process with a memory limit, killed past --chat-template-timeout."""
+    max_request_bytes: int = 16 << 20
+    """Largest request body accepted, in bytes (HTTP 413 beyond; chunked bodies are counted as they
+    arrive)."""
+    max_header_bytes: int = 64 << 10
+    """Largest request head (request line and headers) accepted, in bytes (HTTP 431 beyond)."""
+    max_connections: int = 4096
+    """Most open client connections; beyond, a new connection gets HTTP 503 at once and is closed (kept
+    below the open-file limit, which start-up raises to its hard limit)."""
+    header_read_timeout: float = 10.0
+    """Seconds a connection has to deliver a request's head (request line and headers) from when it opens,
+    or from its first byte after a keep-alive pause; then HTTP 408 and the connection is closed."""
+    body_read_timeout: float = 60.0
+    """Seconds a request's body has to arrive in full after its head; then the connection is closed."""
+    enable_debug_routes: bool = False
+    """Serve GET /debug/kv_cache (free and total KV blocks, running and waiting requests) for tests."""
+
+    def __post_init__(self) -> None:
+        parse_api_keys(self.api_key)
+        if self.cache_salt_from_api_key and self.api_key is None:
+            raise ValueError("--cache-salt-from-api-key needs --api-key (or VLLM_API_KEY): without a key there is "
+                             "no tenant to derive a salt from.")
+        for name in ("max_n", "max_prompts", "max_choices", "max_logit_bias", "max_stop", "max_chat_template_chars",
+                     "max_request_bytes", "max_header_bytes", "max_connections", "max_buffered_outputs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1.")
+        for name in ("header_read_timeout", "body_read_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive.")
+
+    @property
+    def api_keys(self) -> list[str]:
+        """The keys of --api-key: any of them is accepted as `Authorization: Bearer KEY`; []: no key needed."""
+        return parse_api_keys(self.api_key)
+
+
+def parse_api_keys(value: str | None, source: str = "--api-key") -> list[str]:
+    """The keys of --api-key (or VLLM_API_KEY): comma-separated, each stripped; None: no key needed.
+
+    Raises ValueError for a blank key anywhere in the list (`" "`, `"a,,b"`, `"a, "`): dropping it would
+    leave authentication off, or weaker than asked, without a word."""
+    if value is None:
+        return []
+    keys = [key.strip() for key in value.split(",")]
+    if not all(keys):
+        raise ValueError(f"{source} contains a blank key: every comma-separated key must be non-empty (leave "
+                         f"{source} unset to serve without authentication).")
+    return keys
+
+
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of a dataclass, read from its source.
@@ -279,7 +406,7 @@ def add_dataclass_flags(group, cls: type, prefix: str, skip: frozenset[str] | se
         kwargs: dict[str, Any] = {"dest": prefix + f.name, "default": default, "help": docs.get(f.name, "")}
         kind = hints[f.name]
         args = [a for a in typing.get_args(kind) if a is not type(None)]
-        if kind is bool:
+        if kind is bool or args == [bool]:  # bool | None: None until --x / --no-x says otherwise
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         elif typing.get_origin(kind) is Literal:
             group.add_argument(flag, choices=typing.get_args(kind), **kwargs)
@@ -293,14 +420,10 @@ def add_dataclass_flags(group, cls: type, prefix: str, skip: frozenset[str] | se
 
 def add_engine_flags(group, skip: frozenset[str] | set[str] = frozenset(), suppress_defaults: bool = False,
                      prefix: str = "engine_") -> None:
-    """Flags for every engine argument (ModelConfig, CacheConfig, SchedulerConfig) except `skip`.
-
-    SchedulerConfig.max_model_len is not a flag: it is copied from ModelConfig's at start-up.
-    """
+    """Flags for every engine argument (ModelConfig, CacheConfig, SchedulerConfig) except `skip`."""
     seen = set(skip)
     for cls in (ModelConfig, CacheConfig, SchedulerConfig):
-        extra = {"max_model_len"} if cls is SchedulerConfig else set()
-        add_dataclass_flags(group, cls, prefix, frozenset(seen | extra), suppress_defaults)
+        add_dataclass_flags(group, cls, prefix, frozenset(seen), suppress_defaults)
         seen |= {f.name for f in fields(cls)}
     if "speculative_config" not in seen:
         group.add_argument("--speculative-config", dest=prefix + "speculative_config", metavar="JSON",

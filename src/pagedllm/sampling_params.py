@@ -9,11 +9,15 @@ import msgspec
 # Caps that bound the work one request can ask for. The server exposes them as flags.
 MAX_LOGPROBS = 20
 
+GREEDY_TEMPERATURE = 1e-5
+"""A temperature below this samples greedily (argmax); the sampler applies the same threshold per row."""
+
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Sampling parameters for text generation, with vLLM's field names and defaults.
 
-    `temperature == 0` means greedy. `validate()` raises `ValueError` with a message a user can act on.
+    `temperature == 0` (below GREEDY_TEMPERATURE) means greedy. `validate()` raises `ValueError` with a message a
+    user can act on.
     """
 
     n: int = 1
@@ -44,7 +48,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-5
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first parameter that is out of range."""

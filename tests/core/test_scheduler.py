@@ -2,8 +2,7 @@ import pytest
 
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import QueueFullError
-from pagedllm.engine.messages import FinishReason, LogprobsEntry
-from pagedllm.worker.runner_output import ModelRunnerOutput
+from pagedllm.messages import FinishReason, LogprobsEntry, ModelRunnerOutput
 
 from .utils import (
     EOS_TOKEN_ID,

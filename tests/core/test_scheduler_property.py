@@ -9,12 +9,13 @@ once all are finished or aborted, every block is free with ref_cnt 0 (DESIGN inv
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.messages import ModelRunnerOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.runner_output import ModelRunnerOutput
 
 from .utils import assert_all_free, check_pool_invariants, create_scheduler
 
@@ -153,6 +154,7 @@ class Driver:
         assert_all_free(s)
 
 
+@pytest.mark.slow  # tens of seconds: out of the fast run (-m "not slow"), still in CI
 def test_random_operations_keep_invariants():
     op_counts = {"add": 0, "step": 0, "abort": 0, "abort_mid_step": 0}
     events = {"preemptions": 0, "prefix_hit_tokens": 0, "finished_by_runner": 0}

@@ -3,7 +3,7 @@ drafts before blocks are cached, stops inside an accepted run, preemption and th
 
 from pagedllm.config import SpeculativeConfig
 from pagedllm.core.request import RequestStatus
-from pagedllm.worker.runner_output import ModelRunnerOutput
+from pagedllm.messages import ModelRunnerOutput
 
 from .utils import assert_all_free, check_pool_invariants, create_requests, create_scheduler, step
 

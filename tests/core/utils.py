@@ -6,8 +6,8 @@ from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.messages import ModelRunnerOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.runner_output import ModelRunnerOutput
 
 EOS_TOKEN_ID = 50000
 
@@ -35,11 +35,10 @@ def create_scheduler(
         long_prefill_token_threshold=long_prefill_token_threshold,
         scheduling_policy=scheduling_policy,  # type: ignore[arg-type]
         max_num_queued_reqs=max_num_queued_reqs,
-        max_model_len=max_model_len,
         **({} if max_prefill_attention_pairs is None else {"max_prefill_attention_pairs": max_prefill_attention_pairs}),
     )
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
-    return Scheduler(scheduler_config, cache_config, num_blocks, speculative_config)
+    return Scheduler(scheduler_config, cache_config, num_blocks, max_model_len, speculative_config)
 
 
 def create_requests(

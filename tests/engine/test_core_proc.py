@@ -12,8 +12,7 @@ import pytest
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core_client import EngineCoreClient, EngineStartupError
-from pagedllm.engine.core_proc import Outputs
-from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.messages import EngineCoreRequest, Outputs
 from pagedllm.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

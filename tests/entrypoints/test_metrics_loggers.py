@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, SpecDecodingStats
 from pagedllm.metrics.loggers import LoggingStatLogger, RequestStatsTracker
 from pagedllm.metrics.prometheus import PrometheusStatLogger
-from pagedllm.metrics.stats import SchedulerStats, SpecDecodingStats
 
 
 def test_tracker_times_and_prometheus_names():

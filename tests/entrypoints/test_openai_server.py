@@ -213,7 +213,8 @@ def _assert_error_body(body: dict, status_type: str = "invalid_request_error") -
 
 
 def _next_request_succeeds(client):
-    assert client.completions.create(**greedy(prompt=PROMPT, max_tokens=2)).choices[0].text is not None
+    after = client.completions.create(**greedy(prompt=PROMPT, max_tokens=2, extra_body={"ignore_eos": True}))
+    assert after.usage.completion_tokens == 2 and after.choices[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize("body, param", [
@@ -307,21 +308,24 @@ def test_stream_disconnect_aborts(server, auth):
 
 def test_non_stream_disconnect_aborts(server, auth):
     body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 450, "ignore_eos": True}
-    done = threading.Event()
+    done, seen_running = threading.Event(), threading.Event()
 
     def watch():
         while not done.is_set():
             kv = server.get("/debug/kv_cache", headers=auth).json()
             if kv["num_running_reqs"]:
-                done.set()
+                seen_running.set()
+                return
             time.sleep(0.02)
 
     watcher = threading.Thread(target=watch)
     watcher.start()
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, headers=auth, timeout=0.4)
+    seen_running.wait(5.0)
     done.set()
     watcher.join()
+    assert seen_running.is_set()  # the request ran in the engine before the client left (before: not checked)
     kv = server.wait_idle()
     assert (kv["num_running_reqs"], kv["num_waiting_reqs"], kv["num_open_requests"]) == (0, 0, 0)
     assert kv["num_free_blocks"] == kv["num_total_blocks"]

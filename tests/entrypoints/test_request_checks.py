@@ -5,29 +5,18 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import fields
 
 import pytest
 from pydantic import ValidationError
 
-from pagedllm.entrypoints.cli.serve import ServerConfig
-from pagedllm.entrypoints.openai.api_server import ServerSettings
+from pagedllm.config import ServerConfig
+from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
-from pagedllm.entrypoints.openai.serving_base import RequestCaps, json_logprob, precheck_caps
+from pagedllm.entrypoints.openai.formatting import json_logprob
+from pagedllm.entrypoints.openai.protocol import CompletionRequest, DetokenizeRequest
+from pagedllm.entrypoints.openai.request_caps import precheck_caps
 
-CAPS = RequestCaps()
-
-
-def test_caps_defaults_are_the_flags_defaults():
-    flags = ServerConfig()
-    for f in fields(RequestCaps):
-        assert getattr(CAPS, f.name) == getattr(flags, f.name), f.name
-    settings = ServerSettings.from_flags(ServerConfig(max_n=7, max_stop=3, max_request_bytes=99,
-                                                      disable_log_requests=True), ["m"], ["k"])
-    assert (settings.max_n, settings.max_stop, settings.max_request_bytes) == (7, 3, 99)
-    assert settings.max_prompts == flags.max_prompts and settings.log_requests is False
-    assert settings.served_model_names == ["m"] and settings.api_keys == ["k"]
+CAPS = ServerConfig()
 
 
 def _rejects(body: dict | bytes, param: str) -> str:

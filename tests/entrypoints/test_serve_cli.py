@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
-from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig, field_docs
-from pagedllm.entrypoints.cli.serve import add_parser, configs_from_args, parse_bytes
+from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig, field_docs, parse_bytes
+from pagedllm.entrypoints.cli.serve import add_parser, configs_from_args
 
 ISSUE_FLAGS = ["--host", "--port", "--served-model-name", "--api-key", "--max-model-len", "--max-num-seqs",
                "--max-num-batched-tokens", "--block-size", "--enable-prefix-caching", "--no-enable-prefix-caching",
@@ -57,3 +58,47 @@ def test_parse_bytes():
     assert parse_bytes("4GiB") == 4 << 30 and parse_bytes("512M") == 512_000_000 and parse_bytes("1024") == 1024
     with pytest.raises(argparse.ArgumentTypeError):
         parse_bytes("lots")
+
+
+def test_help_lists_each_flag_once():
+    """Each flag appears in the usage line and in its own entry, and nowhere else (before:
+    --gpu-memory-utilization also appeared in --kv-cache-memory's help, right above its own entry, so `--help`
+    seemed to list it twice)."""
+    text = _parser().format_help()
+    usage, _, options = text.partition("\n\n")
+    flags = {word.strip("[]|,") for word in usage.split() if word.strip("[]|,").startswith("--")}
+    assert "--gpu-memory-utilization" in flags and "--api-key" in flags
+    for flag in flags:
+        entries = [line for line in options.splitlines()  # an entry starts at column 2; its help is indented more
+                   if line.startswith("  --") and flag in re.findall(r"--[\w-]+", line.strip().split("  ")[0])]
+        assert len(entries) == 1, flag
+    assert text.count("--gpu-memory-utilization") == 2
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cache-salt-from-api-key"], "--cache-salt-from-api-key needs --api-key"),
+    (["--api-key", "k1,,k2"], "--api-key contains a blank key"),
+    (["--max-n", "0"], "--max-n must be at least 1"),
+    (["--body-read-timeout", "0"], "--body-read-timeout must be positive"),
+])
+def test_invalid_server_flags_are_refused_at_startup(monkeypatch, flags, message):
+    """The server configuration is checked when it is built, before anything starts (before: with
+    --cache-salt-from-api-key and no key, every completion answered 500 with KeyError 'pagedllm.api_key')."""
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    with pytest.raises(ValueError, match=message):
+        configs_from_args(_parser().parse_args(flags))
+
+
+def test_server_config_validates_itself():
+    with pytest.raises(ValueError, match="--cache-salt-from-api-key needs --api-key"):
+        ServerConfig(cache_salt_from_api_key=True)
+    with pytest.raises(ValueError, match="--max-connections must be at least 1"):
+        ServerConfig(max_connections=0)
+    assert ServerConfig(api_key=" a , b", cache_salt_from_api_key=True).api_keys == ["a", "b"]
+    assert ServerConfig().api_keys == []
+
+
+def test_blank_key_from_environment_names_the_variable(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", " ")
+    with pytest.raises(ValueError, match="VLLM_API_KEY contains a blank key"):
+        configs_from_args(_parser().parse_args([]))

@@ -83,7 +83,8 @@ def test_queue_full_is_503_and_stuck_engine_is_unhealthy(remote_server_factory):
     running.close()
     kv = server.wait_idle()
     assert kv["num_free_blocks"] == kv["num_total_blocks"]
-    assert client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2).choices[0].text is not None
+    after = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, extra_body={"ignore_eos": True})
+    assert after.usage.completion_tokens == 2 and after.choices[0].finish_reason == "length"
 
     engine_pid = kv["engine_pid"]
     os.kill(engine_pid, signal.SIGSTOP)

@@ -49,6 +49,7 @@ def load(monkeypatch, caplog):
     cpu_kernels._library.cache_clear()
 
 
+@pytest.mark.slow  # tens of seconds: out of the fast run (-m "not slow"), still in CI
 def test_planted_library_in_a_writable_cache_is_never_loaded(tmp_path, monkeypatch, load, caplog):
     root = tmp_path / "shared-cache"
     (root / "kernels").mkdir(parents=True)
@@ -64,6 +65,7 @@ def test_planted_library_in_a_writable_cache_is_never_loaded(tmp_path, monkeypat
     assert planted.read_bytes() == planted_bytes  # nothing installed into the untrusted folder
 
 
+@pytest.mark.slow  # tens of seconds: out of the fast run (-m "not slow"), still in CI
 def test_cached_library_with_other_content_is_rebuilt(tmp_path, monkeypatch, load, caplog):
     """A private cache (this user's, mode 0700) whose library is not what was built (no recorded hash, or
     another one) is rebuilt, never loaded; the rebuilt one is loaded from the cache next time."""

@@ -177,3 +177,108 @@ def test_a_device_that_cannot_convert_fails_with_the_reason(monkeypatch):
     monkeypatch.setattr(kv_cache_dtype, "to_cache_dtype", no_fp8)
     with pytest.raises(ValueError, match="cannot store or read a torch.float8_e5m2 KV cache.*not implemented"):
         resolve_kv_cache_dtype("fp8_e5m2", torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_scaled_write_stores_x_over_scale_as_the_torch_path_does(dtype):
+    """vLLM's k_scale / v_scale: the write stores x / scale (powers of two: exact), native and torch alike, and
+    values far below 1 that scale 1 would flush into subnormals keep their 3 (e5m2: 2) mantissa bits."""
+    gen = torch.Generator().manual_seed(4)
+    tiny = 2.0**-10 if dtype == torch.float8_e4m3fn else 2.0**-20  # subnormals start at 2^-6 (e4m3), 2^-14 (e5m2)
+    kv = torch.randn(2, 6, 2, 32, generator=gen) * tiny  # [K/V, T, Hkv, D]
+    cache = torch.zeros(2, 2, 4, 2, 32, dtype=dtype)
+    slots = torch.tensor([0, 2, 3, 4, 6, 7])
+    k_scale, v_scale = tiny / 2, tiny * 2
+    cpu_kernels.write_kv_cache(kv[0], kv[1], cache[0], cache[1], slots, k_scale, v_scale)
+    flat = cache.view(2, 8, 2, 32)
+    bits = torch.uint8
+    assert torch.equal(flat[0, slots].view(bits), to_cache_dtype(kv[0], dtype, k_scale).view(bits))
+    assert torch.equal(flat[1, slots].view(bits), to_cache_dtype(kv[1], dtype, v_scale).view(bits))
+    k_back = flat[0, slots].float() * k_scale
+    relative = ((k_back - kv[0]).norm() / kv[0].norm()).item()
+    unscaled = ((to_cache_dtype(kv[0], dtype).float() - kv[0]).norm() / kv[0].norm()).item()
+    assert relative < (0.04 if dtype == torch.float8_e4m3fn else 0.08) < unscaled
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_decode_attention_folds_the_scales(dtype):
+    """k_scale folded into the softmax scale and v_scale into the output: the result of attending over the
+    dequantized values (codes * scale), against the float64 reference; fused and separate kernels agree."""
+    gen = torch.Generator().manual_seed(5)
+    cache = _pool(dtype, 40, 16, 3, 64, gen)
+    k_scale, v_scale = 2.0**-5, 2.0**3
+    seq_lens = torch.tensor([1, 17, 50, 64], dtype=torch.int32)
+    block_table = torch.randperm(40, generator=gen)[:16].view(4, 4).to(torch.int32)
+    q = torch.randn(4, 9, 64, generator=gen) * 8
+    out = cpu_kernels.paged_decode_attention(q, cache[0], cache[1], block_table, seq_lens, 0.125, k_scale, v_scale)
+    expected = reference(q, cache[0].float() * k_scale, cache[1].float() * v_scale, block_table, seq_lens, 0.125)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+    slots = torch.stack([block_table[s, (n - 1) // 16].long() * 16 + (n - 1) % 16
+                         for s, n in enumerate(seq_lens.tolist())])
+    qkv = torch.randn(4, 15 * 64, generator=gen)
+    angles = torch.rand(4, 32, generator=gen) * 6
+    cos_sin = torch.stack([angles.cos(), angles.sin()], dim=1)
+    separate, qkv_separate = cache.clone(), qkv.clone()
+    cpu_kernels.rotary_qkv(qkv_separate, cos_sin, 9, 3, 64)
+    rows = qkv_separate.view(4, 15, 64)
+    cpu_kernels.write_kv_cache(rows[:, 9:12], rows[:, 12:], separate[0], separate[1], slots, k_scale, v_scale)
+    expected = cpu_kernels.paged_decode_attention(rows[:, :9], separate[0], separate[1], block_table, seq_lens, 0.125,
+                                                  k_scale, v_scale)
+    fused = cache.clone()
+    out = cpu_kernels.fused_decode_attention(qkv.clone(), cos_sin, slots, fused, block_table, seq_lens, 0.125, 9,
+                                             k_scale, v_scale)
+    assert torch.equal(fused.float(), separate.float())
+    assert torch.equal(out, expected)
+
+
+def test_power_of_two_scale():
+    from pagedllm.layers.kv_cache_dtype import power_of_two_scale
+
+    assert power_of_two_scale(20.0, 200.0) == 0.125  # 20 / 0.125 = 160 <= 200 < 320
+    assert power_of_two_scale(200.0, 200.0) == 1.0
+    assert power_of_two_scale(201.0, 200.0) == 2.0
+    assert power_of_two_scale(0.0, 200.0) == power_of_two_scale(float("nan"), 200.0) == 1.0
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_error_feedback_write_matches_the_torch_path_and_cancels_errors_where_queries_look(dtype):
+    """K rows rounded with error feedback (GPTQ's carry weights from the queries' second moment H): the native write
+    (separate and fused) stores the torch path's codes bit for bit, and e^T H e, the mean squared score error, is
+    well below plain rounding's."""
+    from pagedllm.layers.kv_cache_dtype import to_cache_dtype_compensated
+    from pagedllm.worker.kv_scales import error_feedback_weights
+
+    gen = torch.Generator().manual_seed(6)
+    hkv, d = 3, 64
+    direction = torch.randn(hkv, 1, d, generator=gen, dtype=torch.float64)
+    queries = torch.randn(hkv, 500, d, generator=gen, dtype=torch.float64) + 4 * direction  # one dominant direction
+    h = queries.transpose(1, 2) @ queries / 500  # [Hkv, D, D]
+    w = error_feedback_weights(h)
+    k = torch.randn(40, hkv, d, generator=gen) * 3 + 2
+    k_scale = 2.0**-4
+    expected = to_cache_dtype_compensated(k, dtype, k_scale, w)
+    cache = torch.zeros(2, 4, 16, hkv, d, dtype=dtype)
+    slots = torch.arange(40) + 5
+    cpu_kernels.write_kv_cache(k, k, cache[0], cache[1], slots, k_scale, 1.0, w)
+    flat = cache.view(2, 64, hkv, d)
+    assert torch.equal(flat[0, slots].view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(flat[1, slots].view(torch.uint8), to_cache_dtype(k, dtype).view(torch.uint8))  # V: plain
+
+    def score_error(codes):  # mean over rows of e^T H e, per head
+        e = (codes.double() * k_scale - k.double()).transpose(0, 1)  # [Hkv, T, D]
+        return torch.einsum("htd,hde,hte->", e, h, e).item() / 40
+
+    plain = to_cache_dtype(k, dtype, k_scale).float()
+    assert score_error(expected.float()) < 0.5 * score_error(plain)
+    # the fused write of one token per sequence stores the same codes
+    qkv = torch.randn(4, (6 + 2 * hkv) * d, generator=gen)
+    rows = qkv.view(4, 6 + 2 * hkv, d)
+    cos_sin = torch.stack([torch.ones(4, d // 2), torch.zeros(4, d // 2)], dim=1)  # rotary by angle 0
+    fused = torch.zeros(2, 4, 16, hkv, d, dtype=dtype)
+    block_table = torch.arange(4, dtype=torch.int32).view(4, 1)
+    seq_lens = torch.ones(4, dtype=torch.int32)
+    slots = torch.arange(4) * 16
+    cpu_kernels.fused_decode_attention(qkv.clone(), cos_sin, slots, fused, block_table, seq_lens, 0.125, 6, k_scale,
+                                       1.0, w)
+    assert torch.equal(fused[0, :, 0].view(torch.uint8),
+                       to_cache_dtype_compensated(rows[:, 6:6 + hkv], dtype, k_scale, w).view(torch.uint8))

@@ -101,3 +101,21 @@ def test_fused_parts_of_different_types_keep_their_values():
     assert torch.equal(packed.dequantize(), expected)
     x = torch.randn(3, k)
     torch.testing.assert_close(packed.matmul(x), x @ expected.T, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_run_width_and_row_split_keeps_the_chain(threads):
+    """15 panels run as 8 + 4 + 2 + 1 (one thread) or 4 + 2 + 1 and 8 (two); rows 1-8 stream the weights in passes
+    of up to 4 rows; 9-23 rows run the tiled path in row blocks of 6 or fewer. Every row equals the one a 300-row
+    call computes."""
+    n, k = 8 * 15, 256
+    packed = PackedWeight.from_codes(unpack(raw_tensor(Q.Q4_1, n, k, seed=3), Q.Q4_1, (n, k)))
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(3))
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        full = packed.matmul(x)
+        for m in (1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 16, 23):
+            assert torch.equal(packed.matmul(x[m:2 * m]), full[m:2 * m]), m
+    finally:
+        torch.set_num_threads(saved)

@@ -52,6 +52,7 @@ def _mixed_prompts(vocab: int) -> list[list[int]]:
 
 COMBINATIONS = {  # name: (model fixture, engine options of the feature under test)
     "fp8-kv": ("tiny_llama_dir", {"kv_cache_dtype": "fp8"}),
+    "fp8-kv-scale-one": ("tiny_llama_dir", {"kv_cache_dtype": "fp8", "calculate_kv_scales": False}),
     "gguf-quantized": ("tiny_llama_gguf_quantized", {}),
     "gguf-int8-activations": ("tiny_llama_gguf_quantized", {"activation_quantization": "int8"}),
     "gguf-int8-activations-fp8-kv": ("tiny_llama_gguf_quantized",
@@ -60,6 +61,7 @@ COMBINATIONS = {  # name: (model fixture, engine options of the feature under te
 }
 
 
+@pytest.mark.slow  # tens of seconds: out of the fast run (-m "not slow"), still in CI
 @pytest.mark.parametrize("name", list(COMBINATIONS))
 def test_batching_never_changes_greedy_output_within_a_precision_mode(request, name):
     """DESIGN invariant 2 within each precision mode (quantized weights, int8 activations, fp8 weights, fp8 KV):

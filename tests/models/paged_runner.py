@@ -12,15 +12,20 @@ from pagedllm.layers.forward_context import AttentionMetadata, kv_cache_shape, s
 
 
 class PagedRunner:
-    def __init__(self, model, num_blocks: int = 64, block_size: int = 16, seed: int = 0):
+    def __init__(self, model, num_blocks: int = 64, block_size: int = 16, seed: int = 0, native_step=None,
+                 kv_dtype: torch.dtype | None = None):
+        """native_step: a LlamaNativeDecodeStep run first, as the model runner does (the model's modules run the
+        steps it declines); kv_dtype: the KV cache's storage dtype (default the model's)."""
         info = model.info
         self.model = model
+        self.native_step = native_step
+        self.native_steps = 0  # steps the native step ran
         self.block_size = block_size
         norm = model.model.norm.weight  # the embedding table may be kept quantized (no .weight)
         dtype, device = norm.dtype, norm.device
         self.device = device
         shape = kv_cache_shape(num_blocks, block_size, info.num_kv_heads, info.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(info.num_layers)]
+        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype or dtype, device=device) for _ in range(info.num_layers)]
         self.free_blocks = list(np.random.default_rng(seed).permutation(num_blocks))
         self.block_tables: dict[str, list[int]] = {}
         self.num_computed: dict[str, int] = {}
@@ -63,5 +68,9 @@ class PagedRunner:
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         with torch.inference_mode(), set_forward_context(md, self.kv_caches):
-            hidden = self.model(ids, pos)  # [T, hidden]
+            hidden = None if self.native_step is None else self.native_step.forward(ids, pos)
+            if hidden is None:
+                hidden = self.model(ids, pos)  # [T, hidden]
+            else:
+                self.native_steps += 1
             return self.model.compute_logits(hidden)  # [T, vocab]

@@ -6,7 +6,7 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedllm.engine.core_proc import FromEngine, ToEngine
+from pagedllm.messages import FromEngine, ToEngine
 
 TO_ENGINE = msgspec.msgpack.Decoder(ToEngine)
 FROM_ENGINE = msgspec.msgpack.Decoder(FromEngine)

@@ -16,8 +16,7 @@ from reliability_utils import MODEL_NAME, Server, assert_error_body, wait_for
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core_client import EngineCoreClient
-from pagedllm.engine.core_proc import Outputs
-from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.messages import EngineCoreRequest, Outputs
 from pagedllm.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

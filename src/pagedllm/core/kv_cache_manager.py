@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.request import Request
+from pagedllm.math_utils import cdiv
 
 
 class KVCacheManager:
@@ -24,13 +25,22 @@ class KVCacheManager:
         block_size: tokens per block.
         enable_caching: prefix caching on/off.
         max_model_len: longest prompt + output; one request never needs more than
-            ceil(max_model_len / block_size) blocks.
+            cdiv(max_model_len, block_size) blocks.
+
+    Raises ValueError when the pool cannot hold one request of max_model_len tokens (the one place this is
+    checked: the engine core builds its scheduler, and so this, before it allocates the KV cache).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  max_model_len: int = 8192):
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}.")
+        blocks_per_request = cdiv(max_model_len, block_size)
+        if num_blocks < blocks_per_request:
+            raise ValueError(
+                f"{num_blocks} KV blocks of {block_size} tokens cannot hold one request of "
+                f"max_model_len={max_model_len} tokens ({blocks_per_request} blocks); lower "
+                "--max-model-len or raise --kv-cache-memory.")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
@@ -105,7 +115,7 @@ class KVCacheManager:
                 and num_tokens_needed <= len(req_blocks) * self.block_size):
             return []  # decode fast path: the last block still has room
         num_held = 0 if req_blocks is None else len(req_blocks)
-        num_required_blocks = -(-num_tokens_needed // self.block_size)
+        num_required_blocks = cdiv(num_tokens_needed, self.block_size)
         if not new_computed_blocks:
             num_new_blocks = num_required_blocks - num_held
             if num_new_blocks > self.block_pool.free_block_queue.num_free_blocks:

@@ -7,10 +7,10 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pagedllm.core.block_hash import BlockHash, append_block_hashes
-from pagedllm.engine.messages import FinishReason
+from pagedllm.messages import FinishReason
 
 if TYPE_CHECKING:
-    from pagedllm.engine.messages import EngineCoreRequest
+    from pagedllm.messages import EngineCoreRequest
     from pagedllm.sampling_params import SamplingParams
 
 

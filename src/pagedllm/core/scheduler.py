@@ -27,12 +27,11 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs
-from pagedllm.metrics.stats import SchedulerStats, SpecDecodingStats
+from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats, SpecDecodingStats
 
 if TYPE_CHECKING:
     from pagedllm.core.block_pool import KVCacheBlock
-    from pagedllm.worker.runner_output import ModelRunnerOutput
+    from pagedllm.messages import ModelRunnerOutput
 
 
 class QueueFullError(Exception):
@@ -101,31 +100,28 @@ class Scheduler:
     """Decides, every step, which requests advance by how many tokens, and owns their KV blocks.
 
     Args:
-        scheduler_config: budgets and policy (max_num_seqs, max_num_batched_tokens, ...,
-            max_model_len).
+        scheduler_config: budgets and policy (max_num_seqs, max_num_batched_tokens, ...).
         cache_config: block_size and enable_prefix_caching.
         num_blocks: KV-cache blocks in the pool.
+        max_model_len: longest prompt + output (EngineCore.max_model_len, resolved once from the model).
         speculative_config: speculative decoding (None: off). The runner proposes drafts; the scheduler
             gives them room in the step (trimmed to the budget, max_tokens and max_model_len) and rolls
             num_computed_tokens back over the rejected ones.
+
+    Raises ValueError when one request of max_model_len tokens cannot fit the pool (KVCacheManager) or,
+    without chunked prefill, a step.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 speculative_config: SpeculativeConfig | None = None):
+                 max_model_len: int, speculative_config: SpeculativeConfig | None = None):
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
-        self.max_model_len = scheduler_config.max_model_len
+        self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
         pairs = scheduler_config.max_prefill_attention_pairs
         self.max_prefill_attention_pairs = pairs if pairs > 0 and scheduler_config.enable_chunked_prefill else None
-        max_blocks_per_req = -(-self.max_model_len // self.block_size)
-        if num_blocks < max_blocks_per_req:
-            raise ValueError(
-                f"{num_blocks} KV blocks of {self.block_size} tokens cannot hold one request of "
-                f"max_model_len={self.max_model_len} tokens ({max_blocks_per_req} blocks); lower "
-                "--max-model-len or give the KV cache more memory.")
         if (not scheduler_config.enable_chunked_prefill
                 and self.max_num_batched_tokens < self.max_model_len):
             raise ValueError(

@@ -27,13 +27,12 @@ from collections.abc import AsyncIterator, Callable
 
 from pagedllm.core.scheduler import QueueFullError
 from pagedllm.engine.core_client import EngineCoreClient, EngineDeadError
-from pagedllm.engine.core_proc import FromEngine, Outputs, Rejected, UtilityResult
 from pagedllm.engine.input_processor import InputProcessor, InvalidRequestError
-from pagedllm.engine.messages import EngineCoreRequest
-from pagedllm.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
+from pagedllm.engine.output_processor import OutputKind, OutputProcessor
+from pagedllm.engine.parallel_sampling import fan_out
+from pagedllm.messages import EngineCoreRequest, FromEngine, Outputs, Rejected, SchedulerStats, UtilityResult
 from pagedllm.metrics.loggers import IterationStats, LoggingStatLogger, RequestStatsTracker
 from pagedllm.metrics.prometheus import PrometheusStatLogger
-from pagedllm.metrics.stats import SchedulerStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -130,19 +129,8 @@ class AsyncLLM:
         if request_id in self.queues:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use.", param="request_id")
         arrival_time = time.time()
-        if params.n == 1:
-            requests = [self.input_processor.process(request_id, prompt_token_ids, params, arrival_time,
-                                                     priority, cache_salt)]
-            self.output_processor.add_request(requests[0], prompt, None, 0, output_kind)
-        else:
-            parent = ParentRequest(request_id, params.n)
-            requests = []
-            for index, child in enumerate(self.input_processor.child_params(params)):
-                requests.append(self.input_processor.process(parent.child_id(index), prompt_token_ids, child,
-                                                             arrival_time, priority, cache_salt))
-            for index, request in enumerate(requests):
-                self.output_processor.add_request(request, prompt, parent, index, output_kind)
-            parent.pending = requests[1:]
+        requests = fan_out(self.input_processor, self.output_processor, request_id, prompt_token_ids, params, prompt,
+                           output_kind, arrival_time, priority, cache_salt)
         if not self._engine_to_request:  # the engine was idle: the watchdog counts from now
             self.last_progress_time = time.monotonic()
         for request in requests:
@@ -192,6 +180,11 @@ class AsyncLLM:
         if not any(output.finished for output in outputs):  # nothing to finish it with: fail it instead
             self.queues.pop(request_id, None)
             queue.put_nowait(RequestAbortedError("The request was aborted by the server."))
+
+    def finish_all_aborted(self) -> None:
+        """finish_aborted for every open request (the drain timeout at shutdown)."""
+        for request_id in list(self.queues):
+            self.finish_aborted(request_id)
 
     def _abort_in_engine(self, engine_ids: list[str]) -> None:
         """Count the engine requests as aborted (metrics) and abort them in the engine core."""

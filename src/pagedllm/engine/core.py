@@ -16,11 +16,12 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.engine.input_processor import ModelLimits
-from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from pagedllm.layers.forward_context import kv_cache_bytes_per_block
 from pagedllm.layers.kv_cache_dtype import resolve_kv_cache_dtype
+from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, ModelLimits
 from pagedllm.models.loader import load_model, resolve_device, resolve_dtype, resolve_model
+from pagedllm.tokenizer import get_tokenizer
+from pagedllm.worker.kv_scales import CALIBRATION_TEXT, calculate_kv_scales
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,8 @@ class EngineCore:
     """Loads the model, sizes the KV pool, and runs steps.
 
     Raises ValueError at construction when the configuration cannot work (e.g. one request of
-    max_model_len tokens does not fit in the KV pool), with the figures in the message.
+    max_model_len tokens does not fit in the KV pool: the scheduler's KVCacheManager checks, after the pool's
+    size in blocks, tokens and MiB is logged).
     """
 
     def __init__(self, config: EngineConfig):
@@ -46,12 +48,16 @@ class EngineCore:
         model = load_model(mc, self.device, self.dtype)
         info = self.model_info = model.info
         self.max_model_len = _resolve_max_model_len(mc.max_model_len, info.max_position_embeddings)
-        sc.max_model_len = self.max_model_len
+        """The one resolved value: the scheduler, the runner and the frontend (ModelLimits) all get it from here."""
         self.kv_cache_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, self.dtype, self.device)
         self.num_blocks = self._determine_num_blocks()
-        self.runner = ModelRunner(config, model, info, self.device, self.dtype, self.kv_cache_dtype)
+        # Before the KV cache is allocated: the scheduler refuses a pool that cannot hold one longest request.
+        self.scheduler = Scheduler(sc, cc, self.num_blocks, self.max_model_len, config.speculative_config)
+        self.runner = ModelRunner(config, model, info, self.device, self.dtype, self.kv_cache_dtype,
+                                  max_model_len=self.max_model_len)
         self.runner.initialize_kv_cache(self.num_blocks)
-        self.scheduler = Scheduler(sc, cc, self.num_blocks, config.speculative_config)
+        if cc.kv_scales_calculated:
+            self._calculate_kv_scales()
         logger.info("EngineCore ready in %.1f s: %s on %s in %s", time.perf_counter() - start,
                     self.resolved_model.path, self.device, str(self.dtype).removeprefix("torch."))
 
@@ -72,6 +78,7 @@ class EngineCore:
         cc = self.config.cache_config
         return {"block_size": str(cc.block_size), "cache_dtype": cc.kv_cache_dtype,
                 "enable_prefix_caching": str(cc.enable_prefix_caching),
+                "calculate_kv_scales": str(cc.kv_scales_calculated),
                 "gpu_memory_utilization": str(cc.gpu_memory_utilization),
                 "kv_cache_memory_bytes": str(cc.kv_cache_memory), "num_gpu_blocks": str(self.num_blocks),
                 "num_gpu_blocks_override": str(cc.num_gpu_blocks_override)}
@@ -127,6 +134,16 @@ class EngineCore:
             self.runner.kv_prefault.stop()
         self.runner.kv_caches.clear()
 
+    def _calculate_kv_scales(self) -> None:
+        """--calculate-kv-scales: every attention layer's k_scale and v_scale from the fixed calibration text."""
+        tokenizer = get_tokenizer(self.config.model_config.tokenizer or self.resolved_model)
+        token_ids = tokenizer.encode(CALIBRATION_TEXT.read_text())[: self.max_model_len]
+        start = time.perf_counter()
+        scales = calculate_kv_scales(self.runner.model, token_ids, self.device, self.dtype)
+        logger.info("KV cache scales calculated from %d calibration tokens in %.1f s: k_scale %s, v_scale %s",
+                    len(token_ids), time.perf_counter() - start, sorted({k for k, _ in scales}),
+                    sorted({v for _, v in scales}))
+
     # ---- sizing ----------------------------------------------------------------------------------
     def _determine_num_blocks(self) -> int:
         cc = self.config.cache_config
@@ -137,15 +154,7 @@ class EngineCore:
             num_blocks = cc.num_gpu_blocks_override
         else:
             num_blocks = self._kv_cache_budget() // per_block
-        blocks_per_max_request = -(-self.max_model_len // cc.block_size)
         num_tokens = num_blocks * cc.block_size
-        if num_blocks < blocks_per_max_request:
-            raise ValueError(
-                f"The KV cache holds {num_blocks} blocks ({num_tokens} tokens, "
-                f"{num_blocks * per_block / (1 << 20):.1f} MiB), but one request of max_model_len="
-                f"{self.max_model_len} tokens needs {blocks_per_max_request} blocks "
-                f"({blocks_per_max_request * per_block / (1 << 20):.1f} MiB). Raise --kv-cache-memory "
-                f"or lower --max-model-len.")
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s); maximum concurrency at "
                     "max_model_len %d: %.2fx", num_blocks, cc.block_size, num_tokens,
                     num_blocks * per_block / (1 << 20), str(self.kv_cache_dtype).removeprefix("torch."),

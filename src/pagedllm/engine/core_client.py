@@ -26,10 +26,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pagedllm.engine.core_proc import (
+from pagedllm.messages import (
     MAX_MESSAGE_BYTES,
     AbortRequests,
     AddRequest,
+    EngineCoreRequest,
     EngineFailed,
     FromEngine,
     Ready,
@@ -37,7 +38,6 @@ from pagedllm.engine.core_proc import (
     UtilityCall,
     UtilityResult,
 )
-from pagedllm.engine.messages import EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 

@@ -6,18 +6,13 @@
 Only the main thread touches the scheduler and the KV cache. The IO threads decode and encode msgspec
 msgpack, so serialization overlaps the model's forward pass (zmq and msgspec release the GIL). Nothing is
 pickled: the configuration arrives as JSON on stdin, every socket message is one of the typed envelopes
-below.
+of `pagedllm.messages`.
 
 Lifetime: the process exits when the API server dies (stdin reaches EOF: the kernel closes the pipe when
 the parent exits, however it exits), on SIGTERM, or when a step raises (after reporting the error).
 
 On exit the process removes its `ipc://` socket files and their directory (if empty), so nothing is left
 behind when the API server was killed before it could clean up.
-
-Fault injection (tests only): `PAGEDLLM_FAULT_INJECT=KIND:after_steps=N[,times=K][,seconds=S]` makes the
-model's forward pass misbehave after N successful steps, K times (default 1): `raise_in_forward` raises (the
-step's requests fail with an error, the engine keeps serving), `hang_in_forward` blocks the busy loop
-forever, `sleep_in_forward` makes the step last S seconds longer (a long step that is not a hang).
 
 Run as `python -m pagedllm.engine.core_proc --input-addr ADDR --output-addr ADDR` with the EngineConfig
 as one JSON line on stdin; `EngineCoreClient` does this.
@@ -33,87 +28,30 @@ import signal
 import sys
 import threading
 import time
-from typing import Literal
 
 import msgspec
 import zmq
 
-from pagedllm.engine.input_processor import ModelLimits
-from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.log_escape import escape_control
-from pagedllm.metrics.stats import SchedulerStats
+from pagedllm.messages import (
+    MAX_MESSAGE_BYTES,
+    AbortRequests,
+    AddRequest,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineFailed,
+    FromEngine,
+    Outputs,
+    Ready,
+    Rejected,
+    SchedulerStats,
+    StartupFailed,
+    ToEngine,
+    UtilityCall,
+    UtilityResult,
+)
 
 logger = logging.getLogger(__name__)
-
-MAX_MESSAGE_BYTES = 64 << 20
-"""Receive cap on every socket (zmq.MAXMSGSIZE): a bigger message drops the connection, not the process."""
-
-# ---- envelopes: API server → engine core ---------------------------------------------------------------
-
-
-class AddRequest(msgspec.Struct, tag="add", array_like=True):
-    request: EngineCoreRequest
-
-
-class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
-    request_ids: list[str]
-
-
-class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
-    """"ping" is answered at once by the input thread, with how long the busy loop has been in its current
-    step (a long step must not look like a dead engine); "stats" by the busy loop between steps."""
-
-    call_id: int
-    method: Literal["ping", "stats"]
-
-
-ToEngine = AddRequest | AbortRequests | UtilityCall
-
-# ---- envelopes: engine core → API server ---------------------------------------------------------------
-
-
-class Ready(msgspec.Struct, tag="ready", array_like=True):
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    limits: ModelLimits
-    """What the frontend validates requests against (vocabulary, context length, EOS, defaults)."""
-    model_name: str
-    """The model's default served name."""
-    pid: int
-    cache_config_info: dict[str, str] = msgspec.field(default_factory=dict)
-    """Labels of the `vllm:cache_config_info` gauge (EngineCore.cache_config_info)."""
-
-
-class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):
-    message: str
-
-
-class Outputs(msgspec.Struct, tag="outputs", array_like=True):
-    outputs: EngineCoreOutputs
-    num_added: int
-    """Requests the engine has taken in so far (rejected ones included)."""
-
-
-class Rejected(msgspec.Struct, tag="rejected", array_like=True):
-    request_id: str
-    code: Literal["queue_full", "invalid"]
-    message: str
-
-
-class UtilityResult(msgspec.Struct, tag="utility_result", array_like=True):
-    call_id: int
-    stats: SchedulerStats | None = None
-    step_running_s: float = 0.0
-    """For "ping": seconds the busy loop has been in its current step (0.0: between steps or idle)."""
-
-
-class EngineFailed(msgspec.Struct, tag="engine_failed", array_like=True):
-    message: str
-
-
-FromEngine = Ready | StartupFailed | Outputs | Rejected | UtilityResult | EngineFailed
-
 
 class EngineCoreProc:
     """Owns an EngineCore and its sockets; `run_busy_loop` runs until shutdown."""
@@ -243,37 +181,6 @@ def _connect(ctx: zmq.Context, kind: int, addr: str) -> zmq.Socket:
     return sock
 
 
-FAULT_INJECT_ENV = "PAGEDLLM_FAULT_INJECT"
-
-
-def install_fault(engine_core, spec: str) -> None:
-    """Wrap the runner's execute_model per a PAGEDLLM_FAULT_INJECT spec (see the module docstring)."""
-    kind, _, options = spec.partition(":")
-    opts = dict(item.split("=", 1) for item in options.split(",") if item)
-    after_steps, times = int(opts.get("after_steps", 0)), int(opts.get("times", 1))
-    seconds = float(opts.get("seconds", 0))
-    if kind not in ("raise_in_forward", "hang_in_forward", "sleep_in_forward"):
-        raise ValueError(f"unknown {FAULT_INJECT_ENV} kind {kind!r}")
-    runner = engine_core.runner
-    execute_model = runner.execute_model
-    calls = {"n": 0}
-
-    def faulty_execute_model(scheduler_output):
-        calls["n"] += 1
-        if after_steps < calls["n"] <= after_steps + times:
-            logger.warning("%s: injecting %s at step %d", FAULT_INJECT_ENV, kind, calls["n"])
-            if kind == "raise_in_forward":
-                raise RuntimeError("injected fault in the forward pass")
-            if kind == "sleep_in_forward":
-                time.sleep(seconds)
-                return execute_model(scheduler_output)
-            while True:
-                time.sleep(3600)
-        return execute_model(scheduler_output)
-
-    runner.execute_model = faulty_execute_model
-
-
 def _remove_ipc_files(*addrs: str) -> None:
     for addr in addrs:
         if addr.startswith("ipc://"):
@@ -316,8 +223,6 @@ def run_engine_core(config, input_addr: str, output_addr: str) -> int:
     ready = False
     try:
         engine_core = EngineCore(config)
-        if os.environ.get(FAULT_INJECT_ENV):
-            install_fault(engine_core, os.environ[FAULT_INJECT_ENV])
         proc = EngineCoreProc(engine_core, input_addr, output_addr)
         resolved = engine_core.resolved_model
         proc.send(Ready(num_blocks=engine_core.num_blocks, block_size=config.cache_config.block_size,

@@ -8,9 +8,8 @@ happens here, before the engine sees it, and raises InvalidRequestError with the
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
-from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.messages import EngineCoreRequest, ModelLimits
 from pagedllm.sampling_params import SamplingParams, SamplingParamsError
 
 # SamplingParams fields that a model's generation_config.json may default (vLLM's list).
@@ -33,19 +32,6 @@ class InvalidRequestError(ValueError):
         super().__init__(message)
         self.param = param
         self.code = code
-
-
-@dataclass
-class ModelLimits:
-    """What the frontend must know of the loaded model to validate requests."""
-
-    vocab_size: int
-    max_model_len: int
-    eos_token_id: int | None
-    extra_stop_token_ids: list[int] = field(default_factory=list)
-    """Further EOS ids from generation_config.json; they stop a request like EOS."""
-    generation_defaults: dict = field(default_factory=dict)
-    """SamplingParams defaults from generation_config.json (vLLM's --generation-config auto)."""
 
 
 class InputProcessor:
@@ -116,10 +102,7 @@ class InputProcessor:
         if params.min_tokens > params.max_tokens:
             raise InvalidRequestError(f"min_tokens ({params.min_tokens}) must be at most max_tokens "
                                       f"({params.max_tokens}).", param="min_tokens")
-        if cache_salt is not None and not (isinstance(cache_salt, str) and 0 < len(cache_salt) <= MAX_CACHE_SALT_LEN
-                                           and is_valid_unicode(cache_salt)):
-            raise InvalidRequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_LEN} "
-                                      "characters of valid Unicode.", param="cache_salt")
+        check_cache_salt(cache_salt)
         if not all(is_valid_unicode(s) for s in params.stop):
             raise InvalidRequestError("stop strings must be valid Unicode (no lone surrogates).", param="stop")
         if limits.extra_stop_token_ids and not params.ignore_eos:
@@ -135,6 +118,15 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
         )
+
+
+def check_cache_salt(cache_salt: str | None) -> None:
+    """Raises InvalidRequestError unless cache_salt is None or 1 to MAX_CACHE_SALT_LEN characters of valid
+    Unicode (the one check of a client's salt, with or without --cache-salt-from-api-key)."""
+    if cache_salt is not None and not (isinstance(cache_salt, str) and 0 < len(cache_salt) <= MAX_CACHE_SALT_LEN
+                                       and is_valid_unicode(cache_salt)):
+        raise InvalidRequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_LEN} "
+                                  "characters of valid Unicode.", param="cache_salt")
 
 
 def is_valid_unicode(text: str) -> bool:

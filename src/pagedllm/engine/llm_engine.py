@@ -9,7 +9,8 @@ from __future__ import annotations
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor
-from pagedllm.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
+from pagedllm.engine.output_processor import OutputKind, OutputProcessor
+from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import get_tokenizer
@@ -37,21 +38,9 @@ class LLMEngine:
         params = params or self.input_processor.default_sampling_params()
         prompt_text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        if params.n == 1:
-            request = self.input_processor.process(request_id, token_ids, params, priority=priority,
-                                                   cache_salt=cache_salt)
-            self.output_processor.add_request(request, prompt_text, output_kind=output_kind)
-            self.engine_core.add_request(request)
-            return
-        parent = ParentRequest(request_id, params.n)
-        children = []
-        for index, child_params in enumerate(self.input_processor.child_params(params)):
-            children.append((index, self.input_processor.process(parent.child_id(index), token_ids, child_params,
-                                                                 priority=priority, cache_salt=cache_salt)))
-        for index, request in children:
-            self.output_processor.add_request(request, prompt_text, parent, index, output_kind)
-        self.engine_core.add_request(children[0][1])
-        parent.pending = [request for _, request in children[1:]]
+        requests = fan_out(self.input_processor, self.output_processor, request_id, token_ids, params, prompt_text,
+                           output_kind, priority=priority, cache_salt=cache_salt)
+        self.engine_core.add_request(requests[0])
 
     def abort_request(self, request_ids: list[str]) -> None:
         self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))

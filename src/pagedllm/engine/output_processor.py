@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, decode_token
-from pagedllm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsEntry
+from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsEntry
 from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 
 OutputKind = Literal["cumulative", "delta", "final_only"]

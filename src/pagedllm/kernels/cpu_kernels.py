@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("paged_attention_cpu.c", "kv_cache_cpu.c", "elementwise_cpu.c", "quant_linear_cpu.c",
-                         "quant_q8act_cpu.c", "ngram_cpu.c")]
+                         "quant_q8act_cpu.c", "llama_decode_cpu.c", "ngram_cpu.c")]
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the cache key
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 """Compile flags. -ffast-math lets gcc call glibc's vector expf (libmvec) in the softmax; it is NOT given when
@@ -163,8 +163,8 @@ def _declare_attention(lib: ctypes.CDLL) -> None:
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     signatures = {
         "paged_decode_attention": (ctypes.c_int, [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr] + [i64] * 5
-                                   + [f32, i32]),
-        "kv_cache_write": (None, [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i32]),
+                                   + [f32, i32, f32, f32, ptr]),
+        "kv_cache_write": (None, [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i32, f32, f32, ptr, i64]),
         "kv_encode": (None, [ptr, i64, i32, ptr]),
         "kv_decode": (None, [ptr, i64, i32, i32, ptr]),
     }
@@ -198,6 +198,13 @@ def _declare_quant_linear(lib: ctypes.CDLL) -> None:
     lib.quant_gather_rows_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64]
 
 
+def require(ok: bool, what: str) -> None:
+    """An argument check before a native call: raises ValueError (what: the condition that failed), where an assert
+    would vanish under `python -O` and let a bad pointer or shape reach C code."""
+    if not ok:
+        raise ValueError(f"native kernel argument check failed: {what}")
+
+
 def _declare_ngram(lib: ctypes.CDLL) -> None:
     """ctypes signature of ngram_cpu.c's proposer."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -222,9 +229,13 @@ def ngram_propose(token_ids: np.ndarray, rows: np.ndarray, num_tokens: np.ndarra
     Returns:
         drafts [R, k] int64 and counts [R] int64 (drafts[r, :counts[r]] are request r's).
     """
-    assert token_ids.dtype == np.int64 and token_ids.flags.c_contiguous
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     num_tokens = np.ascontiguousarray(num_tokens, dtype=np.int64)
+    require(token_ids.dtype == np.int64 and token_ids.flags.c_contiguous and token_ids.ndim == 2,
+            "token_ids int64, C-contiguous, 2-D")
+    require(rows.shape == num_tokens.shape and bool(np.all((rows >= 0) & (rows < token_ids.shape[0])))
+            and bool(np.all((num_tokens >= 0) & (num_tokens <= token_ids.shape[1]))),
+            "rows and num_tokens within token_ids")
     drafts = np.zeros((len(rows), k), dtype=np.int64)
     counts = np.zeros(len(rows), dtype=np.int64)
     _library().ngram_propose(token_ids.ctypes.data, token_ids.shape[1], rows.ctypes.data, num_tokens.ctypes.data,
@@ -247,8 +258,10 @@ def kv_cache_native(kv_dtype: torch.dtype, compute_dtype: torch.dtype, device: t
 
 
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Decode attention read in place through the block table.
+                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
+    """Decode attention read in place through the block table. A cached K code c stands for c * k_scale, a V code
+    for c * v_scale (powers of two: layers/kv_cache_dtype.py).
 
     Args:
         q: [S, H, D] float32, each row contiguous (the row stride may exceed H * D).
@@ -259,17 +272,20 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         out: [S, H, D] float32.
     """
     s, h, d = q.shape
-    assert q.dtype == torch.float32 and q.stride()[1:] == (d, 1)
+    require(q.dtype == torch.float32 and q.stride()[1:] == (d, 1),
+            "q.dtype == torch.float32 and q.stride()[1:] == (d, 1)")
     check_decode_args(key_cache, value_cache, block_table, seq_lens)
     return _decode(q, q.stride(0), None, None, key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[1:],
-                   key_cache.dtype, block_table, seq_lens, scale, h)
+                   key_cache.dtype, block_table, seq_lens, scale, h, k_scale, v_scale, None)
 
 
 def fused_decode_attention(qkv: torch.Tensor, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
                            kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           num_heads: int) -> torch.Tensor:
+                           num_heads: int, k_scale: float = 1.0, v_scale: float = 1.0,
+                           k_comp: torch.Tensor | None = None) -> torch.Tensor:
     """One call for a layer's batch of decodes: rotary on q and k in place in qkv (as rotary_qkv does), the K/V
-    write at slot_mapping (as write_kv_cache does), then paged_decode_attention.
+    write at slot_mapping (as write_kv_cache does), then paged_decode_attention (k_scale, v_scale, k_comp: as
+    theirs).
 
     Args:
         qkv: [S, (H + 2 * Hkv) * D] float32, contiguous: the fused qkv projection, not yet rotated.
@@ -284,19 +300,21 @@ def fused_decode_attention(qkv: torch.Tensor, cos_sin: torch.Tensor, slot_mappin
     key = kv_cache.data_ptr()
     value = key + kv_cache.stride(0) * kv_cache.element_size()
     return _decode(qkv, qkv.shape[1], cos_sin.data_ptr(), slot_mapping.data_ptr(), key, value, kv_cache.shape[2:],
-                   kv_cache.dtype, block_table, seq_lens, scale, num_heads)
+                   kv_cache.dtype, block_table, seq_lens, scale, num_heads, k_scale, v_scale,
+                   _comp_ptr(k_comp, (kv_cache.shape[3], kv_cache.shape[4])))
 
 
 def _decode(q: torch.Tensor, q_stride: int, cos_sin: int | None, slot_mapping: int | None, key_cache: int,
             value_cache: int, block_shape: torch.Size, kv_dtype: torch.dtype, block_table: torch.Tensor,
-            seq_lens: torch.Tensor, scale: float, num_heads: int) -> torch.Tensor:
+            seq_lens: torch.Tensor, scale: float, num_heads: int, k_scale: float, v_scale: float,
+            k_comp: int | None) -> torch.Tensor:
     block_size, hkv, d = block_shape  # of the cache: [block_size, Hkv, D]
     s = q.shape[0]
     out = q.new_empty(s, num_heads, d)
     rc = _library().paged_decode_attention(q.data_ptr(), q_stride, cos_sin, slot_mapping, key_cache, value_cache,
                                            block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
                                            out.data_ptr(), s, num_heads, hkv, d, block_size, scale,
-                                           KV_FORMATS[kv_dtype])
+                                           KV_FORMATS[kv_dtype], k_scale, v_scale, k_comp)
     if rc != 0:
         raise MemoryError("paged decode attention could not allocate its scratch buffer")
     return out
@@ -305,15 +323,22 @@ def _decode(q: torch.Tensor, q_stride: int, cos_sin: int | None, slot_mapping: i
 def check_decode_args(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                       seq_lens: torch.Tensor) -> None:
     """The layouts the decode attention kernel assumes of the cache and the step's metadata."""
-    assert key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype
-    assert key_cache.dtype in KV_FORMATS and key_cache.is_cpu and block_table.is_cpu and seq_lens.is_cpu
-    assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
-    assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and len(seq_lens) == len(block_table)
+    require(key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype,
+            "key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype")
+    require(key_cache.dtype in KV_FORMATS and key_cache.is_cpu and block_table.is_cpu and seq_lens.is_cpu,
+            "key_cache.dtype in KV_FORMATS and key_cache.is_cpu and block_table.is_cpu and seq_lens.is_cpu")
+    require(block_table.dtype == torch.int32 and block_table.stride(1) == 1,
+            "block_table.dtype == torch.int32 and block_table.stride(1) == 1")
+    require(seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and len(seq_lens) == len(block_table),
+            "seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and len(seq_lens) == len(block_table)")
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """key_cache[slot_mapping[t]] = k[t] (and v), encoded in the cache's dtype (round to nearest even, saturating).
+                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+                   k_comp: torch.Tensor | None = None) -> None:
+    """key_cache[slot_mapping[t]] = k[t] / k_scale (and v / v_scale), encoded in the cache's dtype (round to nearest
+    even, saturating); the scales are powers of two, so this is to_cache_dtype's result. k_comp: None, or (fp8
+    caches) [Hkv, D, D] float32 error-feedback weights K is rounded with: to_cache_dtype_compensated's result.
 
     Args:
         k, v: [T, Hkv, D] float32, each row contiguous (rows may be strided: views of a fused qkv).
@@ -322,16 +347,30 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, va
     """
     lib = _library()
     t, hkv, d = k.shape
-    assert k.dtype == v.dtype == torch.float32 and k.stride() == v.stride() and k.stride()[1:] == (d, 1)
-    assert key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype
-    assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == (t,)
+    require(k.dtype == v.dtype == torch.float32 and k.stride() == v.stride() and k.stride()[1:] == (d, 1),
+            "k.dtype == v.dtype == torch.float32 and k.stride() == v.stride() and k.stride()[1:] == (d, 1)")
+    require(key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype,
+            "key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype")
+    require(slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == (t,),
+            "slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == (t,)")
     lib.kv_cache_write(k.data_ptr(), v.data_ptr(), k.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
-                       slot_mapping.data_ptr(), t, hkv * d, KV_FORMATS[key_cache.dtype])
+                       slot_mapping.data_ptr(), t, hkv * d, KV_FORMATS[key_cache.dtype], k_scale, v_scale,
+                       _comp_ptr(k_comp, (hkv, d)), d)
+
+
+def _comp_ptr(k_comp: torch.Tensor | None, hkv_d: tuple[int, int]) -> int | None:
+    """The error-feedback weights' address for the kernels (None: plain rounding), after checking their layout."""
+    if k_comp is None:
+        return None
+    hkv, d = hkv_d
+    require(k_comp.dtype == torch.float32 and k_comp.is_contiguous() and k_comp.shape == (hkv, d, d),
+            "k_comp.dtype == torch.float32 and k_comp.is_contiguous() and k_comp.shape == (hkv, d, d)")
+    return k_comp.data_ptr()
 
 
 def kv_encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x (float32, contiguous) encoded as the KV cache stores it in `dtype`: a new tensor of that dtype."""
-    assert x.dtype == torch.float32 and x.is_contiguous()
+    require(x.dtype == torch.float32 and x.is_contiguous(), "x.dtype == torch.float32 and x.is_contiguous()")
     out = torch.empty(x.shape, dtype=dtype)
     _library().kv_encode(x.data_ptr(), x.numel(), KV_FORMATS[dtype], out.data_ptr())
     return out
@@ -340,7 +379,7 @@ def kv_encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def kv_decode(codes: torch.Tensor, vector: bool = True) -> torch.Tensor:
     """codes (a KV_FORMATS dtype, contiguous) as float32, through the attention kernel's vector loads (vector)
     or the scalar conversion."""
-    assert codes.is_contiguous()
+    require(codes.is_contiguous(), "codes.is_contiguous()")
     out = torch.empty(codes.shape, dtype=torch.float32)
     _library().kv_decode(codes.data_ptr(), codes.numel(), KV_FORMATS[codes.dtype], int(vector), out.data_ptr())
     return out
@@ -348,7 +387,8 @@ def kv_decode(codes: torch.Tensor, vector: bool = True) -> torch.Tensor:
 
 def _check_f32(*tensors: torch.Tensor) -> None:
     for t in tensors:  # a loop, not all(...): these run ~120 times per decode step
-        assert t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
+        require(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous(),
+                "t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -363,7 +403,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     lib = _library()
     _check_f32(x, weight)
     hidden = x.shape[-1]
-    assert lib is not None and weight.shape == (hidden,)
+    require(lib is not None and weight.shape == (hidden,), "lib is not None and weight.shape == (hidden,)")
     out = x.new_empty(x.shape)
     lib.rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps)
     return out
@@ -379,7 +419,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     lib = _library()
     _check_f32(x, residual, weight)
     hidden = x.shape[-1]
-    assert lib is not None and residual.shape == x.shape and weight.shape == (hidden,)
+    require(lib is not None and residual.shape == x.shape and weight.shape == (hidden,),
+            "lib is not None and residual.shape == x.shape and weight.shape == (hidden,)")
     lib.fused_add_rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.numel() // hidden, hidden,
                                eps)
 
@@ -394,8 +435,9 @@ def rotary_qkv(qkv: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, num_kv_
     lib = _library()
     _check_f32(qkv, cos_sin)
     t = qkv.shape[0]
-    assert lib is not None and head_dim % 2 == 0 and qkv.shape == (t, (num_heads + 2 * num_kv_heads) * head_dim)
-    assert cos_sin.shape == (t, 2, head_dim // 2)
+    require(lib is not None and head_dim % 2 == 0 and qkv.shape == (t, (num_heads + 2 * num_kv_heads) * head_dim),
+            "lib is not None and head_dim % 2 == 0 and qkv.shape == (t, (num_heads + 2 * num_kv_heads) * head_dim)")
+    require(cos_sin.shape == (t, 2, head_dim // 2), "cos_sin.shape == (t, 2, head_dim // 2)")
     lib.rotary_qkv_f32(qkv.data_ptr(), cos_sin.data_ptr(), t, num_heads, num_kv_heads, head_dim)
 
 
@@ -410,7 +452,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     lib = _library()
     _check_f32(x)
     size = x.shape[-1] // 2
-    assert lib is not None and x.shape[-1] == 2 * size
+    require(lib is not None and x.shape[-1] == 2 * size, "lib is not None and x.shape[-1] == 2 * size")
     out = x.new_empty(*x.shape[:-1], size)
     lib.silu_and_mul_f32(x.data_ptr(), out.data_ptr(), out.numel() // size if size else 0, size)
     return out
@@ -428,7 +470,8 @@ def quant_linear(packed: torch.Tensor, bits: int, group: int, x: torch.Tensor, o
     lib = _library()
     _check_f32(x)
     m, k = x.shape
-    assert lib is not None and packed.dtype == torch.uint8 and packed.is_contiguous() and k % group == 0
+    require(lib is not None and packed.dtype == torch.uint8 and packed.is_contiguous() and k % group == 0,
+            "lib is not None and packed.dtype == torch.uint8 and packed.is_contiguous() and k % group == 0")
     y = x.new_empty(m, out_features)
     lib.quant_linear_f32(packed.data_ptr(), bits, group, x.data_ptr(), y.data_ptr(), m, out_features, k)
     return y
@@ -440,7 +483,8 @@ def quant_gather_rows(packed: torch.Tensor, bits: int, group: int, ids: torch.Te
     ids: [T] int64, every id in [0, out_features) (the caller checks).
     """
     lib = _library()
-    assert lib is not None and packed.dtype == torch.uint8 and packed.is_contiguous() and ids.dtype == torch.int64
+    require(lib is not None and packed.dtype == torch.uint8 and packed.is_contiguous() and ids.dtype == torch.int64,
+            "lib is not None and packed.dtype == torch.uint8 and packed.is_contiguous() and ids.dtype == torch.int64")
     ids = ids.contiguous()
     out = torch.empty(ids.numel(), in_features, dtype=torch.float32)
     lib.quant_gather_rows_f32(packed.data_ptr(), bits, group, ids.data_ptr(), out.data_ptr(), ids.numel(), in_features)

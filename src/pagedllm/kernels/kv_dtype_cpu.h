@@ -6,7 +6,10 @@
  *   KV_FP8_E4M3 OCP E4M3FN (torch.float8_e4m3fn): bias 7, no infinities, 0x7F / 0xFF NaN, max finite 448
  *   KV_FP8_E5M2 OCP E5M2 (torch.float8_e5m2): bias 15, the top byte of an IEEE fp16, max finite 57344
  *
- * Scale 1.0: codes are the values themselves (no per-tensor scale; our checkpoints carry none).
+ * Scales (vLLM's k_scale / v_scale, one per layer for K and one for V): a stored code c stands for c * scale, so
+ * the write encodes x / scale. Scales are powers of two (layers/kv_cache_dtype.py), so x / scale == x * (1 / scale)
+ * and c * scale are exact and the readers fold them into the softmax scale (K) and the output (V) with the same
+ * result as scaling every value. fp32 and bf16 caches always have scale 1.
  *
  * Encode (float -> code): round to nearest, ties to even; a value beyond the format's largest finite value,
  * infinities included, saturates to it with its sign; NaN becomes the format's NaN (sign kept: 0x7F / 0xFF for
@@ -99,15 +102,39 @@ static inline float kv_load1(const uint8_t *row, int64_t i, int fmt) {
     }
 }
 
-/* out[i] = x[i] encoded in `fmt`, i in [0, n). */
-static inline void kv_store_row(const float *x, int64_t n, int fmt, uint8_t *out) {
+/* out[i] = x[i] * inv_scale encoded in `fmt`, i in [0, n); inv_scale = 1 / scale, a power of two (exact). */
+static inline void kv_store_row(const float *x, int64_t n, int fmt, float inv_scale, uint8_t *out) {
     switch (fmt) {
     case KV_BF16:
         for (int64_t i = 0; i < n; i++) { const uint16_t c = kv_encode_bf16(x[i]); memcpy(out + 2 * i, &c, 2); }
         break;
-    case KV_FP8_E4M3: for (int64_t i = 0; i < n; i++) out[i] = kv_encode_e4m3(x[i]); break;
-    case KV_FP8_E5M2: for (int64_t i = 0; i < n; i++) out[i] = kv_encode_e5m2(x[i]); break;
+    case KV_FP8_E4M3: for (int64_t i = 0; i < n; i++) out[i] = kv_encode_e4m3(x[i] * inv_scale); break;
+    case KV_FP8_E5M2: for (int64_t i = 0; i < n; i++) out[i] = kv_encode_e5m2(x[i] * inv_scale); break;
     default: memcpy(out, x, sizeof(float) * (size_t)n);
+    }
+}
+
+/* The K row of one token, num_heads heads of d values, stored with error feedback (fp8 only): each head's values are
+ * rounded in order, and the error of value i, e_i = r_i - decode(code_i) * scale, is carried into the values after it,
+ * r_j -= e_i * w[i][j] for j > i (r starts as x; w [num_heads, d, d] row-major, only j > i read). w comes from the
+ * queries' second moment H (worker/kv_scales.py, GPTQ's rule: w = U / diag(U) row-wise, U the upper Cholesky factor of
+ * H^-1), so the rounding errors cancel along the directions queries look in and the scores move less. The carry is
+ * computed in double from float operands (the product exact), so FMA contraction cannot change it and the torch path
+ * (layers/kv_cache_dtype.py, to_cache_dtype_compensated) stores the same codes. */
+static inline void kv_store_row_compensated(const float *x, int64_t num_heads, int64_t d, int fmt, float scale,
+                                            const float *w, uint8_t *out) {
+    const float inv_scale = 1.0f / scale;
+    float r[d];
+    for (int64_t h = 0; h < num_heads; h++) {
+        const float *wh = w + h * d * d;
+        for (int64_t i = 0; i < d; i++) r[i] = x[h * d + i];
+        for (int64_t i = 0; i < d; i++) {
+            const uint8_t c = fmt == KV_FP8_E4M3 ? kv_encode_e4m3(r[i] * inv_scale) : kv_encode_e5m2(r[i] * inv_scale);
+            out[h * d + i] = c;
+            const float e = r[i] - (fmt == KV_FP8_E4M3 ? kv_decode_e4m3(c) : kv_decode_e5m2(c)) * scale;
+            const double ed = (double)e;
+            for (int64_t j = i + 1; j < d; j++) r[j] = (float)((double)r[j] - ed * (double)wh[i * d + j]);
+        }
     }
 }
 
@@ -117,20 +144,21 @@ static inline void kv_store_row(const float *x, int64_t n, int fmt, uint8_t *out
 
 /* Elements [0, 8) of a row stored in `fmt` (p points at element 0), as 8 floats. e5m2 is the top byte of an fp16
  * (vcvtph2ps converts exactly, subnormals, infinities and NaN included); e4m3 becomes the fp16 with the same
- * exponent and mantissa bits placed 3 bits lower (value / 2^8, exact), NaN fixed up, times 2^8. */
+ * exponent and mantissa bits placed 3 bits lower (value / 2^8, exact), NaN fixed up, times 2^8. The 2^8 is kept here
+ * rather than folded into the attention's scales: value / 2^8 times a tiny softmax weight can fall into fp32
+ * subnormals, which are slow on x86. */
 static inline __m256 kv_load8(const uint8_t *p, int fmt) {
     switch (fmt) {
     case KV_BF16:
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
     case KV_FP8_E5M2:
         return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i *)p)));
-    case KV_FP8_E4M3: {
-        const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)); /* 8 x u16 */
-        const __m128i mag = _mm_and_si128(c, _mm_set1_epi16(0x7F));
-        const __m128i nan = _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7C00));
-        const __m128i h = _mm_or_si128(_mm_or_si128(_mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x80)), 8),
-                                                    _mm_slli_epi16(mag, 7)), nan);
-        return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+    case KV_FP8_E4M3: { /* c as int16 is 0xFF80 | magnitude when negative: c << 7 has the sign in bits 15 and 14 */
+        const __m128i c = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+        const __m128i nan = _mm_and_si128(_mm_cmpeq_epi16(_mm_and_si128(c, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7F)),
+                                          _mm_set1_epi16(0x7C00));
+        const __m128i h = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(c, 7), _mm_set1_epi16((short)0xBF80)), nan);
+        return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f)); /* value / 2^8 -> value (exact) */
     }
     default: return _mm256_loadu_ps((const float *)p);
     }

@@ -11,6 +11,12 @@
  *   slot_mapping [num_seqs] int64: the cache slot of each query's own token, or NULL
  *   cos_sin      [num_seqs, 2, head_dim / 2] fp32: each query's rotary cos and sin, or NULL
  *
+ * Scales: a cached K code c stands for c * k_scale, a V code for c * v_scale (kv_dtype_cpu.h; powers of two, 1 for
+ * fp32 and bf16 caches). k_scale is folded into the softmax scale, v_scale multiplies the output as it is stored, and
+ * the fused write encodes x / scale: the same result, bit for bit, as scaling every cached value. k_comp: NULL, or
+ * (fp8) the error-feedback weights [num_kv_heads, head_dim, head_dim] the fused write rounds K rows with
+ * (kv_dtype_cpu.h's kv_store_row_compensated, as kv_cache_write).
+ *
  * Fused use, one call per layer for a batch of decodes: q is the fused qkv projection (q_stride =
  * (num_heads + 2 * num_kv_heads) * head_dim: q heads, then k heads, then v heads). Each sequence rotates its q and
  * k heads in place (cos_sin given; elementwise_cpu.c's rotary_heads_f32, so exactly as rotary_qkv_f32 would),
@@ -95,11 +101,11 @@ ALWAYS_INLINE void dot_group(const float *q, const uint8_t *k, int64_t group, in
     }
 }
 
-/* o = sum_t p[t] * v_t over the context, v_t = value row of token t for this head (D elements at v_rows[t] +
+/* o = v_scale * sum_t p[t] * v_t over the context, v_t = value row of token t for this head (D elements at v_rows[t] +
  * v_offset bytes). Accumulates in registers, 64 or 32 floats at a time: each row is read from cache once, nothing is
  * stored until the end. */
 ALWAYS_INLINE void pv_head(const float *p, int64_t len, const uint8_t *const *v_rows, int64_t v_offset, int64_t d,
-                           float *o, int fmt) {
+                           float v_scale, float *o, int fmt) {
     const int64_t es = kv_elem_size(fmt);
     int64_t i = 0;
 #if defined(KV_SIMD)
@@ -111,7 +117,7 @@ ALWAYS_INLINE void pv_head(const float *p, int64_t len, const uint8_t *const *v_
             const __m256 pt = _mm256_set1_ps(p[t]);
             for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(pt, kv_load8(v + 8 * j * es, fmt), a[j]);
         }
-        for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + i + 8 * j, a[j]);
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + i + 8 * j, _mm256_mul_ps(a[j], _mm256_set1_ps(v_scale)));
     }
     for (; i + 32 <= d; i += 32) {
         __m256 a[4];
@@ -121,13 +127,13 @@ ALWAYS_INLINE void pv_head(const float *p, int64_t len, const uint8_t *const *v_
             const __m256 pt = _mm256_set1_ps(p[t]);
             for (int j = 0; j < 4; j++) a[j] = _mm256_fmadd_ps(pt, kv_load8(v + 8 * j * es, fmt), a[j]);
         }
-        for (int j = 0; j < 4; j++) _mm256_storeu_ps(o + i + 8 * j, a[j]);
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(o + i + 8 * j, _mm256_mul_ps(a[j], _mm256_set1_ps(v_scale)));
     }
 #endif
     for (; i < d; i++) {
         float acc = 0.0f;
         for (int64_t t = 0; t < len; t++) acc += p[t] * kv_load1(v_rows[t] + v_offset, i, fmt);
-        o[i] = acc;
+        o[i] = acc * v_scale;
     }
 }
 
@@ -136,16 +142,20 @@ ALWAYS_INLINE void pv_head(const float *p, int64_t len, const uint8_t *const *v_
 ALWAYS_INLINE int attend_seq(float *qs, const float *cos_sin, const int64_t *slot, const uint8_t *key_cache,
                              const uint8_t *value_cache, const int32_t *blocks, int64_t len, float *os,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                             float scale, int fmt) {
+                             float scale, float k_scale, float v_scale, const float *k_comp, int fmt) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t es = kv_elem_size(fmt);
     const int64_t row = num_kv_heads * head_dim * es; /* bytes per cached token */
     if (cos_sin != NULL) rotary_heads_f32(qs, cos_sin, num_heads + num_kv_heads, head_dim);
     if (slot != NULL) {
         const float *k = qs + num_heads * head_dim, *v = k + num_kv_heads * head_dim;
-        kv_store_row(k, num_kv_heads * head_dim, fmt, (uint8_t *)key_cache + *slot * row);
-        kv_store_row(v, num_kv_heads * head_dim, fmt, (uint8_t *)value_cache + *slot * row);
+        if (k_comp != NULL)
+            kv_store_row_compensated(k, num_kv_heads, head_dim, fmt, k_scale, k_comp, (uint8_t *)key_cache + *slot * row);
+        else
+            kv_store_row(k, num_kv_heads * head_dim, fmt, 1.0f / k_scale, (uint8_t *)key_cache + *slot * row);
+        kv_store_row(v, num_kv_heads * head_dim, fmt, 1.0f / v_scale, (uint8_t *)value_cache + *slot * row);
     }
+    scale *= k_scale; /* q . (c * k_scale) * scale == q . c * (scale * k_scale): both factors powers of two or 1 */
     const int64_t n = len > 0 ? len : 1;
     /* scratch: where each context token's K and V rows are (n pointers each), then [num_heads, n] scores */
     const uint8_t **k_rows = (const uint8_t **)malloc(sizeof(uint8_t *) * (size_t)(2 * n) +
@@ -181,7 +191,8 @@ ALWAYS_INLINE int attend_seq(float *qs, const float *cos_sin, const int64_t *slo
         for (int64_t t = 0; t < len; t++) sh[t] *= inv;
     }
     for (int64_t h = 0; h < num_heads; h++) /* out_h = sum_t p[h][t] * v_t */
-        pv_head(scores + h * len, len, v_rows, (h / group) * head_dim * es, head_dim, os + h * head_dim, fmt);
+        pv_head(scores + h * len, len, v_rows, (h / group) * head_dim * es, head_dim, v_scale, os + h * head_dim,
+                fmt);
     free(k_rows);
     return 0;
 }
@@ -190,7 +201,7 @@ int paged_decode_attention(float *q, int64_t q_stride, const float *cos_sin, con
                            void *key_cache, void *value_cache, const int32_t *block_table,
                            int64_t block_table_stride, const int32_t *seq_lens, float *out, int64_t num_seqs,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                           float scale, int fmt) {
+                           float scale, int fmt, float k_scale, float v_scale, const float *k_comp) {
     const uint8_t *kc = (const uint8_t *)key_cache, *vc = (const uint8_t *)value_cache;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1)
@@ -204,19 +215,19 @@ int paged_decode_attention(float *q, int64_t q_stride, const float *cos_sin, con
         switch (fmt) {
         case KV_BF16:
             rc = attend_seq(qs, cs, slot, kc, vc, blocks, len, os, num_heads, num_kv_heads, head_dim, block_size,
-                            scale, KV_BF16);
+                            scale, k_scale, v_scale, k_comp, KV_BF16);
             break;
         case KV_FP8_E4M3:
             rc = attend_seq(qs, cs, slot, kc, vc, blocks, len, os, num_heads, num_kv_heads, head_dim, block_size,
-                            scale, KV_FP8_E4M3);
+                            scale, k_scale, v_scale, k_comp, KV_FP8_E4M3);
             break;
         case KV_FP8_E5M2:
             rc = attend_seq(qs, cs, slot, kc, vc, blocks, len, os, num_heads, num_kv_heads, head_dim, block_size,
-                            scale, KV_FP8_E5M2);
+                            scale, k_scale, v_scale, k_comp, KV_FP8_E5M2);
             break;
         default:
             rc = attend_seq(qs, cs, slot, kc, vc, blocks, len, os, num_heads, num_kv_heads, head_dim, block_size,
-                            scale, KV_F32);
+                            scale, k_scale, v_scale, k_comp, KV_F32);
         }
         if (rc != 0) failed = 1;
     }

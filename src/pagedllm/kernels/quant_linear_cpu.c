@@ -78,90 +78,103 @@ ALWAYS_INLINE void decode_pair(int bits, const uint8_t *codes, int64_t i, __m256
     }
 }
 
-/* Small M: R rows (1 to 4) of x against P panels (1, 2 or 4: 8P outputs from n0), streaming the packed weights
- * once; P independent chains per row hide the fma latency at R = 1. Accumulators a<row><panel> are named variables,
- * not an array: gcc kept an array's elements in registers but also stored them to the stack on every k. */
+/* Small M: R rows (1 to 4) of x against P panels (1, 2, 4 or 8: 8P outputs from n0), streaming the packed weights
+ * once. R x P independent fma chains hide the 4-cycle fma latency, and P panel streams read at once keep more
+ * weight lines in flight from DRAM (one row, Q8_0 LM head, one thread: P = 8 takes 0.77x the time of P = 4; with
+ * the weights in cache the two are even, the decode's use of the vector ports being the limit there).
+ * Accumulators a<row><panel> are named variables, not an array: gcc kept an array's elements in registers but
+ * also stored them to the stack on every k. */
 ALWAYS_INLINE void gemv_panels(int bits, int R, int P, const uint8_t *w, int64_t panel_bytes, int64_t group,
                                const float *x, int64_t K, float *y, int64_t N, int64_t n0) {
     const int64_t gbytes = group_bytes(bits, group), num_groups = K / group;
     const __m256 z = _mm256_setzero_ps();
-    __m256 a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;
-    __m256 a20 = z, a21 = z, a22 = z, a23 = z, a30 = z, a31 = z, a32 = z, a33 = z;
+#define ACC_ROW(r) __m256 a##r##0 = z, a##r##1 = z, a##r##2 = z, a##r##3 = z, a##r##4 = z, a##r##5 = z, a##r##6 = z, \
+                          a##r##7 = z;
+    ACC_ROW(0) ACC_ROW(1) ACC_ROW(2) ACC_ROW(3)
+#undef ACC_ROW
     for (int64_t g = 0; g < num_groups; g++) {
-        const uint8_t *g0 = w + g * gbytes, *g1 = g0 + panel_bytes, *g2 = g1 + panel_bytes, *g3 = g2 + panel_bytes;
+        const uint8_t *gp = w + g * gbytes;
         for (int64_t i = 0; i < group / 2; i++) {
             const int64_t k = g * group + 2 * i;
-            __m256 v0, u0, v1 = z, u1 = z, v2 = z, u2 = z, v3 = z, u3 = z; /* panel p's weights at k, k + 1 */
-#define DECODE(p) decode_pair(bits, g##p + 64, i, _mm256_loadu_ps((const float *)g##p),                           \
-                              _mm256_loadu_ps((const float *)g##p + PANEL), &v##p, &u##p)
-            DECODE(0);
-            if (P > 1) DECODE(1);
-            if (P > 2) { DECODE(2); DECODE(3); }
-#undef DECODE
-#define CHAIN(r)                                                                                                   \
-            if (R > r) {                                                                                           \
-                const __m256 x0 = _mm256_broadcast_ss(x + r * K + k), x1 = _mm256_broadcast_ss(x + r * K + k + 1);  \
-                a##r##0 = _mm256_fmadd_ps(v0, x0, a##r##0);                                                        \
-                if (P > 1) a##r##1 = _mm256_fmadd_ps(v1, x0, a##r##1);                                             \
-                if (P > 2) { a##r##2 = _mm256_fmadd_ps(v2, x0, a##r##2); a##r##3 = _mm256_fmadd_ps(v3, x0, a##r##3); } \
-                a##r##0 = _mm256_fmadd_ps(u0, x1, a##r##0);                                                        \
-                if (P > 1) a##r##1 = _mm256_fmadd_ps(u1, x1, a##r##1);                                             \
-                if (P > 2) { a##r##2 = _mm256_fmadd_ps(u2, x1, a##r##2); a##r##3 = _mm256_fmadd_ps(u3, x1, a##r##3); } \
+            __m256 v0 = z, u0 = z, v1 = z, u1 = z, v2 = z, u2 = z, v3 = z, u3 = z; /* panel p's weights at k, k + 1 */
+            __m256 v4 = z, u4 = z, v5 = z, u5 = z, v6 = z, u6 = z, v7 = z, u7 = z;
+#define DECODE(p)                                                                                                  \
+            if (P > p) {                                                                                           \
+                const uint8_t *pp = gp + p * panel_bytes;                                                          \
+                decode_pair(bits, pp + 64, i, _mm256_loadu_ps((const float *)pp),                                  \
+                            _mm256_loadu_ps((const float *)pp + PANEL), &v##p, &u##p);                             \
             }
-            CHAIN(0) CHAIN(1) CHAIN(2) CHAIN(3)
+#define CHAIN(r, p)                                                                                                \
+            if (R > r && P > p) {                                                                                  \
+                a##r##p = _mm256_fmadd_ps(v##p, _mm256_broadcast_ss(x + r * K + k), a##r##p);                      \
+                a##r##p = _mm256_fmadd_ps(u##p, _mm256_broadcast_ss(x + r * K + k + 1), a##r##p);                  \
+            }
+#define CHAINS(r) CHAIN(r, 0) CHAIN(r, 1) CHAIN(r, 2) CHAIN(r, 3) CHAIN(r, 4) CHAIN(r, 5) CHAIN(r, 6) CHAIN(r, 7)
+            if (R == 1) {  /* each panel's two weights used at once: 8 panels need no more registers than 1 */
+#define STEP(p) DECODE(p) CHAIN(0, p)
+                STEP(0) STEP(1) STEP(2) STEP(3) STEP(4) STEP(5) STEP(6) STEP(7)
+#undef STEP
+            } else {  /* the P panels' weights decoded once, then used by each row */
+                DECODE(0) DECODE(1) DECODE(2) DECODE(3) DECODE(4) DECODE(5) DECODE(6) DECODE(7)
+                CHAINS(0) CHAINS(1) CHAINS(2) CHAINS(3)
+            }
+#undef CHAINS
 #undef CHAIN
+#undef DECODE
         }
     }
-#define STORE(r)                                                                                                   \
-    if (R > r) {                                                                                                   \
-        store_out(y + r * N + n0, a##r##0, N - n0);                                                                \
-        if (P > 1) store_out(y + r * N + n0 + PANEL, a##r##1, N - n0 - PANEL);                                     \
-        if (P > 2) {                                                                                               \
-            store_out(y + r * N + n0 + 2 * PANEL, a##r##2, N - n0 - 2 * PANEL);                                    \
-            store_out(y + r * N + n0 + 3 * PANEL, a##r##3, N - n0 - 3 * PANEL);                                    \
-        }                                                                                                          \
-    }
-    STORE(0) STORE(1) STORE(2) STORE(3)
+#define STORE(r, p) if (R > r && P > p) store_out(y + r * N + n0 + p * PANEL, a##r##p, N - n0 - p * PANEL);
+#define STORE_ROW(r) STORE(r, 0) STORE(r, 1) STORE(r, 2) STORE(r, 3) STORE(r, 4) STORE(r, 5) STORE(r, 6) STORE(r, 7)
+    STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3)
+#undef STORE_ROW
 #undef STORE
 }
 
-/* gemv_panels with its shape as constants (an OpenMP region would receive them as variables). */
-typedef void (*panels_fn)(const uint8_t *w, int64_t panel_bytes, int64_t group, const float *x, int64_t K, float *y,
-                          int64_t N, int64_t n0);
-#define DEFINE_PANELS(BITS, R, P)                                                                                  \
-    static void panels_##BITS##_##R##_##P(const uint8_t *w, int64_t panel_bytes, int64_t group, const float *x,      \
-                                          int64_t K, float *y, int64_t N, int64_t n0) {                              \
-        gemv_panels(BITS, R, P, w, panel_bytes, group, x, K, y, N, n0);                                            \
-    }
-DEFINE_PANELS(4, 1, 4) DEFINE_PANELS(4, 2, 2) DEFINE_PANELS(4, 3, 2) DEFINE_PANELS(4, 4, 2)
-DEFINE_PANELS(4, 1, 1) DEFINE_PANELS(4, 2, 1) DEFINE_PANELS(4, 3, 1) DEFINE_PANELS(4, 4, 1)
-DEFINE_PANELS(8, 1, 4) DEFINE_PANELS(8, 2, 2) DEFINE_PANELS(8, 3, 2) DEFINE_PANELS(8, 4, 2)
-DEFINE_PANELS(8, 1, 1) DEFINE_PANELS(8, 2, 1) DEFINE_PANELS(8, 3, 1) DEFINE_PANELS(8, 4, 1)
-DEFINE_PANELS(FP8, 1, 4) DEFINE_PANELS(FP8, 2, 2) DEFINE_PANELS(FP8, 3, 2) DEFINE_PANELS(FP8, 4, 2)
-DEFINE_PANELS(FP8, 1, 1) DEFINE_PANELS(FP8, 2, 1) DEFINE_PANELS(FP8, 3, 1) DEFINE_PANELS(FP8, 4, 1)
+/* gemv_panels over panels [p_begin, p_end) of W: runs of max_p panels (8 for one row, 4 for two, 2 for more: the
+ * registers; two rows with the weights in DRAM: P = 4 takes 0.89x the time of P = 2, in cache 1.1x), then runs of
+ * 4, 2, 1 for the rest; the shape is constant in each instance. */
+#define GEMV_RANGE_ARGS const uint8_t *w, int64_t panel_bytes, int64_t group, const float *x, int64_t K, float *y, \
+                        int64_t N, int64_t p_begin, int64_t p_end
+typedef void (*gemv_range_fn)(GEMV_RANGE_ARGS);
+ALWAYS_INLINE void gemv_range(int bits, int R, int max_p, GEMV_RANGE_ARGS) {
+    int64_t p = p_begin;
+#define RUNS(P)                                                                                                    \
+    if (max_p >= P)                                                                                                \
+        for (; p + P <= p_end; p += P) gemv_panels(bits, R, P, w + p * panel_bytes, panel_bytes, group, x, K, y, N, p * PANEL);
+    RUNS(8) RUNS(4) RUNS(2) RUNS(1)
+#undef RUNS
+}
 
-/* [code type: 4, 8, FP8][rows - 1]: the P-panel function, its P, and the one-panel function */
-static const struct { panels_fn run; int P; panels_fn one; } GEMV_KERNELS[3][4] = {
-    {{panels_4_1_4, 4, panels_4_1_1}, {panels_4_2_2, 2, panels_4_2_1}, {panels_4_3_2, 2, panels_4_3_1},
-     {panels_4_4_2, 2, panels_4_4_1}},
-    {{panels_8_1_4, 4, panels_8_1_1}, {panels_8_2_2, 2, panels_8_2_1}, {panels_8_3_2, 2, panels_8_3_1},
-     {panels_8_4_2, 2, panels_8_4_1}},
-    {{panels_FP8_1_4, 4, panels_FP8_1_1}, {panels_FP8_2_2, 2, panels_FP8_2_1}, {panels_FP8_3_2, 2, panels_FP8_3_1},
-     {panels_FP8_4_2, 2, panels_FP8_4_1}},
+#define DEFINE_RANGE(NAME, BITS, R, MAXP)                                                                          \
+    static void gemv_range_##NAME##_##R(GEMV_RANGE_ARGS) {                                                         \
+        gemv_range(BITS, R, MAXP, w, panel_bytes, group, x, K, y, N, p_begin, p_end);                              \
+    }
+#define DEFINE_RANGES(NAME, BITS) \
+    DEFINE_RANGE(NAME, BITS, 1, 8) DEFINE_RANGE(NAME, BITS, 2, 4) DEFINE_RANGE(NAME, BITS, 3, 2) DEFINE_RANGE(NAME, BITS, 4, 2)
+DEFINE_RANGES(4, 4) DEFINE_RANGES(8, 8) DEFINE_RANGES(fp8, FP8)
+#undef DEFINE_RANGES
+#undef DEFINE_RANGE
+
+/* [code type: 4, 8, FP8][rows - 1] */
+static const gemv_range_fn GEMV_KERNELS[3][4] = {
+    {gemv_range_4_1, gemv_range_4_2, gemv_range_4_3, gemv_range_4_4},
+    {gemv_range_8_1, gemv_range_8_2, gemv_range_8_3, gemv_range_8_4},
+    {gemv_range_fp8_1, gemv_range_fp8_2, gemv_range_fp8_3, gemv_range_fp8_4},
 };
 
-/* `run` (P panels per call) over every panel of W for the rows x (R of them, fixed in the functions), `one` (a
- * single panel) for the last short run; threads split the runs. */
-static void gemv(panels_fn run, panels_fn one, int P, int64_t bits, const uint8_t *w, int64_t group, const float *x,
-                 float *y, int64_t N, int64_t K) {
+/* `run` over every panel of W for the rows x (R of them, fixed in the function); threads take contiguous ranges
+ * of panels (even shares, whatever the runs inside them). */
+static void gemv(gemv_range_fn run, int64_t bits, const uint8_t *w, int64_t group, const float *x, float *y, int64_t N,
+                 int64_t K) {
     const int64_t num_panels = (N + PANEL - 1) / PANEL, panel_bytes = K / group * group_bytes(bits, group);
-    const int64_t runs = (num_panels + P - 1) / P;
-#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)
-    for (int64_t r = 0; r < runs; r++) {
-        const int64_t p0 = r * P;
-        if (p0 + P <= num_panels) run(w + p0 * panel_bytes, panel_bytes, group, x, K, y, N, p0 * PANEL);
-        else for (int64_t p = p0; p < num_panels; p++)
-            one(w + p * panel_bytes, panel_bytes, group, x, K, y, N, p * PANEL);
+#pragma omp parallel if (N * K >= PARALLEL_MIN_WEIGHTS)
+    {
+        int64_t nt = 1, t = 0;
+#ifdef _OPENMP
+        nt = omp_get_num_threads();
+        t = omp_get_thread_num();
+#endif
+        run(w, panel_bytes, group, x, K, y, N, num_panels * t / nt, num_panels * (t + 1) / nt);
     }
 }
 
@@ -229,21 +242,37 @@ static void micro_any(int rows, int np, const float *buf, int64_t kc, const floa
     }
 }
 
+/* The packed bytes of k's [k0, k0 + kc) of strip s (its one or two panels) into the cache: issued before a tile's
+ * micro-kernel calls for the next tile, they arrive while the fmas run (Q8_0 LM head, M=16: 0.93x the time; the 4-bit linears: even). */
+ALWAYS_INLINE void prefetch_strip(int bits, const uint8_t *w, int64_t panel_bytes, int64_t num_panels, int64_t group,
+                                  int64_t K, int64_t s, int64_t k0) {
+    const int64_t gbytes = group_bytes(bits, group), kc = K - k0 < KC ? K - k0 : KC;
+    for (int64_t p = 2 * s; p < 2 * s + 2 && p < num_panels; p++) {
+        const char *a = (const char *)w + p * panel_bytes + k0 / group * gbytes;
+        for (int64_t off = 0; off < kc / group * gbytes; off += 64) _mm_prefetch(a + off, _MM_HINT_T0);
+    }
+}
+
 /* Large M, one thread's share: strips [s_begin, s_end) of 16 outputs. Per tile of MC rows and KC k's it decodes
  * each strip once into an L1 buffer and runs the micro-kernel over the tile's rows. The loops over strips and K
  * tiles nest whichever way keeps the larger operand in cache: K tiles outside when the thread's outputs are fewer
  * than K (the MC x KC tile of x is reused by every strip), inside otherwise (a strip's MC x 16 outputs stay in
  * L1 across its K tiles instead of all the thread's outputs going through L3 between tiles: gate_up, 2 threads,
- * 1536 outputs each for K = 576). Either way each output's chain visits k in order. */
+ * 1536 outputs each for K = 576). Either way each output's chain visits k in order. (s_next, k_next): the tile
+ * that follows, prefetched; s_next < 0: none. */
 ALWAYS_INLINE void gemm_tile(int bits, const uint8_t *w, int64_t panel_bytes, int64_t num_panels, int64_t group,
                              const float *x, float *y, int64_t N, int64_t K, int64_t m0, int64_t mc, int64_t s,
-                             int64_t k0, float *buf) {
+                             int64_t k0, float *buf, int64_t s_next, int64_t k_next) {
     const int np = 2 * s + 2 <= num_panels ? 2 : 1;
     const int64_t n0 = 2 * s * PANEL, kc = K - k0 < KC ? K - k0 : KC;
     decode_strip(bits, w + 2 * s * panel_bytes, panel_bytes, np, group, k0, kc, buf);
-    for (int64_t m = m0; m < m0 + mc; m += MR) {
-        const int rows = m0 + mc - m < MR ? (int)(m0 + mc - m) : MR;
+    if (s_next >= 0) prefetch_strip(bits, w, panel_bytes, num_panels, group, K, s_next, k_next);
+    const int64_t blocks = (mc + MR - 1) / MR;  /* row blocks of even sizes: 16 rows as 6 + 5 + 5 (0.91x the time
+                                                   of 6 + 6 + 4, whose 8 chains barely cover the fma latency) */
+    for (int64_t i = 0, m = m0; i < blocks; i++) {
+        const int rows = (int)(mc * (i + 1) / blocks - mc * i / blocks);
         micro_any(rows, np, buf, kc, x + m * K + k0, K, y + m * N + n0, N, N - n0, k0 == 0);
+        m += rows;
     }
 }
 
@@ -256,12 +285,18 @@ ALWAYS_INLINE void gemm_strips(int bits, const uint8_t *w, int64_t group, const 
         const int64_t mc = M - m0 < MC ? M - m0 : MC;
         if (strips_outside) {
             for (int64_t s = s_begin; s < s_end; s++)
-                for (int64_t k0 = 0; k0 < K; k0 += KC)
-                    gemm_tile(bits, w, panel_bytes, num_panels, group, x, y, N, K, m0, mc, s, k0, buf);
+                for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                    const int last_k = k0 + KC >= K;
+                    gemm_tile(bits, w, panel_bytes, num_panels, group, x, y, N, K, m0, mc, s, k0, buf,
+                              !last_k ? s : s + 1 < s_end ? s + 1 : -1, !last_k ? k0 + KC : 0);
+                }
         } else {
             for (int64_t k0 = 0; k0 < K; k0 += KC)
-                for (int64_t s = s_begin; s < s_end; s++)
-                    gemm_tile(bits, w, panel_bytes, num_panels, group, x, y, N, K, m0, mc, s, k0, buf);
+                for (int64_t s = s_begin; s < s_end; s++) {
+                    const int last_s = s + 1 >= s_end;
+                    gemm_tile(bits, w, panel_bytes, num_panels, group, x, y, N, K, m0, mc, s, k0, buf,
+                              !last_s ? s + 1 : k0 + KC < K ? s_begin : -1, !last_s ? k0 : k0 + KC);
+                }
         }
     }
 }
@@ -307,9 +342,7 @@ static void quant_linear_avx2(int bits, const uint8_t *w, int64_t group, const f
     }
     for (int64_t m = 0; m < M; m += 4) {  /* up to 4 rows per pass over W */
         const int64_t rows = M - m < 4 ? M - m : 4;
-        const int t = bits == 4 ? 0 : bits == 8 ? 1 : 2;
-        gemv(GEMV_KERNELS[t][rows - 1].run, GEMV_KERNELS[t][rows - 1].one, GEMV_KERNELS[t][rows - 1].P, bits, w,
-             group, x + m * K, y + m * N, N, K);
+        gemv(GEMV_KERNELS[bits == 4 ? 0 : bits == 8 ? 1 : 2][rows - 1], bits, w, group, x + m * K, y + m * N, N, K);
     }
 }
 #endif

@@ -39,7 +39,8 @@ def q8act_linear(kind: int, wq: torch.Tensor, d: torch.Tensor, mn: torch.Tensor 
     Args: the packed weight of quant_q8act_cpu.c: wq uint8 codes, d (and mn for U4/U5) [groups, K / 32, 8] f32.
     """
     lib = _kernel()
-    assert lib is not None and x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2
+    cpu_kernels.require(lib is not None and x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2,
+                        "lib is not None and x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2")
     out = x.new_empty(x.shape[0], out_features)
     rc = lib.q8act_linear_f32(kind, wq.data_ptr(), d.data_ptr(), None if mn is None else mn.data_ptr(), out_features,
                               x.shape[1], x.data_ptr(), x.shape[0], out.data_ptr())
@@ -51,7 +52,8 @@ def q8act_linear(kind: int, wq: torch.Tensor, d: torch.Tensor, mn: torch.Tensor 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] float32 -> (qa [M, K] int8, da [M, K/32], sa [M, K/32]): the kernel's activation quantization."""
     lib = _kernel()
-    assert lib is not None and x.dtype == torch.float32 and x.shape[-1] % BLOCK == 0
+    cpu_kernels.require(lib is not None and x.dtype == torch.float32 and x.shape[-1] % BLOCK == 0,
+                        "lib is not None and x.dtype == torch.float32 and x.shape[-1] % BLOCK == 0")
     x = x.contiguous()
     m, k = x.shape
     qa = torch.empty(m, k, dtype=torch.int8)

@@ -9,7 +9,7 @@
  *     da = amax / 127, qa = round(x / da) in [-127, 127], sa = da * sum(qa)
  * so that per block   sum_k x w  ~  d * da * sum_k(q * qa)  +  mn * sa.
  * The integer sums are exact (AVX2 maddubs, unsigned weight bytes x signed activation bytes into int16 pairs,
- * then madd into int32, with no saturation: see group_tile); each block's sum is converted to fp32, scaled and
+ * then madd into int32, with no saturation: see tile); each block's sum is converted to fp32, scaled and
  * accumulated, blocks in order.
  *
  * Packed weight layout: rows in groups of 8 (N padded to a multiple of 8), per group and block of 32 k:
@@ -35,6 +35,10 @@ enum { W_U4 = 0, W_U5 = 1, W_S8 = 2 };
 #define QK 32
 #define MR 4        /* activation rows per tile (a tile is MR rows x 8 outputs) */
 #define M_CHUNK 64  /* activation rows kept hot in L2 while a thread walks its weight rows */
+
+/* Keeps v in a register here: without it gcc reassociates a tile's integer sums (exact, so it may), computes
+ * every product of a block first and spills them to the stack (half the speed). */
+#define IN_REGISTER(v) __asm__("" : "+x"(v))
 
 /* 4 activation bytes as one int32 (to broadcast to every lane). */
 static inline int32_t load4(const int8_t *p) {
@@ -74,68 +78,81 @@ static void quantize_row(const float *x, int64_t nb, int8_t *qa, float *da, floa
     }
 }
 
-/* Accumulate one row tile (mr activation rows) against one group of 8 weight rows over all blocks.
- * Each 32-bit lane of a product vector is one output n of the group: maddubs multiplies the lane's 4 weight
- * bytes (k = 4q .. 4q + 3 of quad q) by the row's 4 activation bytes broadcast to every lane and adds them in
- * int16 pairs. U4 adds the 8 quads of a block in int16 (at most 8 * 2 * 15 * 127 = 30480: no overflow), U5
- * flushes to int32 every 4 quads (4 * 2 * 31 * 127), S8 every quad (|w| x a with w's sign: 2 * 128 * 127).
- * Then per block: int32 -> fp32, times d * da, plus mn * sa. Every lane runs the same op sequence whatever
- * mr, the group, or the thread. out: [mr] rows of 8 floats (stride ld). */
-static inline __attribute__((always_inline)) void group_tile(
-        int wtype, const uint8_t *wg, const float *dg, const float *mg, const int8_t *qa, const float *da,
-        const float *sa, int mr, int64_t nb, int64_t K, float *out, int64_t ld) {
+/* Accumulate a tile of R activation rows (1 to MR) x one group of 8 weight rows over all blocks.
+ * Each 32-bit lane of a product vector is one output n of the group: maddubs multiplies the lane's 4 weight bytes
+ * (k = 4q .. 4q + 3 of quad q) by the row's 4 activation bytes broadcast to every lane and adds them in int16
+ * pairs. U4 adds the 8 quads of a block in int16 (at most 8 * 2 * 15 * 127 = 30480: no overflow), U5 flushes to
+ * int32 every 4 quads (4 * 2 * 31 * 127), S8 every quad (|w| x a with w's sign: 2 * 128 * 127). Integer sums are
+ * exact in any order, so a block's int32 sum does not depend on the tile. Then per block: int32 -> fp32, times
+ * d * da, plus mn * sa: every lane runs the same fp32 op sequence whatever R, the group or the thread.
+ * The per-row sums are named variables (s<row>, t<row>, c<row>): as arrays gcc kept them on the stack.
+ * out: [R] rows of 8 floats (stride ld). */
+static inline __attribute__((always_inline)) void tile(
+        int wtype, int R, const uint8_t *wg, const float *dg, const float *mg, const int8_t *qa, const float *da,
+        const float *sa, int64_t nb, int64_t K, float *out, int64_t ld) {
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
     const int64_t bytes = wtype == W_S8 ? 256 : wtype == W_U5 ? 160 : 128;  /* per group and block */
-    __m256 acc[MR];
-    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    const __m256i zi = _mm256_setzero_si256();
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+#define ROWS(X) X(0) X(1) X(2) X(3)
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = wg + b * bytes;
-        __m256i isum[MR];
-        for (int i = 0; i < mr; i++) isum[i] = _mm256_setzero_si256();
+        const int8_t *ab = qa + b * QK;  /* row r's block: ab + r * K */
+        __m256i s0 = zi, s1 = zi, s2 = zi, s3 = zi;  /* int32 sums */
         if (wtype == W_S8) {
             for (int q = 0; q < 8; q++) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(wb + q * 32)), wabs = _mm256_abs_epi8(w);
-                for (int i = 0; i < mr; i++) {
-                    const __m256i a = _mm256_set1_epi32(load4(qa + i * K + b * QK + q * 4));
-                    isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(a, w)), ones));
+#define S8_ROW(r)                                                                                                  \
+                if (R > r) {                                                                                       \
+                    const __m256i a = _mm256_set1_epi32(load4(ab + r * K + q * 4));                                \
+                    s##r = _mm256_add_epi32(s##r, _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(a, w)), ones)); \
+                    IN_REGISTER(s##r);                                                                             \
                 }
+                ROWS(S8_ROW)
+#undef S8_ROW
             }
         } else {
-            __m256i hb = _mm256_setzero_si256(), s16[MR];
-            if (wtype == W_U5) hb = _mm256_loadu_si256((const __m256i *)(wb + 128));
-            for (int half = 0; half < 2; half++) {
-                if (half == 0 || wtype == W_U5)
-                    for (int i = 0; i < mr; i++) s16[i] = _mm256_setzero_si256();
-                for (int j = 0; j < 2; j++) {
-                    /* load 2 * half + j holds quad (2 * half + j) in its low nibbles and quad (+ 4) in its high */
-                    const int lo_q = 2 * half + j;
-                    const __m256i packed = _mm256_loadu_si256((const __m256i *)(wb + lo_q * 32));
-                    for (int part = 0; part < 2; part++) {
-                        const int q = lo_q + 4 * part;
-                        __m256i w = _mm256_and_si256(part ? _mm256_srli_epi16(packed, 4) : packed, low4);
-                        if (wtype == W_U5) /* bit q of each byte of hb -> 0x10 */
-                            w = _mm256_or_si256(w, _mm256_and_si256(
-                                q <= 4 ? _mm256_slli_epi16(hb, 4 - q) : _mm256_srli_epi16(hb, q - 4), bit4));
-                        for (int i = 0; i < mr; i++) {
-                            const __m256i a = _mm256_set1_epi32(load4(qa + i * K + b * QK + q * 4));
-                            s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(w, a));
-                        }
-                    }
+            const __m256i h = wtype == W_U5 ? _mm256_loadu_si256((const __m256i *)(wb + 128)) : zi;
+            __m256i t0 = zi, t1 = zi, t2 = zi, t3 = zi;  /* int16 sums since the last flush (U4: the block) */
+            for (int j = 0; j < 4; j++) {
+                /* load j holds quad j in its low nibbles and quad j + 4 in its high ones */
+                const __m256i packed = _mm256_loadu_si256((const __m256i *)(wb + j * 32));
+                __m256i lo = _mm256_and_si256(packed, low4), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+                if (wtype == W_U5) { /* bit q of each byte of h -> 0x10, for q = j and j + 4 */
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4 - j), bit4));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(j == 0 ? h : _mm256_srli_epi16(h, j), bit4));
                 }
-                if (half == 1 || wtype == W_U5)  /* U4 adds the whole block in int16, U5 each half */
-                    for (int i = 0; i < mr; i++) isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s16[i], ones));
+#define U_ROW(r)                                                                                                   \
+                if (R > r) {                                                                                       \
+                    const __m256i al = _mm256_set1_epi32(load4(ab + r * K + j * 4));                               \
+                    const __m256i ah = _mm256_set1_epi32(load4(ab + r * K + (j + 4) * 4));                         \
+                    t##r = _mm256_add_epi16(t##r, _mm256_add_epi16(_mm256_maddubs_epi16(lo, al),                   \
+                                                                   _mm256_maddubs_epi16(hi, ah)));                 \
+                    IN_REGISTER(t##r);                                                                             \
+                }
+                ROWS(U_ROW)
+#undef U_ROW
+                if (j == 3 || (wtype == W_U5 && j == 1)) {
+#define FLUSH(r) if (R > r) { s##r = _mm256_add_epi32(s##r, _mm256_madd_epi16(t##r, ones)); t##r = zi; }
+                    ROWS(FLUSH)
+#undef FLUSH
+                }
             }
         }
         const __m256 dw = _mm256_loadu_ps(dg + b * 8);
-        for (int i = 0; i < mr; i++) {
-            const __m256 scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(da + i * nb + b));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), scale, acc[i]);
-            if (wtype != W_S8)
-                acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(mg + b * 8), _mm256_broadcast_ss(sa + i * nb + b), acc[i]);
+#define FP(r)                                                                                                      \
+        if (R > r) {                                                                                               \
+            c##r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s##r), _mm256_mul_ps(dw, _mm256_broadcast_ss(da + r * nb + b)), c##r); \
+            if (wtype != W_S8)                                                                                     \
+                c##r = _mm256_fmadd_ps(_mm256_loadu_ps(mg + b * 8), _mm256_broadcast_ss(sa + r * nb + b), c##r);   \
         }
+        ROWS(FP)
+#undef FP
     }
-    for (int i = 0; i < mr; i++) _mm256_storeu_ps(out + i * ld, acc[i]);
+#define STORE(r) if (R > r) _mm256_storeu_ps(out + r * ld, c##r);
+    ROWS(STORE)
+#undef STORE
+#undef ROWS
 }
 
 /* Quantize x [M, K] per row and block (exposed for tests). */
@@ -145,20 +162,25 @@ void q8act_quantize_f32(const float *x, int64_t M, int64_t K, int8_t *qa, float 
     for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, nb, qa + m * K, da + m * nb, sa + m * nb);
 }
 
-static void group_tile_dispatch(int wtype, const uint8_t *wg, const float *dg, const float *mg, const int8_t *qa,
-                                const float *da, const float *sa, int mr, int64_t nb, int64_t K, float *out,
-                                int64_t ld) {
-#define GROUP_TILE(T) do { \
-        if (mr == MR) group_tile(T, wg, dg, mg, qa, da, sa, MR, nb, K, out, ld); \
-        else group_tile(T, wg, dg, mg, qa, da, sa, 1, nb, K, out, ld); \
-    } while (0)
-    if (wtype == W_U4) GROUP_TILE(W_U4);
-    else if (wtype == W_U5) GROUP_TILE(W_U5);
-    else GROUP_TILE(W_S8);
-#undef GROUP_TILE
-}
+/* tile() with its shape as constants: [wtype][R - 1]. */
+typedef void (*tile_fn)(const uint8_t *wg, const float *dg, const float *mg, const int8_t *qa, const float *da,
+                        const float *sa, int64_t nb, int64_t K, float *out, int64_t ld);
+#define DEFINE_TILE(T, R)                                                                                          \
+    static void tile_##T##_##R(const uint8_t *wg, const float *dg, const float *mg, const int8_t *qa,              \
+                               const float *da, const float *sa, int64_t nb, int64_t K, float *out, int64_t ld) { \
+        tile(T, R, wg, dg, mg, qa, da, sa, nb, K, out, ld);                                                        \
+    }
+#define DEFINE_TILES(T) DEFINE_TILE(T, 1) DEFINE_TILE(T, 2) DEFINE_TILE(T, 3) DEFINE_TILE(T, 4)
+DEFINE_TILES(0) DEFINE_TILES(1) DEFINE_TILES(2)  /* W_U4, W_U5, W_S8 */
+#undef DEFINE_TILES
+#undef DEFINE_TILE
+#define TILES_OF(T) {tile_##T##_1, tile_##T##_2, tile_##T##_3, tile_##T##_4}
+static const tile_fn TILES[3][MR] = {TILES_OF(0), TILES_OF(1), TILES_OF(2)};
+#undef TILES_OF
 
-/* out [M, N] = x [M, K] @ w^T with x quantized per row to 8 bits. Returns 0, or -1 when scratch memory fails. */
+/* out [M, N] = x [M, K] @ w^T with x quantized per row to 8 bits. Returns 0, or -1 when scratch memory fails.
+ * Threads take contiguous ranges of output groups; per chunk of M_CHUNK rows each walks its groups, and per group
+ * the chunk's rows in tiles of up to MR rows. */
 int q8act_linear_f32(int wtype, const uint8_t *wq, const float *d, const float *mn, int64_t N, int64_t K,
                      const float *x, int64_t M, float *out) {
     const int64_t nb = K / QK, num_groups = (N + 7) / 8;
@@ -180,16 +202,14 @@ int q8act_linear_f32(int wtype, const uint8_t *wq, const float *d, const float *
             const int64_t m1 = m0 + M_CHUNK < M ? m0 + M_CHUNK : M;
             for (int64_t g = first; g < last; g++) {
                 const int64_t n0 = g * 8, valid = N - n0 < 8 ? N - n0 : 8;
-                int64_t m = m0;
-                while (m < m1) {
-                    const int mr = m + MR <= m1 ? MR : 1;
+                for (int64_t m = m0; m < m1; m += MR) {
+                    const int rows = m1 - m < MR ? (int)(m1 - m) : MR;
                     float tmp[MR * 8];
                     float *dst = valid == 8 ? out + m * N + n0 : tmp;
-                    group_tile_dispatch(wtype, wq + g * nb * bytes, d + g * nb * 8, mn + g * nb * 8, qa + m * K,
-                                        da + m * nb, sa + m * nb, mr, nb, K, dst, valid == 8 ? N : 8);
-                    if (valid < 8)
-                        for (int i = 0; i < mr; i++) memcpy(out + (m + i) * N + n0, tmp + i * 8, valid * sizeof(float));
-                    m += mr;
+                    TILES[wtype][rows - 1](wq + g * nb * bytes, d + g * nb * 8, mn == NULL ? NULL : mn + g * nb * 8,
+                                           qa + m * K, da + m * nb, sa + m * nb, nb, K, dst, valid == 8 ? N : 8);
+                    if (dst == tmp)
+                        for (int i = 0; i < rows; i++) memcpy(out + (m + i) * N + n0, tmp + i * 8, valid * sizeof(float));
                 }
             }
         }

@@ -1,9 +1,10 @@
 """Paged attention over a flattened batch that mixes prefill chunks and decodes.
 
 Per call, from the fused qkv projection: (1) rotary on q and k; (2) write this step's K/V into the cache at
-`slot_mapping` (in the cache's dtype: layers/kv_cache_dtype.py); (3) each query attends to its request's cached
-tokens, read through the block table, plus the causal part of its own chunk. When every row is a decode and the
-native kernel runs, (1) to (3) are one call per layer (`cpu_kernels.fused_decode_attention`).
+`slot_mapping` (in the cache's dtype, divided by the layer's k_scale / v_scale: layers/kv_cache_dtype.py); (3) each
+query attends to its request's cached tokens, read through the block table, plus the causal part of its own chunk
+(k_scale folded into the softmax scale, v_scale into the output). When every row is a decode and the native kernel
+runs, (1) to (3) are one call per layer (`cpu_kernels.fused_decode_attention`).
 
 Plan, built once per step (`AttentionMetadata.plan`) and reused by every layer:
 - decode rows (query length 1) are batched. On the CPU in fp32 the native kernel
@@ -37,8 +38,9 @@ from torch import nn
 
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.forward_context import AttentionMetadata, get_forward_context
-from pagedllm.layers.kv_cache_dtype import index_copy, to_cache_dtype
+from pagedllm.layers.kv_cache_dtype import index_copy, to_cache_dtype, to_cache_dtype_compensated
 from pagedllm.layers.rotary import apply_rotary_qkv
+from pagedllm.math_utils import cdiv
 
 GROUPED_SCORES_MAX_BYTES = 64 << 20  # scores [Hkv, G * Tq, seq_len] above this go through SDPA
 
@@ -91,7 +93,7 @@ def build_plan(md: AttentionMetadata, block_size: int, native: bool, always_read
         row_lens = seq_lens[row_req] - counts.repeat(counts) + 1 + row_offset  # [B]
         req_idx = torch.from_numpy(row_req).to(device)
         decode_rows = torch.from_numpy(qsl[row_req] + row_offset).to(device)
-        nb = int(-(-seq_lens[decode_reqs].max() // block_size))
+        nb = int(cdiv(seq_lens[decode_reqs].max(), block_size))
         lens = torch.from_numpy(row_lens).to(device)  # [B]
         if native:
             decode_block_table = md.block_table[req_idx, :nb].to(torch.int32).contiguous()  # [B, nb]
@@ -105,12 +107,26 @@ def build_plan(md: AttentionMetadata, block_size: int, native: bool, always_read
         start, end, seq_len = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
         block_ids = None
         if seq_len > end - start or always_read_cache:
-            block_ids = md.block_table[r, : -(-seq_len // block_size)].long()
+            block_ids = md.block_table[r, : cdiv(seq_len, block_size)].long()
         prefills.append(_Prefill(start, end, seq_len, block_ids))
     all_decode = decode_rows is not None and not prefills
     return _AttentionPlan(native, all_decode, has_verify, decode_rows, decode_block_table, decode_seq_lens,
                           decode_block_ids, nb,
                           decode_mask, prefills)
+
+
+def step_plan(md: AttentionMetadata, kv_cache: torch.Tensor, dtype: torch.dtype,
+              device: torch.device) -> _AttentionPlan:
+    """This step's plan (`md.plan`), built by the first caller of the step and shared by every layer (and by the
+    native decode step, models/llama_native_step.py). kv_cache: any layer's (they share dtype and shape);
+    dtype, device: the activations'."""
+    plan: _AttentionPlan | None = md.plan
+    if plan is None:
+        plan = md.plan = build_plan(md, kv_cache.shape[2], cpu_kernels.kv_cache_native(kv_cache.dtype, dtype, device),
+                                    always_read_cache=kv_cache.dtype != dtype)
+        if plan.native and plan.decode_rows is not None:  # once per step, not per layer
+            cpu_kernels.check_decode_args(kv_cache[0], kv_cache[1], plan.decode_block_table, plan.decode_seq_lens)
+    return plan
 
 
 class PagedAttention(nn.Module):
@@ -123,6 +139,14 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.layer_idx = layer_idx
         self.scale = head_dim**-0.5
+        # vLLM's k_scale / v_scale: a cached K code c stands for c * k_scale (powers of two; 1.0 unless set at load
+        # for an fp8 cache, layers/kv_cache_dtype.py). Folded into the softmax scale and the output, never applied
+        # value by value.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        # None, or (fp8 cache, set at load with the scales) [Hkv, D, D] float32 error-feedback weights K rows are
+        # rounded with (kv_cache_dtype.to_cache_dtype_compensated); reading is unchanged.
+        self.k_comp: torch.Tensor | None = None
 
     def forward(self, qkv: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         # qkv: [T, (H + 2 * Hkv) * D], the fused projection before rotary; cos_sin: [T, 2, D / 2] -> out [T, H * D]
@@ -130,19 +154,14 @@ class PagedAttention(nn.Module):
         md = ctx.attn_metadata
         kv_cache = ctx.kv_caches[self.layer_idx]  # [2, num_blocks, block_size, Hkv, D]
         num_padded, n = qkv.shape[0], md.num_actual_tokens
-        plan: _AttentionPlan | None = md.plan
-        if plan is None:
-            plan = md.plan = build_plan(md, kv_cache.shape[2],
-                                        cpu_kernels.kv_cache_native(kv_cache.dtype, qkv.dtype, qkv.device),
-                                        always_read_cache=kv_cache.dtype != qkv.dtype)
-            if plan.native and plan.decode_rows is not None:  # once per step, not per layer
-                cpu_kernels.check_decode_args(kv_cache[0], kv_cache[1], plan.decode_block_table, plan.decode_seq_lens)
+        plan = step_plan(md, kv_cache, qkv.dtype, qkv.device)
         fused = plan.native and plan.all_decode and not plan.has_verify
         if fused and qkv.is_contiguous() and cos_sin.is_contiguous():  # one native call
             if num_padded > n:
                 qkv, cos_sin = qkv[:n], cos_sin[:n]
             out = cpu_kernels.fused_decode_attention(qkv, cos_sin, md.slot_mapping, kv_cache, plan.decode_block_table,
-                                                     plan.decode_seq_lens, self.scale, self.num_heads)
+                                                     plan.decode_seq_lens, self.scale, self.num_heads, self.k_scale,
+                                                     self.v_scale, self.k_comp)
         else:
             out = self._attend(*apply_rotary_qkv(qkv[:n], cos_sin[:n], self.num_heads, self.num_kv_heads,
                                                  self.head_dim), kv_cache, md.slot_mapping[:n], plan)
@@ -171,17 +190,21 @@ class PagedAttention(nn.Module):
                native: bool) -> None:
         # k, v: [T, Hkv, D] -> the cache's slots, in its dtype
         if native:
-            cpu_kernels.write_kv_cache(k, v, kv_cache[0], kv_cache[1], slots)
+            cpu_kernels.write_kv_cache(k, v, kv_cache[0], kv_cache[1], slots, self.k_scale, self.v_scale, self.k_comp)
             return
         shape = (kv_cache.shape[1] * kv_cache.shape[2], self.num_kv_heads, self.head_dim)  # [num_slots, Hkv, D]
-        index_copy(kv_cache[0].view(shape), slots, to_cache_dtype(k, kv_cache.dtype))
-        index_copy(kv_cache[1].view(shape), slots, to_cache_dtype(v, kv_cache.dtype))
+        if self.k_comp is not None:
+            k_codes = to_cache_dtype_compensated(k, kv_cache.dtype, self.k_scale, self.k_comp)
+        else:
+            k_codes = to_cache_dtype(k, kv_cache.dtype, self.k_scale)
+        index_copy(kv_cache[0].view(shape), slots, k_codes)
+        index_copy(kv_cache[1].view(shape), slots, to_cache_dtype(v, kv_cache.dtype, self.v_scale))
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
         # q: [B, H, D] -> [B, H, D]
         if plan.native:
             return cpu_kernels.paged_decode_attention(q, kv_cache[0], kv_cache[1], plan.decode_block_table,
-                                                      plan.decode_seq_lens, self.scale)
+                                                      plan.decode_seq_lens, self.scale, self.k_scale, self.v_scale)
         b = q.shape[0]
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
@@ -194,18 +217,22 @@ class PagedAttention(nn.Module):
         qg = q.view(b, hkv, group, d)  # [B, Hkv, G, D]
         out = F.scaled_dot_product_attention(
             qg, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
-            attn_mask=plan.decode_mask, scale=self.scale)  # [B, Hkv, G, D]
+            attn_mask=plan.decode_mask, scale=self.scale * self.k_scale)  # [B, Hkv, G, D]
+        if self.v_scale != 1.0:
+            out = out * self.v_scale
         return out.reshape(b, self.num_heads, d)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  p: _Prefill) -> torch.Tensor:
         # q: [Tq, H, D]; k, v: [Tq, Hkv, D] (this chunk) -> [Tq, H, D]
         tq = q.shape[0]
+        k_scale = v_scale = 1.0  # this chunk's own K/V as computed: unscaled
         if p.block_ids is not None:  # a cached prefix: keys and values are the request's whole context
             blocks = kv_cache.view(2, kv_cache.shape[1], -1)
             shape = (-1, self.num_kv_heads, self.head_dim)
             k = blocks[0].index_select(0, p.block_ids).view(shape)[: p.seq_len]  # [L, Hkv, D]
             v = blocks[1].index_select(0, p.block_ids).view(shape)[: p.seq_len]
+            k_scale, v_scale = self.k_scale, self.v_scale
         k, v = k.to(q.dtype), v.to(q.dtype)
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
@@ -214,15 +241,17 @@ class PagedAttention(nn.Module):
             query_pos = torch.arange(p.seq_len - tq, p.seq_len, device=q.device)  # [Tq]
             mask = torch.arange(p.seq_len, device=q.device)[None, :] <= query_pos[:, None]  # [Tq, L]
             out = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=self.scale,
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=self.scale * k_scale,
                 enable_gqa=True)  # [H, Tq, D]
-            return out.transpose(0, 1)
+            return (out * v_scale if v_scale != 1.0 else out).transpose(0, 1)
         if p.bias is None:  # the same for every layer of this step
             query_pos = torch.arange(p.seq_len - tq, p.seq_len, device=q.device)  # [Tq]
             visible = torch.arange(p.seq_len, device=q.device)[None, :] <= query_pos[:, None]  # [Tq, L]
             bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
             p.bias = bias.repeat(group, 1)  # [G * Tq, L]: rows g * Tq + i
         qg = q.view(tq, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * tq, d)  # [Hkv, G * Tq, D]
-        scores = torch.baddbmm(p.bias, qg, k.permute(1, 2, 0), alpha=self.scale)  # [Hkv, G * Tq, L]
+        scores = torch.baddbmm(p.bias, qg, k.permute(1, 2, 0), alpha=self.scale * k_scale)  # [Hkv, G * Tq, L]
         out = torch.bmm(scores.softmax(dim=-1), v.transpose(0, 1))  # [Hkv, G * Tq, D]
+        if v_scale != 1.0:
+            out *= v_scale
         return out.view(hkv, group, tq, d).permute(2, 0, 1, 3).reshape(tq, self.num_heads, d)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from pagedllm.kernels.quant_q8act import BLOCK, S8, U4, U5, q8act_linear
+from pagedllm.math_utils import cdiv
 
 if TYPE_CHECKING:
     from pagedllm.models.quantized_codes import QuantizedWeight
@@ -44,7 +45,7 @@ def _kind(w: QuantizedWeight) -> int | None:
 class Int8ActivationWeight:
     def __init__(self, w: QuantizedWeight, kind: int):
         n, k = w.shape
-        nb, groups = k // BLOCK, -(-n // ROWS)
+        nb, groups = k // BLOCK, cdiv(n, ROWS)
         pad = groups * ROWS - n
 
         def grouped(a: np.ndarray) -> np.ndarray:  # [N, nb, ...] -> [G, nb, 8, ...]

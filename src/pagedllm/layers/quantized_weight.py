@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from pagedllm.kernels import cpu_kernels
+from pagedllm.math_utils import cdiv
 
 if TYPE_CHECKING:
     from pagedllm.models.quantized_codes import QuantizedWeight
@@ -53,7 +54,7 @@ class PackedWeight:
     def from_codes(weight: QuantizedWeight) -> PackedWeight:
         """Lay a load-time QuantizedWeight out in panels (the layout above)."""
         n, k = weight.shape
-        num_panels, num_groups = -(-n // PANEL), k // weight.group
+        num_panels, num_groups = cdiv(n, PANEL), k // weight.group
         pad = num_panels * PANEL - n
 
         def panels(a: np.ndarray) -> np.ndarray:  # [N, X, ...] -> [P, X, ..., 8] (rows last)

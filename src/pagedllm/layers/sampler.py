@@ -33,6 +33,7 @@ from pagedllm.layers.sampling.ops import (
     apply_penalties,
     apply_top_k_top_p,
 )
+from pagedllm.sampling_params import GREEDY_TEMPERATURE
 
 __all__ = [
     "LogprobsTensors",
@@ -81,7 +82,7 @@ class Sampler(nn.Module):
             return logits.argmax(dim=-1)
         greedy = None if metadata.all_random else logits.argmax(dim=-1)  # [N]
         temperature = metadata.temperature  # [N], 0 on greedy rows
-        logits.div_(torch.where(temperature < 1e-5, 1.0, temperature).unsqueeze(1))
+        logits.div_(torch.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature).unsqueeze(1))
         apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
         if metadata.min_p is not None:
             apply_min_p(logits, metadata.min_p)
@@ -89,7 +90,7 @@ class Sampler(nn.Module):
         random = probs.div_(_exponentials(probs, metadata.generators)).argmax(dim=-1)  # [N]
         if greedy is None:
             return random
-        return torch.where(temperature < 1e-5, greedy, random)
+        return torch.where(temperature < GREEDY_TEMPERATURE, greedy, random)
 
 
 def _exponentials(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:

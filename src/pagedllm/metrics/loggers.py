@@ -12,8 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from pagedllm.engine.messages import EngineCoreOutputs
-from pagedllm.metrics.stats import SchedulerStats, SpecDecodingStats
+from pagedllm.messages import EngineCoreOutputs, SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pagedllm.messages import SchedulerStats, SpecDecodingStats
 from pagedllm.metrics.loggers import IterationStats
-from pagedllm.metrics.stats import SchedulerStats, SpecDecodingStats
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 

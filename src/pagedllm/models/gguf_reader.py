@@ -24,6 +24,8 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
+from pagedllm.math_utils import cdiv
+
 _STRING, _ARRAY = 8, 9
 # fixed-size value types: u8, i8, u16, i16, u32, i32, f32, bool, u64, i64, f64
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
@@ -78,7 +80,7 @@ class GGUFFile:
         alignment = self.metadata.get("general.alignment", 32)
         if not isinstance(alignment, int) or alignment <= 0:
             raise GGUFFormatError(f"general.alignment must be a positive integer, got {alignment!r}")
-        self.data_offset = -(-self._pos // alignment) * alignment
+        self.data_offset = cdiv(self._pos, alignment) * alignment
         self.tensors = [self._tensor(*info) for info in infos]
 
     # ---- primitives ------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.math_utils import cdiv
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -31,7 +32,7 @@ class InputBatch:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
-        max_blocks = -(-max_model_len // block_size)
+        max_blocks = cdiv(max_model_len, block_size)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)

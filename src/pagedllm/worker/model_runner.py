@@ -11,22 +11,23 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import SchedulerOutput
-from pagedllm.engine.messages import LogprobsEntry
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.forward_context import AttentionMetadata, kv_cache_shape, set_forward_context
 from pagedllm.layers.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs, logprobs_to_entries
 from pagedllm.layers.sampling.rejection_sampler import can_speculate, rejection_sample
+from pagedllm.math_utils import cdiv
+from pagedllm.messages import LogprobsEntry, ModelRunnerOutput
+from pagedllm.models.llama_native_step import LlamaNativeDecodeStep
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.worker.cpu_allocator import PoolPrefault, keep_freed_memory, zeroed_pool
 from pagedllm.worker.input_batch import InputBatch, RequestState
-from pagedllm.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, model_info, device: torch.device,
-                 dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None):
+                 dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None, *, max_model_len: int):
         self.config = config
         self.model = model
         self.info = model_info
@@ -34,13 +35,13 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype or dtype  # the pool's storage dtype (layers/kv_cache_dtype.py)
         self.block_size = config.cache_config.block_size
-        sched = config.scheduler_config
-        self.input_batch = InputBatch(sched.max_num_seqs, sched.max_model_len, self.block_size)
+        self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, max_model_len, self.block_size)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.kv_prefault: PoolPrefault | None = None
         # Generators of seeded requests survive preemption: sampling resumes where it stopped.
         self.generators: dict[str, torch.Generator] = {}
+        self.native_step = LlamaNativeDecodeStep.build(model) if device.type == "cpu" else None
         self.speculative_config = config.speculative_config
         self.proposer = NgramProposer(config.speculative_config) if config.speculative_config is not None else None
 
@@ -77,7 +78,7 @@ class ModelRunner:
         if num_drafts is not None:
             attn_metadata.verify_reqs = np.flatnonzero(num_drafts)
         with set_forward_context(attn_metadata, self.kv_caches):
-            hidden_states = self.model(input_ids, positions)  # [T, hidden]
+            hidden_states = self._forward(input_ids, positions)  # [T, hidden]
 
         # A request samples when this step's tokens reach the end of the tokens it has.
         seq_lens = batch.num_computed_tokens[rows] + num_sched
@@ -175,6 +176,15 @@ class ModelRunner:
             proposals[i] = d
         return proposals
 
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The model's hidden states for this step: one native call for a step of decodes where the model has a
+        native decode step (models/llama_native_step.py, bitwise the same), else its modules."""
+        if self.native_step is not None:
+            hidden_states = self.native_step.forward(input_ids, positions)
+            if hidden_states is not None:
+                return hidden_states
+        return self.model(input_ids, positions)
+
     # ---- state ----------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -219,7 +229,7 @@ class ModelRunner:
         input_ids = batch.token_ids[row_of_token, positions]  # [T]
         slot_mapping = batch.block_table[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = num_computed + num_sched
-        max_blocks = int(-(-seq_lens.max() // bs))
+        max_blocks = int(cdiv(seq_lens.max(), bs))
         block_table = batch.block_table[rows, :max_blocks]  # [num_reqs, max_blocks]
         dev = self.device
         metadata = AttentionMetadata(

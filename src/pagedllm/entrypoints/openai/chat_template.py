@@ -29,8 +29,6 @@ import jinja2.ext
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-DEFAULT_TIMEOUT_S = 1.0
-DEFAULT_MAX_CHARS = 1 << 20
 _TEMPLATE_FILENAME = "<template>"
 
 
@@ -90,9 +88,9 @@ def _checked_join(join, max_chars: int):
 
 def render(template_source: str, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
            continue_final_message: bool, special_tokens: dict[str, Any], tools: list | None = None,
-           timeout_s: float = DEFAULT_TIMEOUT_S, max_chars: int = DEFAULT_MAX_CHARS,
-           **kwargs: Any) -> str:
-    """The prompt text. Raises jinja2.TemplateError (ChatTemplateLimitError past a limit) or ValueError."""
+           timeout_s: float, max_chars: int, **kwargs: Any) -> str:
+    """The prompt text, rendered within timeout_s seconds and max_chars characters (--chat-template-timeout,
+    --max-chat-template-chars). Raises jinja2.TemplateError (ChatTemplateLimitError past a limit) or ValueError."""
     template = compile_template(template_source, max_chars)
     tag = "CONTINUE_FINAL_MESSAGE_TAG "
     if continue_final_message:

@@ -3,6 +3,7 @@
 Before these, an idle, partial-header or partial-body connection stayed open forever: 21,000 of them used up
 the file descriptors, /health and completions timed out, and asyncio logged a traceback for every failed
 accept (111 MB of log in 45 s). Now:
+- a request head over --max-header-bytes gets a JSON 431 (uvicorn's own answer is a plain-text 400);
 - a connection must deliver its request head within --header-read-timeout of opening (or of its first byte
   after a keep-alive pause: uvicorn's keep-alive timeout closes idle ones), else a 408 and close;
 - a request's body must arrive within --body-read-timeout of its head, else the connection closes (the
@@ -25,9 +26,9 @@ from http import HTTPStatus
 from typing import Any
 
 import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagedllm.entrypoints.openai import errors
-from pagedllm.entrypoints.openai.api_server import HeaderLimitedH11Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,37 @@ REJECT_LINGER_S = 1.0
 """How long a rejected connection stays half-closed, so that the client reads the 503 before the close."""
 MAX_LINGERING = RESERVED_FDS // 2
 """Rejected connections that may linger at once; past them a rejected one is closed right after its 503."""
+
+
+class HeaderLimitedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, except that a request head over the limit (h11_max_incomplete_event_size)
+    gets a JSON 431 instead of a plain-text 400."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._error_status = HTTPStatus.BAD_REQUEST
+        next_event = self.conn.next_event
+
+        def next_event_noting_status():
+            try:
+                return next_event()
+            except h11.RemoteProtocolError as e:
+                self._error_status = e.error_status_hint
+                raise
+
+        self.conn.next_event = next_event_noting_status
+
+    def send_400_response(self, msg: str) -> None:
+        if self._error_status != HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE:
+            return super().send_400_response(msg)
+        body = json.dumps({"error": {"message": "The request headers are too large.", "type": "invalid_request_error",
+                                     "param": None, "code": "headers_too_large"}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        self.transport.write(self.conn.send(h11.Response(status_code=431, headers=headers,
+                                                         reason=b"Request Header Fields Too Large")))
+        self.transport.write(self.conn.send(h11.Data(data=body)))
+        self.transport.write(self.conn.send(h11.EndOfMessage()))
+        self.transport.close()
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,25 @@
 """HTTP errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` with OpenAI's status.
 
 Handlers raise `APIError` (or a subclass); the server's exception handler turns it into a JSON response.
+`to_api_error` maps every other exception raised while serving (engine errors, invalid requests) to one.
 A bad request is never a 5xx: the official SDK retries 5xx.
 """
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
 
-from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from pagedllm.core.scheduler import QueueFullError
+from pagedllm.engine.async_llm import RequestAbortedError, RequestFailedError
+from pagedllm.engine.core_client import EngineDeadError
+from pagedllm.engine.input_processor import InvalidRequestError
+from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, random_uuid
+from pagedllm.log_escape import escape_control
+
+logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -60,3 +69,41 @@ def unavailable(message: str, code: str, retry_after_s: int | None = None) -> AP
 
 def internal(message: str) -> APIError:
     return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, message, "internal_error", code="internal_error")
+
+
+def too_large() -> APIError:
+    return APIError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "The request body is too large.",
+                    "invalid_request_error", code="request_too_large")
+
+
+def too_deep() -> APIError:
+    """The error for a JSON body nested past what the parsers recurse into (~1,000 levels)."""
+    return bad_request("The request body is nested too deeply to parse.", code="json_too_deep")
+
+
+def to_api_error(e: BaseException, value_error_is_bad_request: bool = True) -> APIError:
+    """The HTTP error for an exception raised while serving a request.
+
+    An unexpected exception becomes a 500 that says nothing of the server's internals (no message,
+    traceback, path or address); the details go to the log under an error id the response carries.
+    value_error_is_bad_request=False: a plain ValueError is one of those (it escaped the request handling,
+    e.g. while rendering the response, so it is the server's fault, not the request's)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, InvalidRequestError):
+        return bad_request(str(e), e.param, e.code)
+    if isinstance(e, QueueFullError):
+        return unavailable(str(e), "queue_full", retry_after_s=1)
+    if isinstance(e, EngineDeadError):
+        return unavailable(f"The engine is not available: {e}", "engine_dead")
+    if isinstance(e, RequestAbortedError):
+        return unavailable(str(e), "aborted", retry_after_s=1)
+    if isinstance(e, RequestFailedError):
+        return internal(str(e))
+    if isinstance(e, UnicodeError):
+        return bad_request("The request contains text that is not valid Unicode (a lone surrogate?).")
+    if isinstance(e, ValueError) and value_error_is_bad_request:
+        return bad_request(str(e))
+    error_id = random_uuid()[:16]
+    logger.error("internal error %s: %s: %s", error_id, type(e).__name__, escape_control(e), exc_info=e)
+    return internal(f"The server had an error while processing your request (error id {error_id}).")

@@ -13,6 +13,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
 from pydantic_core import PydanticCustomError
 
+from pagedllm.engine.input_processor import MAX_CACHE_SALT_LEN
+
+MAX_REQUEST_ID_LEN = 256
+
 
 def random_uuid() -> str:
     return uuid.uuid4().hex
@@ -40,7 +44,7 @@ Float = Annotated[float, _not_a_bool("float")]
 """A number field: lax as vLLM's except that a boolean is rejected."""
 
 
-def _range(minimum: float | None = None, maximum: float | None = None, exclusive_minimum: float | None = None,
+def range_field(minimum: float | None = None, maximum: float | None = None, exclusive_minimum: float | None = None,
            description: str | None = None) -> Any:
     """A field's documented range, in the OpenAPI schema only: the server checks ranges itself (SamplingParams,
     InputProcessor), with messages that name the parameter."""
@@ -108,8 +112,8 @@ class SamplingFields(OpenAIBaseModel):
     model: str | None = None
     n: Int | None = Field(1, description="Choices per prompt (at most --max-n); null means 1.",
                           json_schema_extra={"minimum": 1})
-    temperature: Float | None = _range(0, 2)
-    top_p: Float | None = _range(maximum=1, exclusive_minimum=0)
+    temperature: Float | None = range_field(0, 2)
+    top_p: Float | None = range_field(maximum=1, exclusive_minimum=0)
     presence_penalty: Float | None = Field(0.0, json_schema_extra={"minimum": -2, "maximum": 2})
     frequency_penalty: Float | None = Field(0.0, json_schema_extra={"minimum": -2, "maximum": 2})
     seed: Int | None = None
@@ -122,8 +126,8 @@ class SamplingFields(OpenAIBaseModel):
     # vLLM's extra sampling fields
     top_k: Int | None = Field(None, description="-1 or 0 disables; else at least 1.",
                               json_schema_extra={"minimum": -1})
-    min_p: Float | None = _range(0, 1)
-    repetition_penalty: Float | None = _range(maximum=2, exclusive_minimum=0)
+    min_p: Float | None = range_field(0, 1)
+    repetition_penalty: Float | None = range_field(maximum=2, exclusive_minimum=0)
     ignore_eos: bool = False
     min_tokens: Int = Field(0, json_schema_extra={"minimum": 0})
     stop_token_ids: list[Int] | None = Field(None, description="At most --max-stop ids.")
@@ -131,12 +135,12 @@ class SamplingFields(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: Int = 0
-    cache_salt: str | None = Field(None, description="Prefix-cache isolation key (1 to 256 characters).",
-                                   json_schema_extra={"minLength": 1, "maxLength": 256})
-    request_id: str | None = Field(None, json_schema_extra={"minLength": 1, "maxLength": 256})
+    cache_salt: str | None = Field(None, description=f"Prefix-cache isolation key (1 to {MAX_CACHE_SALT_LEN} "
+                                   "characters).", json_schema_extra={"minLength": 1, "maxLength": MAX_CACHE_SALT_LEN})
+    request_id: str | None = Field(None, json_schema_extra={"minLength": 1, "maxLength": MAX_REQUEST_ID_LEN})
     return_token_ids: bool | None = False
     add_special_tokens: bool | None = None
-    prompt_logprobs: Int | None = _range(0, 20, description="Top-N logprobs of every prompt token (vLLM's); "
+    prompt_logprobs: Int | None = range_field(0, 20, description="Top-N logprobs of every prompt token (vLLM's); "
                                                             "not with stream=true.")
 
     @field_validator("n", mode="after")
@@ -155,7 +159,7 @@ class CompletionRequest(SamplingFields):
     several times before any cap could apply); the OpenAPI schema documents the four shapes."""
     max_tokens: Int | None = Field(16, json_schema_extra={"minimum": 1})
     echo: bool | None = False
-    logprobs: Int | None = _range(0, 20)
+    logprobs: Int | None = range_field(0, 20)
     suffix: str | None = None
     best_of: Int | None = None
 
@@ -218,87 +222,6 @@ class CompletionStreamResponse(OpenAIBaseModel):
     created: int
     model: str
     choices: list[CompletionResponseChoice]
-    usage: UsageInfo | None = None
-
-
-# ---- /v1/chat/completions -------------------------------------------------------------------------------
-
-
-class ChatCompletionRequest(SamplingFields):
-    messages: Annotated[list[dict[str, Any]], WithJsonSchema(MESSAGES_SCHEMA)]
-    max_tokens: Int | None = Field(None, json_schema_extra={"minimum": 1},
-                                   description="Deprecated by OpenAI for max_completion_tokens (which wins).")
-    max_completion_tokens: Int | None = Field(None, json_schema_extra={"minimum": 1})
-    logprobs: bool | None = False
-    top_logprobs: Int | None = _range(0, 20)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    echo: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-
-
-class ChatMessage(OpenAIBaseModel):
-    role: str
-    content: str | None = None
-
-
-class DeltaMessage(OpenAIBaseModel):
-    role: str | None = None
-    content: str | None = None
-
-
-class TopLogprob(OpenAIBaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatLogprobToken(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(OpenAIBaseModel):
-    content: list[ChatLogprobToken] | None = None
-
-
-class ChatCompletionResponseChoice(OpenAIBaseModel):
-    index: int
-    message: ChatMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-
-
-class ChatCompletionResponse(OpenAIBaseModel):
-    id: str = Field(default_factory=lambda: f"chatcmpl-{random_uuid()}")
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionResponseChoice]
-    usage: UsageInfo | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-    prompt_token_ids: list[int] | None = None
-    system_fingerprint: str | None = None
-
-
-class ChatCompletionStreamChoice(OpenAIBaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-
-
-class ChatCompletionStreamResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
 
 

@@ -9,11 +9,10 @@ import logging
 
 import uvicorn
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, ServerConfig
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineCoreClient, EngineStartupError
-from pagedllm.entrypoints.cli.serve import parse_api_keys
-from pagedllm.entrypoints.openai.api_server import DrainingServer, ServerSettings, ServerState, build_app
+from pagedllm.entrypoints.openai.app import build_app
 from pagedllm.entrypoints.openai.connection_limits import (
     ConnectionLimitedH11Protocol,
     ConnectionLimits,
@@ -21,11 +20,13 @@ from pagedllm.entrypoints.openai.connection_limits import (
     effective_max_connections,
     raise_fd_limit,
 )
+from pagedllm.entrypoints.openai.draining import DrainingServer
+from pagedllm.entrypoints.openai.server_state import ServerState
 
 logger = logging.getLogger(__name__)
 
 
-def run(engine_config: EngineConfig, server_config) -> int:
+def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT or engine death. Returns the process exit code."""
     try:
         return asyncio.run(run_server(engine_config, server_config))
@@ -33,7 +34,7 @@ def run(engine_config: EngineConfig, server_config) -> int:
         return 0
 
 
-async def run_server(engine_config: EngineConfig, sc) -> int:
+async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:
     from pagedllm.tokenizer import get_tokenizer
 
     fd_limit = raise_fd_limit()
@@ -60,9 +61,7 @@ async def run_server(engine_config: EngineConfig, sc) -> int:
     engine = AsyncLLM(client, tokenizer, names[0], engine_config.scheduler_config.max_num_queued_reqs,
                       log_stats=not sc.disable_log_stats, watchdog_timeout_s=sc.engine_hang_timeout or None,
                       max_buffered_outputs=sc.max_buffered_outputs)
-    api_keys = parse_api_keys(sc.api_key)
-    settings = ServerSettings.from_flags(sc, names, api_keys)
-    state = ServerState(engine, settings)
+    state = ServerState(engine, sc, names)
     limits = ConnectionLimits(effective_max_connections(sc.max_connections, fd_limit), sc.header_read_timeout,
                               sc.body_read_timeout)
     config = uvicorn.Config(build_app(state), host=sc.host or "0.0.0.0", port=sc.port,

@@ -1,160 +1,31 @@
-"""What /v1/completions and /v1/chat/completions share: model check, SamplingParams from a request,
-engine errors to HTTP errors, logprobs and usage, merged output streams, and SSE framing."""
+"""OpenAIServing, what /v1/completions and /v1/chat/completions share: a request's checks, its text to token ids
+(off the event loop), its fields to SamplingParams, its prompts into the engine, and the merged output streams
+of several prompts."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-from pydantic import BaseModel
-
-from pagedllm.core.scheduler import QueueFullError
-from pagedllm.engine.async_llm import AsyncLLM, RequestAbortedError, RequestFailedError
-from pagedllm.engine.core_client import EngineDeadError
-from pagedllm.engine.input_processor import InvalidRequestError, is_valid_unicode
-from pagedllm.entrypoints.cli.serve import ServerConfig
+from pagedllm.config import ServerConfig
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.input_processor import is_valid_unicode
 from pagedllm.entrypoints.openai import errors
-from pagedllm.entrypoints.openai.protocol import (
-    Logprob,
-    PromptLogprobs,
-    PromptTokensDetails,
-    SamplingFields,
-    UsageInfo,
-    random_uuid,
-)
+from pagedllm.entrypoints.openai.protocol import MAX_REQUEST_ID_LEN, SamplingFields, random_uuid
+from pagedllm.entrypoints.openai.request_caps import check_request_caps, n_above_cap
 from pagedllm.log_escape import escape_control
-from pagedllm.outputs import PositionLogprobs, RequestOutput
+from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-MAX_REQUEST_ID_LEN = 256
 PROMPT_CHARS_MARGIN = 2
 """A prompt longer than max_model_len x (the longest token's characters) x this is rejected before it is
 tokenized: no tokenization of it can fit (the margin covers normalizers that merge characters)."""
-
-
-FLAG_DEFAULTS = ServerConfig()
-"""The serve flags' defaults: the one place each cap's default is written (ServerConfig documents them)."""
-
-
-@dataclass
-class RequestCaps:
-    """Caps on one request: each is the serve flag of the same name (see ServerConfig), with its default."""
-
-    max_n: int = FLAG_DEFAULTS.max_n
-    max_prompts: int = FLAG_DEFAULTS.max_prompts
-    max_choices: int = FLAG_DEFAULTS.max_choices
-    max_logit_bias: int = FLAG_DEFAULTS.max_logit_bias
-    max_stop: int = FLAG_DEFAULTS.max_stop
-    chat_template_timeout: float = FLAG_DEFAULTS.chat_template_timeout
-    max_chat_template_chars: int = FLAG_DEFAULTS.max_chat_template_chars
-    trust_request_chat_template: bool = FLAG_DEFAULTS.trust_request_chat_template
-
-
-def n_above_cap(n: int, caps: RequestCaps) -> errors.APIError:
-    return errors.bad_request(f"n must be in [1, {caps.max_n}], got {n}.", param="n")
-
-
-def too_many(param: str, count: int, caps: RequestCaps) -> errors.APIError:
-    """The error for a list (or logit_bias map) over its cap."""
-    if param == "prompt":
-        return errors.bad_request(f"prompt is a list of {count} prompts; at most {caps.max_prompts} are allowed "
-                                  "in one request.", param="prompt")
-    if param == "logit_bias":
-        return errors.bad_request(f"logit_bias has {count} entries; at most {caps.max_logit_bias} are allowed.",
-                                  param="logit_bias")
-    if param == "stop":
-        return errors.bad_request(f"stop has {count} strings; at most {caps.max_stop} are allowed.", param="stop")
-    return errors.bad_request(f"{param} has {count} ids; at most {caps.max_stop} are allowed.", param=param)
-
-
-def too_deep() -> errors.APIError:
-    """The error for a JSON body nested past what the parsers recurse into (~1,000 levels)."""
-    return errors.bad_request("The request body is nested too deeply to parse.", code="json_too_deep")
-
-
-def _cap_of(param: str, caps: RequestCaps) -> int:
-    return {"prompt": caps.max_prompts, "logit_bias": caps.max_logit_bias}.get(param, caps.max_stop)
-
-
-_CAPPED_LISTS = ("prompt", "stop", "stop_token_ids")
-_RAW_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
-_RAW_ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
-_RAW_SMALL_INT = msgspec.json.Decoder(int)
-
-
-def precheck_caps(body: bytes, caps: RequestCaps) -> Any:
-    """Reject a JSON request body whose n, prompt list, stop list, stop_token_ids or logit_bias is over its cap,
-    before the body is parsed into Python objects and validated (100,000 prompts cost ~100 ms to parse and
-    validate; here ~10 ms: the body is scanned, not built).
-
-    Raises the APIError of the first cap broken. Returns the parsed body when this had to parse it (a body
-    msgspec refuses but Python's json reads: NaN, a lone surrogate), else None; the request's own parse and
-    validation decide everything else."""
-    try:
-        fields = _RAW_FIELDS.decode(body)
-    except msgspec.DecodeError:
-        return _precheck_parsed(body, caps)
-    except RecursionError:  # msgspec, like Python's json, gives up near the interpreter's recursion limit
-        raise too_deep() from None
-    raw_n = fields.get("n")
-    if raw_n is not None and len(raw_n) <= 24:
-        try:
-            n = _RAW_SMALL_INT.decode(raw_n)
-        except msgspec.DecodeError:
-            n = None
-        if n is not None and not 1 <= n <= caps.max_n:
-            raise n_above_cap(n, caps)
-    for param in _CAPPED_LISTS:
-        raw = fields.get(param)
-        if raw is None:
-            continue
-        data = bytes(raw)
-        cap = _cap_of(param, caps)
-        if data[:1] != b"[" or data.count(b",") < cap:  # not a list, or too few commas for cap + 1 items
-            continue
-        first = data[1:].lstrip()[:1]
-        if param == "prompt" and (first.isdigit() or first == b"-"):  # token ids: one prompt
-            continue
-        count = len(_RAW_ITEMS.decode(data))
-        if count > cap:
-            raise too_many(param, count, caps)
-    raw = fields.get("logit_bias")
-    if raw is not None:
-        data = bytes(raw)
-        if data[:1] == b"{" and data.count(b":") > caps.max_logit_bias:  # else too few colons to be over
-            count = len(_RAW_FIELDS.decode(data))
-            if count > caps.max_logit_bias:
-                raise too_many("logit_bias", count, caps)
-    return None
-
-
-def _precheck_parsed(body: bytes, caps: RequestCaps) -> Any:
-    try:
-        data = json.loads(body)
-    except ValueError:  # JSONDecodeError, bad UTF-8, an integer of too many digits
-        return None  # the request's own parse answers it
-    except RecursionError:
-        raise too_deep() from None
-    if isinstance(data, dict):
-        n = data.get("n")
-        if isinstance(n, int) and not isinstance(n, bool) and not 1 <= n <= caps.max_n:
-            raise n_above_cap(n, caps)
-        for param in (*_CAPPED_LISTS, "logit_bias"):
-            value = data.get(param)
-            if param == "prompt" and isinstance(value, list) and value and isinstance(value[0], int):
-                continue  # token ids: one prompt
-            if isinstance(value, list | dict) and len(value) > _cap_of(param, caps):
-                raise too_many(param, len(value), caps)
-    return data
 
 
 # Request fields that a model's generation_config.json may default when the request leaves them out.
@@ -162,13 +33,11 @@ _DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], settings=None):
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], config: ServerConfig | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names
-        self.settings = settings if settings is not None else RequestCaps()
-        self.log_requests = getattr(settings, "log_requests", False)
-        self.max_n = self.settings.max_n
+        self.config = config if config is not None else ServerConfig()
         self.max_prompt_chars = engine.max_model_len * longest_token_chars(self.tokenizer) * PROMPT_CHARS_MARGIN
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
@@ -206,21 +75,7 @@ class OpenAIServing:
         return f"{prefix}-{given or random_uuid()}"
 
     def check_request_caps(self, request: SamplingFields, num_prompts: int = 1) -> None:
-        """The caps that bound one request's work, checked before any tokenization (each a serve flag)."""
-        caps = self.settings
-        if not 1 <= request.n <= caps.max_n:
-            raise n_above_cap(request.n, caps)
-        if num_prompts * request.n > caps.max_choices:
-            raise errors.bad_request(f"{num_prompts} prompts x n={request.n} are {num_prompts * request.n} choices; "
-                                     f"at most {caps.max_choices} are allowed in one request (--max-choices).",
-                                     param="n")
-        if request.logit_bias is not None and len(request.logit_bias) > caps.max_logit_bias:
-            raise too_many("logit_bias", len(request.logit_bias), caps)
-        stop = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
-        if len(stop) > caps.max_stop:
-            raise too_many("stop", len(stop), caps)
-        if request.stop_token_ids is not None and len(request.stop_token_ids) > caps.max_stop:
-            raise too_many("stop_token_ids", len(request.stop_token_ids), caps)
+        check_request_caps(request, self.config, num_prompts)
 
     @staticmethod
     def check_stream_fields(request: SamplingFields, prompt_logprobs: int | None) -> None:
@@ -271,10 +126,10 @@ class OpenAIServing:
         The engine id is the response's id plus a random suffix, as vLLM does: a client-supplied request_id is
         echoed in the response but never shared with another request, so two requests (two tenants) with the
         same request_id both run and neither can tell that the other exists."""
-        if not 1 <= params.n <= self.max_n:
-            raise n_above_cap(params.n, self.settings)
+        if not 1 <= params.n <= self.config.max_n:
+            raise n_above_cap(params.n, self.config)
         engine_id = f"{request_id}-{random_uuid()[:8]}"
-        if self.log_requests:
+        if not self.config.disable_log_requests:
             logger.info("Received request %s: %d prompt(s), %d prompt tokens, params %s", escape_control(engine_id),
                         len(prompts), sum(len(ids) for _, ids in prompts), escape_control(_short(params)))
         self.engine.check_admission(params.n * len(prompts))  # again: the queue may have filled meanwhile
@@ -300,34 +155,6 @@ def _short(params: SamplingParams, limit: int = 1000) -> str:
     """The parameters for a log line, cut to `limit` characters (a request may carry large lists)."""
     text = repr(params)
     return text if len(text) <= limit else text[:limit] + "...)"
-
-
-def to_api_error(e: BaseException, value_error_is_bad_request: bool = True) -> errors.APIError:
-    """The HTTP error for an exception raised while serving a request.
-
-    An unexpected exception becomes a 500 that says nothing of the server's internals (no message,
-    traceback, path or address); the details go to the log under an error id the response carries.
-    value_error_is_bad_request=False: a plain ValueError is one of those (it escaped the request handling,
-    e.g. while rendering the response, so it is the server's fault, not the request's)."""
-    if isinstance(e, errors.APIError):
-        return e
-    if isinstance(e, InvalidRequestError):
-        return errors.bad_request(str(e), e.param, e.code)
-    if isinstance(e, QueueFullError):
-        return errors.unavailable(str(e), "queue_full", retry_after_s=1)
-    if isinstance(e, EngineDeadError):
-        return errors.unavailable(f"The engine is not available: {e}", "engine_dead")
-    if isinstance(e, RequestAbortedError):
-        return errors.unavailable(str(e), "aborted", retry_after_s=1)
-    if isinstance(e, RequestFailedError):
-        return errors.internal(str(e))
-    if isinstance(e, UnicodeError):
-        return errors.bad_request("The request contains text that is not valid Unicode (a lone surrogate?).")
-    if isinstance(e, ValueError) and value_error_is_bad_request:
-        return errors.bad_request(str(e))
-    error_id = random_uuid()[:16]
-    logger.error("internal error %s: %s: %s", error_id, type(e).__name__, escape_control(e), exc_info=e)
-    return errors.internal(f"The server had an error while processing your request (error id {error_id}).")
 
 
 async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -363,60 +190,3 @@ async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIte
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                     total_tokens=num_prompt_tokens + num_completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
-
-
-def top_entries(position: PositionLogprobs, num: int) -> list[tuple[int, float, str]]:
-    """The `num` most likely (token id, logprob, text) at one position, best first."""
-    ranked = sorted(position.items(), key=lambda item: item[1].rank if item[1].rank is not None else 1 << 30)
-    return [(tid, lp.logprob, lp.decoded_token or "") for tid, lp in ranked[:num]]
-
-
-def json_logprob(logprob: float) -> float:
-    """A logprob as the response carries it: at least -9999.0 (OpenAI's floor for -inf), at most 0.0, and never
-    NaN (a degenerate distribution, e.g. a repetition_penalty that is 0.0 in float32, gives NaN logprobs: JSON
-    cannot carry them, and rendering the response failed)."""
-    return min(logprob, 0.0) if logprob > -9999.0 else -9999.0
-
-
-def prompt_logprobs_json(positions: list[PositionLogprobs | None] | None, num: int) -> PromptLogprobs | None:
-    """vLLM's `prompt_logprobs` of a response: one entry per prompt token (None for the first), each the prompt
-    token's logprob and rank plus the top `num`, logprobs floored at -9999.0 (vLLM's clamp)."""
-    if positions is None:
-        return None
-    result: PromptLogprobs = []
-    for position in positions:
-        if position is None:
-            result.append(None)
-            continue
-        entries = {}
-        for i, (token_id, lp) in enumerate(position.items()):  # the prompt token first, then the top-N by rank
-            if i == 0 or (lp.rank is not None and lp.rank <= num):
-                entries[token_id] = Logprob(logprob=json_logprob(lp.logprob), rank=lp.rank,
-                                            decoded_token=lp.decoded_token)
-        result.append(entries)
-    return result
-
-
-def chosen_entry(position: PositionLogprobs, token_id: int) -> tuple[float, str]:
-    lp = position.get(token_id)
-    if lp is None:  # should not happen: the chosen token is always first
-        return float("-inf"), ""
-    return lp.logprob, lp.decoded_token or ""
-
-
-def sse(chunk: BaseModel | dict) -> str:
-    body = chunk.model_dump_json(exclude_unset=False) if isinstance(chunk, BaseModel) else json.dumps(chunk)
-    return f"data: {body}\n\n"
-
-
-def sse_error(e: BaseException) -> str:
-    return sse({"error": to_api_error(e).to_info().model_dump()})
-
-
-SSE_DONE = "data: [DONE]\n\n"

@@ -9,8 +9,7 @@ from typing import Any
 from pagedllm.engine.input_processor import is_valid_unicode
 from pagedllm.entrypoints.openai import chat_template as chat_template_module
 from pagedllm.entrypoints.openai import errors
-from pagedllm.entrypoints.openai.chat_template_process import ChatTemplateProcess, ChatTemplateProcessError
-from pagedllm.entrypoints.openai.protocol import (
+from pagedllm.entrypoints.openai.chat_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -22,18 +21,18 @@ from pagedllm.entrypoints.openai.protocol import (
     DeltaMessage,
     TopLogprob,
 )
-from pagedllm.entrypoints.openai.serving_base import (
+from pagedllm.entrypoints.openai.chat_template_process import ChatTemplateProcess, ChatTemplateProcessError
+from pagedllm.entrypoints.openai.formatting import (
     SSE_DONE,
-    OpenAIServing,
     chosen_entry,
     json_logprob,
-    merge_streams,
     prompt_logprobs_json,
     sse,
     sse_error,
     top_entries,
     usage,
 )
+from pagedllm.entrypoints.openai.serving_base import OpenAIServing, merge_streams
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.sampling_params import MAX_LOGPROBS
 
@@ -58,10 +57,8 @@ def request_chat_template(request: ChatCompletionRequest, trusted: bool) -> str 
 
 
 def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                continue_final_message: bool, chat_template: str | None = None,
-                chat_template_kwargs: dict[str, Any] | None = None, tools: list | None = None,
-                timeout_s: float = chat_template_module.DEFAULT_TIMEOUT_S,
-                max_chars: int = chat_template_module.DEFAULT_MAX_CHARS) -> str:
+                continue_final_message: bool, chat_template: str | None, chat_template_kwargs: dict[str, Any] | None,
+                tools: list | None, timeout_s: float, max_chars: int) -> str:
     """The prompt text for a conversation, rendered in the limited sandbox of chat_template.py (in this
     process: for the model's own template; a request's goes through ChatTemplateProcess).
 
@@ -166,10 +163,10 @@ class OpenAIServingChat(OpenAIServing):
         self.check_stream_fields(request, request.prompt_logprobs)
         self.check_request_caps(request)
         self.engine.check_admission(request.n)
-        template = request_chat_template(request, self.settings.trust_request_chat_template)
+        template = request_chat_template(request, self.config.trust_request_chat_template)
         render_args = (self.tokenizer, request.messages, request.add_generation_prompt, request.continue_final_message,
-                       template, request.chat_template_kwargs, request.tools, self.settings.chat_template_timeout,
-                       self.settings.max_chat_template_chars)
+                       template, request.chat_template_kwargs, request.tools, self.config.chat_template_timeout,
+                       self.config.max_chat_template_chars)
         if template is None:
             prompt = render_chat(*render_args)
         else:

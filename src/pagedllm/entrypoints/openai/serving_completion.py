@@ -7,6 +7,16 @@ from collections.abc import AsyncIterator
 
 from pagedllm.engine.input_processor import is_valid_unicode
 from pagedllm.entrypoints.openai import errors
+from pagedllm.entrypoints.openai.formatting import (
+    SSE_DONE,
+    chosen_entry,
+    json_logprob,
+    prompt_logprobs_json,
+    sse,
+    sse_error,
+    top_entries,
+    usage,
+)
 from pagedllm.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -14,19 +24,8 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionResponseChoice,
     CompletionStreamResponse,
 )
-from pagedllm.entrypoints.openai.serving_base import (
-    SSE_DONE,
-    OpenAIServing,
-    chosen_entry,
-    json_logprob,
-    merge_streams,
-    prompt_logprobs_json,
-    sse,
-    sse_error,
-    too_many,
-    top_entries,
-    usage,
-)
+from pagedllm.entrypoints.openai.request_caps import too_many
+from pagedllm.entrypoints.openai.serving_base import OpenAIServing, merge_streams
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 Prompt = tuple[str | None, list[int]]
@@ -74,8 +73,8 @@ class OpenAIServingCompletion(OpenAIServing):
             items = list(prompt)
         if not items:
             raise errors.bad_request("prompt must not be empty.", param="prompt")
-        if len(items) > self.settings.max_prompts:
-            raise too_many("prompt", len(items), self.settings)
+        if len(items) > self.config.max_prompts:
+            raise too_many("prompt", len(items), self.config)
         if not all(isinstance(item, str) or _is_token_ids(item) for item in items):
             raise errors.bad_request("prompt must be a string, a list of strings, a list of token ids, or a list "
                                      "of lists of token ids.", param="prompt")

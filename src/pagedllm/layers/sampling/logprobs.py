@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from pagedllm.engine.messages import LogprobsEntry
+from pagedllm.messages import LogprobsEntry
 
 # Prompt logprobs are computed over at most this many positions at a time ([rows, V] float32 each).
 _PROMPT_LOGPROBS_CHUNK = 512

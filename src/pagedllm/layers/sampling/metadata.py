@@ -9,8 +9,6 @@ import torch
 
 from pagedllm.sampling_params import SamplingParams
 
-_GREEDY_EPS = 1e-5
-
 
 @dataclass
 class SamplingMetadata:

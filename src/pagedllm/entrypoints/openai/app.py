@@ -1,0 +1,203 @@
+"""The API server's FastAPI app: its routes over AsyncLLM and its error handlers.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET (and HEAD) /health, GET /version,
+POST /tokenize, POST /detokenize, GET /metrics, GET /openapi.json and GET /docs (the OpenAPI document and its
+Swagger page, as vLLM serves them), and GET /debug/kv_cache with --enable-debug-routes. With --api-key every
+route but /health (and /metrics unless --protect-metrics) needs the key, the OpenAPI document included
+(middleware.py). run.py serves the app; draining.py handles SIGTERM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from http import HTTPStatus
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagedllm
+from pagedllm.engine.input_processor import is_valid_unicode
+from pagedllm.entrypoints.openai import errors
+from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
+from pagedllm.entrypoints.openai.middleware import API_KEY_SCOPE_KEY, GuardMiddleware, prechecked_route_class
+from pagedllm.entrypoints.openai.openapi import SSE_CONTENT, error_responses, openapi_document
+from pagedllm.entrypoints.openai.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pagedllm.entrypoints.openai.responses import guard, respond, run_until_disconnect
+from pagedllm.entrypoints.openai.server_state import ServerState
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.tenant_salt import tenant_cache_salt
+from pagedllm.log_escape import escape_control
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json",
+                  description="An OpenAI-compatible LLM server (vLLM's API: OpenAI's fields plus vLLM's sampling "
+                              "extras). Errors are `{\"error\": {message, type, param, code}}`.")
+    app.openapi = lambda: openapi_document(app)
+    app.add_middleware(GuardMiddleware, state=state)
+    _add_error_handlers(app)
+    completions = OpenAIServingCompletion(state.engine, state.served_model_names, state.config)
+    _add_generation_routes(app, state, completions)
+    _add_info_routes(app, state)
+    _add_token_routes(app, state, completions)
+    if state.config.enable_debug_routes:
+        _add_debug_routes(app, state)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(errors.APIError)
+    async def api_error(request: Request, e: errors.APIError):
+        return e.to_response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        message = "; ".join(f"{'.'.join(str(p) for p in err.get('loc', ()) if p != 'body') or 'body'}: "
+                            f"{err.get('msg', 'invalid')}" for err in e.errors()) or "Invalid request."
+        return errors.bad_request(message, param=loc[0] if loc else None).to_response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        if e.status_code == HTTPStatus.NOT_FOUND:
+            return errors.not_found(request.url.path).to_response()
+        return errors.APIError(e.status_code, str(e.detail), "invalid_request_error").to_response()
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, e: Exception):
+        logger.exception("unexpected error serving %s", escape_control(request.url.path))
+        return errors.to_api_error(e, value_error_is_bad_request=False).to_response()
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState, completions: OpenAIServingCompletion) -> None:
+    """POST /v1/completions and /v1/chat/completions, their raw bodies prechecked against the request caps."""
+    generation = APIRouter(route_class=prechecked_route_class(state.config))
+    chat = OpenAIServingChat(state.engine, state.served_model_names, state.config)
+    salt_secret = os.urandom(32)
+
+    def apply_tenant_salt(body, request: Request) -> None:
+        if state.config.cache_salt_from_api_key:
+            body.cache_salt = tenant_cache_salt(salt_secret, request.scope[API_KEY_SCOPE_KEY], body.cache_salt)
+
+    generation_errors = error_responses(400, 401, 404, 413, 503)
+
+    @generation.post("/v1/completions", responses={200: {"model": CompletionResponse, "content": SSE_CONTENT},
+                                                   **generation_errors})
+    async def create_completion(body: CompletionRequest, request: Request):
+        apply_tenant_salt(body, request)
+        return respond(await run_until_disconnect(request, guard(completions.create_completion(body))))
+
+    @generation.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse,
+                                                              "content": SSE_CONTENT}, **generation_errors})
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        apply_tenant_salt(body, request)
+        return respond(await run_until_disconnect(request, guard(chat.create_chat_completion(body))))
+
+    app.include_router(generation)
+
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    """GET /v1/models, /health (and HEAD), /version and /metrics."""
+    engine = state.engine
+
+    @app.get("/v1/models", responses={200: {"model": ModelList}, **error_responses(401, 503)})
+    async def show_models():
+        cards = [ModelCard(id=name, root=engine.client.ready.model_name, max_model_len=engine.max_model_len)
+                 for name in state.served_model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "The engine is healthy (an empty body)."}, **error_responses(503)})
+    async def health():
+        try:
+            await engine.check_health(state.config.health_check_timeout)
+        except Exception as e:
+            reason = str(e) or type(e).__name__
+            return errors.unavailable(f"unhealthy: {reason}", "unhealthy").to_response()
+        return Response(status_code=200)
+
+    # HEAD answers as GET does (load balancers probe with it); one operation in the OpenAPI document
+    app.add_api_route("/health", health, methods=["HEAD"], response_class=Response, include_in_schema=False)
+
+    @app.get("/version")
+    async def version():
+        return JSONResponse({"version": pagedllm.__version__})
+
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format (vLLM's metric names)."}})
+    async def metrics():
+        return Response(engine.prometheus.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_token_routes(app: FastAPI, state: ServerState, completions: OpenAIServingCompletion) -> None:
+    """POST /tokenize and /detokenize."""
+    engine = state.engine
+    config = state.config
+
+    @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **error_responses(400, 401, 404, 503)})
+    async def tokenize(body: TokenizeRequest):
+        completions.check_model(body.model)
+        tokenizer = engine.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise errors.bad_request("Give exactly one of prompt and messages.", param="prompt")
+        if body.messages is not None:
+            text = render_chat(tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
+                               None, None, None, config.chat_template_timeout, config.max_chat_template_chars)
+            token_ids = await completions.encode(text, bool(body.add_special_tokens), check_length=False)
+        else:
+            if not is_valid_unicode(body.prompt):
+                raise errors.bad_request("prompt must be valid Unicode (no lone surrogates).", param="prompt")
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            token_ids = await completions.encode(body.prompt, add_special, check_length=False)  # counts any length
+
+        def response_json() -> str:  # ~1 s for a million tokens: in the tokenizer's thread too
+            token_strs = tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
+            return TokenizeResponse(count=len(token_ids), max_model_len=engine.max_model_len, tokens=token_ids,
+                                    token_strs=token_strs).model_dump_json()
+
+        return Response(await completions.in_tokenizer_thread(response_json), media_type="application/json")
+
+    @app.post("/detokenize", responses={200: {"model": DetokenizeResponse},
+                                         **error_responses(400, 401, 404, 503)})
+    async def detokenize(body: DetokenizeRequest):
+        completions.check_model(body.model)
+        vocab_size = engine.input_processor.limits.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise errors.bad_request(f"Token id {bad} is out of vocabulary (size {vocab_size}).", param="tokens")
+        return JSONResponse(DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens)).model_dump())
+
+
+def _add_debug_routes(app: FastAPI, state: ServerState) -> None:
+    """GET /debug/kv_cache (--enable-debug-routes): the pool's free and total blocks, for tests."""
+    engine = state.engine
+
+    @app.get("/debug/kv_cache")
+    async def debug_kv_cache():
+        try:
+            stats = await engine.debug_stats()
+        except TimeoutError:  # a long step is under way: ask again later
+            return JSONResponse({"error": "the engine core did not answer in time"}, status_code=503)
+        return JSONResponse({} if stats is None else {
+            "num_free_blocks": stats.num_free_blocks, "num_total_blocks": stats.num_total_blocks,
+            "total_ref_cnt": stats.total_ref_cnt,
+            "num_running_reqs": stats.num_running_reqs, "num_waiting_reqs": stats.num_waiting_reqs,
+            "num_open_requests": engine.num_open_requests, "engine_pid": engine.client.ready.pid})

@@ -1,0 +1,233 @@
+"""The value types that cross the package's boundaries, and the wire envelopes between processes.
+
+The bottom layer: it imports no torch and nothing of pagedllm but `sampling_params`, so `core/`, `engine/`,
+`worker/`, `layers/` and `metrics/` all import their messages from here and never from each other.
+
+- Frontend (API server or LLM) <-> EngineCore: `EngineCoreRequest`, `EngineCoreOutput(s)`, `FinishReason`,
+  `LogprobsEntry`, `SchedulerStats`, `ModelLimits`; on the sockets, wrapped in the envelopes at the bottom
+  (`ToEngine`, `FromEngine`).
+- ModelRunner -> Scheduler: `ModelRunnerOutput` (plain Python, in process).
+
+Everything that crosses a process is a msgspec.Struct, encoded as msgpack. Nothing is ever pickled.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
+
+from pagedllm.sampling_params import SamplingParams
+
+MAX_MESSAGE_BYTES = 64 << 20
+"""Receive cap on every engine socket (zmq.MAXMSGSIZE): a bigger message drops the connection, not the
+process."""
+
+
+class SpecDecodingStats(msgspec.Struct, kw_only=True):
+    """Drafts verified since the last snapshot (vLLM's spec_decode counters)."""
+
+    num_spec_tokens: int = 0
+    """Most drafts per request per step (num_speculative_tokens): the length of num_accepted_tokens_per_pos."""
+    num_drafts: int = 0
+    """Requests that had drafts verified (one per request per step)."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []
+    """[num_spec_tokens]: drafts accepted at each position of a draft run."""
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for i in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+
+class SchedulerStats(msgspec.Struct, kw_only=True):
+    """A snapshot of the scheduler after one step.
+
+    Counters named `*_delta` count events since the previous snapshot (Prometheus counters add them).
+    """
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries_delta: int = 0
+    """Prompt tokens looked up in the prefix cache since the last snapshot."""
+    prefix_cache_hits_delta: int = 0
+    """Of those, tokens found cached."""
+    num_preemptions_delta: int = 0
+    spec_decoding_stats: SpecDecodingStats | None = None
+    """Speculative decoding counters since the last snapshot; None when speculation is off."""
+    total_ref_cnt: int | None = None
+    """Sum of every block's ref_cnt (0 when nothing holds a block). Filled only by the debug `stats` utility:
+    it walks the whole pool, too slow for every step."""
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished. `str()` gives the OpenAI API's `finish_reason`."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class LogprobsEntry(msgspec.Struct, array_like=True):
+    """Logprobs at one position: token_ids[0]/logprobs[0] is the chosen token (sampled, or the prompt
+    token), followed by the top-N tokens by probability. `rank` is the chosen token's rank (1 = best)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    """The stop token id (or stop string, set by the frontend) that finished the request."""
+    new_logprobs: list[LogprobsEntry] | None = None
+    new_prompt_logprobs: list[LogprobsEntry | None] | None = None
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+    """Engine-core wall time when the request was first scheduled; sent once, with its first output."""
+    error: str | None = None
+    """Set with FinishReason.ERROR: what went wrong, safe to show the client."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineCoreOutputs(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+
+
+@dataclass
+class ModelLimits:
+    """What the frontend must know of the loaded model to validate requests."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_id: int | None
+    extra_stop_token_ids: list[int] = field(default_factory=list)
+    """Further EOS ids from generation_config.json; they stop a request like EOS."""
+    generation_defaults: dict = field(default_factory=dict)
+    """SamplingParams defaults from generation_config.json (vLLM's --generation-config auto)."""
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the ModelRunner hands back to the Scheduler after one forward + sample: plain Python, no tensors.
+
+    req_ids: every request scheduled this step, in batch order.
+    sampled_token_ids: aligned with req_ids; [] for a request whose prefill chunk did not reach the
+        end of its tokens (it samples nothing this step), else the sampled token ids: one, or with
+        speculative decoding the accepted drafts and then the target's own token (1 to drafts + 1).
+    logprobs: for requests that asked for logprobs and sampled: one entry per sampled token.
+    prompt_logprobs: for requests that asked for prompt logprobs: entries for the prompt positions
+        computed this step (the first prompt token has None), in order.
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[LogprobsEntry | None]] = field(default_factory=dict)
+    spec_token_ids: list[list[int]] | None = None
+    """Speculative decoding: aligned with req_ids, the drafts proposed for each request's next step ([]: none);
+    None when speculation is off."""
+
+    @property
+    def req_id_to_index(self) -> dict[str, int]:
+        return {req_id: i for i, req_id in enumerate(self.req_ids)}
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+
+# ---- envelopes: API server -> engine core ----------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request: EngineCoreRequest
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
+    """"ping" is answered at once by the input thread, with how long the busy loop has been in its current
+    step (a long step must not look like a dead engine); "stats" by the busy loop between steps."""
+
+    call_id: int
+    method: Literal["ping", "stats"]
+
+
+ToEngine = AddRequest | AbortRequests | UtilityCall
+
+# ---- envelopes: engine core -> API server ----------------------------------------------------------------
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    limits: ModelLimits
+    """What the frontend validates requests against (vocabulary, context length, EOS, defaults)."""
+    model_name: str
+    """The model's default served name."""
+    pid: int
+    cache_config_info: dict[str, str] = msgspec.field(default_factory=dict)
+    """Labels of the `vllm:cache_config_info` gauge (EngineCore.cache_config_info)."""
+
+
+class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):
+    message: str
+
+
+class Outputs(msgspec.Struct, tag="outputs", array_like=True):
+    outputs: EngineCoreOutputs
+    num_added: int
+    """Requests the engine has taken in so far (rejected ones included)."""
+
+
+class Rejected(msgspec.Struct, tag="rejected", array_like=True):
+    request_id: str
+    code: Literal["queue_full", "invalid"]
+    message: str
+
+
+class UtilityResult(msgspec.Struct, tag="utility_result", array_like=True):
+    call_id: int
+    stats: SchedulerStats | None = None
+    step_running_s: float = 0.0
+    """For "ping": seconds the busy loop has been in its current step (0.0: between steps or idle)."""
+
+
+class EngineFailed(msgspec.Struct, tag="engine_failed", array_like=True):
+    message: str
+
+
+FromEngine = Ready | StartupFailed | Outputs | Rejected | UtilityResult | EngineFailed

@@ -1,0 +1,154 @@
+"""AsyncLLM against the in-process mock engine core (real wire envelopes, no model, no process): streaming and
+detokenizing, n > 1, abort when the consumer leaves, a full queue, engine death, a stalled consumer."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from mock_engine_core import MockEngineCore
+
+from pagedllm.core.scheduler import QueueFullError
+from pagedllm.engine.async_llm import AsyncLLM, RequestAbortedError
+from pagedllm.engine.core_client import EngineDeadError
+from pagedllm.messages import ModelLimits
+from pagedllm.sampling_params import SamplingParams
+
+LIMITS = ModelLimits(vocab_size=384, max_model_len=128, eos_token_id=2)
+PROMPT = [40, 41, 42]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_tokenizer):
+    return tiny_tokenizer
+
+
+def _run(scenario, tokenizer, **engine_kwargs):
+    async def main():
+        engine = MockEngineCore(LIMITS, **engine_kwargs)
+        llm = AsyncLLM(engine, tokenizer, "mock", log_stats=False, max_buffered_outputs=8)  # type: ignore[arg-type]
+        try:
+            await scenario(engine, llm)
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())
+
+
+async def _collect(stream):
+    return [output async for output in stream]
+
+
+def test_streams_detokenized_deltas_until_length(tokenizer):
+    async def scenario(engine, llm):
+        stream = llm.add_request("r", PROMPT, SamplingParams(max_tokens=5, ignore_eos=True), "p", "delta")
+        consumer = asyncio.ensure_future(_collect(stream))
+        await engine.run_until_idle()
+        outputs = await consumer
+        tokens = [t for o in outputs for t in o.outputs[0].token_ids]
+        assert tokens == [43, 44, 45, 46, 47]
+        assert "".join(o.outputs[0].text for o in outputs) == tokenizer.decode(tokens)
+        assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
+        assert not any(o.finished for o in outputs[:-1])
+        assert llm.num_open_requests == 0 and engine.added == ["r"]
+
+    _run(scenario, tokenizer)
+
+
+def test_n_children_are_sent_after_the_first_and_merged(tokenizer):
+    async def scenario(engine, llm):
+        params = SamplingParams(n=3, seed=1, max_tokens=2, ignore_eos=True)
+        consumer = asyncio.ensure_future(_collect(llm.add_request("r", PROMPT, params, None, "cumulative")))
+        await asyncio.sleep(0)
+        assert engine.added == ["0_r"]  # the others wait for child 0's prompt (prefix cache)
+        await engine.run_until_idle()
+        assert sorted(engine.added) == ["0_r", "1_r", "2_r"]
+        final = (await consumer)[-1]
+        assert final.finished and sorted(c.index for c in final.outputs) == [0, 1, 2]
+        assert all(len(c.token_ids) == 2 for c in final.outputs)
+
+    _run(scenario, tokenizer)
+
+
+def test_leaving_the_stream_aborts_in_the_engine(tokenizer):
+    async def scenario(engine, llm):
+        stream = llm.add_request("r", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True), None, "delta")
+        await engine.step()
+        first = await stream.__anext__()
+        assert first.outputs[0].token_ids == [43]
+        await stream.aclose()  # the client disconnected
+        await asyncio.sleep(0)
+        assert engine.aborted == ["r"] and engine.running == {}
+        assert llm.num_open_requests == 0
+
+    _run(scenario, tokenizer)
+
+
+def test_stop_string_aborts_the_engine_request(tokenizer):
+    async def scenario(engine, llm):
+        full = tokenizer.decode([43, 44, 45, 46])
+        stop = full[len(tokenizer.decode([43])) - 1:][:2]  # spans the first two tokens' texts
+        params = SamplingParams(max_tokens=50, ignore_eos=True, stop=[stop])
+        consumer = asyncio.ensure_future(_collect(llm.add_request("r", PROMPT, params, None, "cumulative")))
+        await engine.run_until_idle()
+        final = (await consumer)[-1]
+        assert final.outputs[0].finish_reason == "stop" and final.outputs[0].stop_reason == stop
+        assert final.outputs[0].text == full[:full.index(stop)]
+        assert engine.aborted == ["r"]  # the frontend found the stop string: the engine must stop too
+
+    _run(scenario, tokenizer)
+
+
+def test_a_full_queue_fails_the_request(tokenizer):
+    async def scenario(engine, llm):
+        running = llm.add_request("a", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True), None, "delta")
+        rejected = llm.add_request("b", PROMPT, SamplingParams(max_tokens=5), None, "delta")
+        with pytest.raises(QueueFullError):
+            await _collect(rejected)
+        assert llm.num_open_requests == 1
+        await running.aclose()
+
+    _run(scenario, tokenizer, max_num_waiting=1)
+
+
+def test_engine_death_fails_open_and_new_requests(tokenizer):
+    async def scenario(engine, llm):
+        stream = llm.add_request("r", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True), None, "delta")
+        await engine.step()
+        assert (await stream.__anext__()).outputs[0].token_ids == [43]
+        engine.die()
+        with pytest.raises(EngineDeadError, match="exit code -9"):
+            await stream.__anext__()
+        with pytest.raises(EngineDeadError):
+            llm.add_request("s", PROMPT, SamplingParams(max_tokens=5), None, "delta")
+        assert llm.is_dead
+
+    _run(scenario, tokenizer)
+
+
+def test_a_consumer_that_stops_reading_is_aborted(tokenizer):
+    async def scenario(engine, llm):
+        stream = llm.add_request("r", PROMPT, SamplingParams(max_tokens=100, ignore_eos=True), None, "delta")
+        for _ in range(12):  # more outputs than max_buffered_outputs=8, none read
+            await engine.step()
+        assert "r" in engine.aborted and engine.running == {}
+        outputs = []
+        with pytest.raises(RequestAbortedError, match="did not read 8"):
+            async for output in stream:
+                outputs.append(output)
+        assert len(outputs) == 8
+
+    _run(scenario, tokenizer)
+
+
+def test_finish_all_aborted_ends_streams_with_abort(tokenizer):
+    async def scenario(engine, llm):
+        stream = llm.add_request("r", PROMPT, SamplingParams(max_tokens=100, ignore_eos=True), None, "cumulative")
+        await engine.step()
+        llm.finish_all_aborted()  # the drain timeout
+        outputs = await _collect(stream)
+        assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+        await asyncio.sleep(0)
+        assert engine.aborted == ["r"] and engine.running == {}
+
+    _run(scenario, tokenizer)
