@@ -11,6 +11,7 @@ import argparse
 import ast
 import functools
 import inspect
+import json
 import re
 import textwrap
 import typing
@@ -148,18 +149,107 @@ class SchedulerConfig:
             raise ValueError("--max-num-queued-reqs must be at least 0.")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+"""Speculative decoding methods pagedllm runs (vLLM's names)."""
+_PLANNED_SPECULATIVE_METHODS = ("suffix", "draft_model")
+"""vLLM methods whose keys are accepted but which pagedllm does not run yet."""
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's --speculative-config (the same JSON keys): a proposer guesses num_speculative_tokens tokens and one
+    forward pass of the target model verifies them; output keeps the target's distribution exactly."""
+
+    method: str | None = None
+    """The proposer: ngram (prompt lookup over the request's prompt and output). Inferred from `model` when
+    absent, as vLLM does ("ngram" or "[ngram]": ngram; any other model: draft_model)."""
+    num_speculative_tokens: int | None = None
+    """Draft tokens proposed per request per step (required)."""
+    model: str | None = None
+    """Draft model (draft_model method)."""
+    prompt_lookup_min: int | None = None
+    """ngram: shortest suffix of the context that is looked up (default: prompt_lookup_max, or 5)."""
+    prompt_lookup_max: int | None = None
+    """ngram: longest suffix of the context that is looked up (default: prompt_lookup_min, or 5)."""
+    disable_by_batch_size: int | None = None
+    """No drafts in a step that runs at least this many requests (at high concurrency verifying costs more than
+    it saves). Default: never disabled."""
+    suffix_decoding_max_tree_depth: int = 24
+    """suffix: deepest suffix tree (not run yet)."""
+    suffix_decoding_max_cached_requests: int = 10000
+    """suffix: past requests kept in the global tree (not run yet)."""
+    suffix_decoding_max_spec_factor: float = 1.0
+    """suffix: draft length cap as a multiple of the match length (not run yet)."""
+    suffix_decoding_min_token_prob: float = 0.1
+    """suffix: least estimated probability of a drafted token (not run yet)."""
+
+    def __post_init__(self) -> None:
+        if self.method is None and self.model is not None:
+            self.method = "ngram" if self.model in ("ngram", "[ngram]") else "draft_model"
+        if self.method == "[ngram]":
+            self.method = "ngram"
+        supported = ", ".join(SPECULATIVE_METHODS)
+        if self.method is None:
+            raise ValueError(f"--speculative-config needs a method; supported: {supported}.")
+        if self.method in _PLANNED_SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not implemented in pagedllm yet; "
+                             f"supported: {supported}.")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not supported by pagedllm (eagle, eagle3 and "
+                             f"mtp need model heads it does not run); supported: {supported}.")
+        if self.num_speculative_tokens is None or self.num_speculative_tokens < 1:
+            raise ValueError("--speculative-config needs num_speculative_tokens >= 1, got "
+                             f"{self.num_speculative_tokens!r}.")
+        if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+            self.prompt_lookup_min = self.prompt_lookup_max = 5
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        if self.prompt_lookup_min < 1 or self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"--speculative-config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}.")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
+            raise ValueError(f"disable_by_batch_size must be at least 2, got {self.disable_by_batch_size}.")
+
+    @classmethod
+    def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From the flag's JSON text, an LLM(speculative_config={...}) dict, or None (no speculation).
+
+        Raises:
+            ValueError: not JSON, not an object, an unknown key, or values that cannot work.
+        """
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("--speculative-config must be a JSON object such as "
+                             '\'{"method": "ngram", "num_speculative_tokens": 4}\'.')
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown --speculative-config keys: {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known))}.")
+        return cls(**value)
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative_config: SpeculativeConfig | None = None
 
     SECTIONS = ("model_config", "cache_config", "scheduler_config")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from flat engine arguments (`max_num_seqs=...`); unknown names raise ValueError."""
-        parts = {}
+        parts: dict[str, Any] = {"speculative_config": SpeculativeConfig.parse(kwargs.pop("speculative_config", None))}
         for section, section_cls in zip(cls.SECTIONS, (ModelConfig, CacheConfig, SchedulerConfig), strict=True):
             names = {f.name for f in fields(section_cls)}
             parts[section] = section_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
@@ -335,6 +425,12 @@ def add_engine_flags(group, skip: frozenset[str] | set[str] = frozenset(), suppr
     for cls in (ModelConfig, CacheConfig, SchedulerConfig):
         add_dataclass_flags(group, cls, prefix, frozenset(seen), suppress_defaults)
         seen |= {f.name for f in fields(cls)}
+    if "speculative_config" not in seen:
+        group.add_argument("--speculative-config", dest=prefix + "speculative_config", metavar="JSON",
+                           default=argparse.SUPPRESS if suppress_defaults else None,
+                           help="Speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
+                                "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'. Methods: "
+                                + ", ".join(SPECULATIVE_METHODS) + ". Default: off.")
 
 
 def engine_kwargs_from_args(args: argparse.Namespace, prefix: str = "engine_") -> dict[str, Any]:

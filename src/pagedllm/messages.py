@@ -26,6 +26,26 @@ MAX_MESSAGE_BYTES = 64 << 20
 process."""
 
 
+class SpecDecodingStats(msgspec.Struct, kw_only=True):
+    """Drafts verified since the last snapshot (vLLM's spec_decode counters)."""
+
+    num_spec_tokens: int = 0
+    """Most drafts per request per step (num_speculative_tokens): the length of num_accepted_tokens_per_pos."""
+    num_drafts: int = 0
+    """Requests that had drafts verified (one per request per step)."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []
+    """[num_spec_tokens]: drafts accepted at each position of a draft run."""
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for i in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+
 class SchedulerStats(msgspec.Struct, kw_only=True):
     """A snapshot of the scheduler after one step.
 
@@ -42,6 +62,8 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     prefix_cache_hits_delta: int = 0
     """Of those, tokens found cached."""
     num_preemptions_delta: int = 0
+    spec_decoding_stats: SpecDecodingStats | None = None
+    """Speculative decoding counters since the last snapshot; None when speculation is off."""
     total_ref_cnt: int | None = None
     """Sum of every block's ref_cnt (0 when nothing holds a block). Filled only by the debug `stats` utility:
     it walks the whole pool, too slow for every step."""
@@ -122,7 +144,8 @@ class ModelRunnerOutput:
 
     req_ids: every request scheduled this step, in batch order.
     sampled_token_ids: aligned with req_ids; [] for a request whose prefill chunk did not reach the
-        end of its tokens (it samples nothing this step), else one sampled token id.
+        end of its tokens (it samples nothing this step), else the sampled token ids: one, or with
+        speculative decoding the accepted drafts and then the target's own token (1 to drafts + 1).
     logprobs: for requests that asked for logprobs and sampled: one entry per sampled token.
     prompt_logprobs: for requests that asked for prompt logprobs: entries for the prompt positions
         computed this step (the first prompt token has None), in order.
@@ -132,6 +155,9 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[LogprobsEntry | None]] = field(default_factory=dict)
+    spec_token_ids: list[list[int]] | None = None
+    """Speculative decoding: aligned with req_ids, the drafts proposed for each request's next step ([]: none);
+    None when speculation is off."""
 
     @property
     def req_id_to_index(self) -> dict[str, int]:

@@ -123,3 +123,25 @@ def test_custom_chat_template_oversampling_and_errors(bpe_tokenizer, tmp_path):
     bad.write_text('{"text": "no prompt"}\n')
     with pytest.raises(ValueError, match="prompt"):
         sample_custom(bpe_tokenizer, str(bad), 1)
+
+
+def test_copy_heavy_prompts_hold_their_text_and_reach_both_benchmarks(bpe_tokenizer):
+    import argparse
+
+    from pagedllm.bench import serve, throughput
+    from pagedllm.bench.copy_heavy import PASSAGES, TASKS, sample_copy_heavy
+
+    requests = sample_copy_heavy(bpe_tokenizer, 45, output_len=64, seed=1, request_id_prefix="c-")
+    assert len({r.prompt for r in requests}) == len(TASKS) * len(PASSAGES)  # 40 distinct, then repeats
+    for r in requests:
+        assert r.prompt.startswith("<s>") and any(p in r.prompt for p in PASSAGES)
+        assert r.prompt_len == len(_ids(bpe_tokenizer, r.prompt)) and r.expected_output_len == 64
+    assert [r.request_id for r in requests[:2]] == ["c-0", "c-1"]
+    assert [r.prompt for r in sample_copy_heavy(bpe_tokenizer, 45, seed=1)] == [r.prompt for r in requests]
+    parser = argparse.ArgumentParser()
+    serve.add_cli_args(parser)
+    args = parser.parse_args(["--dataset-name", "copy-heavy", "--num-prompts", "3", "--copy-heavy-output-len", "9"])
+    assert [r.expected_output_len for r in serve.get_samples(args, bpe_tokenizer)] == [9, 9, 9]
+    parser = argparse.ArgumentParser()
+    throughput.add_cli_args(parser)
+    assert parser.parse_args(["--dataset-name", "copy-heavy"]).dataset_name == "copy-heavy"

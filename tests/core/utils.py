@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
@@ -24,6 +24,7 @@ def create_scheduler(
     scheduling_policy: str = "fcfs",
     max_num_queued_reqs: int | None = None,
     max_prefill_attention_pairs: int | None = None,
+    speculative_config: SpeculativeConfig | None = None,
 ) -> Scheduler:
     if max_model_len is None:
         max_model_len = min(max_num_batched_tokens, num_blocks * block_size)
@@ -37,7 +38,7 @@ def create_scheduler(
         **({} if max_prefill_attention_pairs is None else {"max_prefill_attention_pairs": max_prefill_attention_pairs}),
     )
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
-    return Scheduler(scheduler_config, cache_config, num_blocks, max_model_len)
+    return Scheduler(scheduler_config, cache_config, num_blocks, max_model_len, speculative_config)
 
 
 def create_requests(

@@ -134,6 +134,21 @@ def test_earliest_stop_string_wins_within_one_update(tokenizer):
     assert detok.output_text == "alpha "
 
 
+def test_several_tokens_at_once_stop_where_one_by_one_would(tokenizer):
+    """Speculative decoding hands over a run of accepted tokens: a stop string one of them completes ends the output
+    at that token, and the tokens after it are dropped (num_dropped), exactly as when they come one by one."""
+    ids = encode(tokenizer, "Hello world, this is the end of it all.")
+    params = SamplingParams(stop=["the end", "of it"])
+    one_by_one = IncrementalDetokenizer(tokenizer, [], params)
+    fired = next(i for i, t in enumerate(ids) if one_by_one.update([t]) is not None)
+    at_once = IncrementalDetokenizer(tokenizer, [], params)
+    assert at_once.update(ids[:3]) is None and at_once.num_dropped == 0
+    assert at_once.update(ids[3:]) == "the end"
+    assert at_once.output_text == one_by_one.output_text == "Hello world, this is "
+    assert at_once.output_token_ids == ids[:fired + 1]
+    assert at_once.num_dropped == len(ids) - fired - 1
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(st.sampled_from("ab c😀é世\n"), min_size=1, max_size=30), data=st.data())
 def test_stream_holds_back_partial_stop_strings(tokenizer, text, data):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats
+from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, SpecDecodingStats
 from pagedllm.metrics.loggers import LoggingStatLogger, RequestStatsTracker
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
@@ -51,3 +51,33 @@ def test_log_line(caplog):
     (message,) = [r.getMessage() for r in caplog.records]
     assert "Avg prompt throughput" in message and "Avg generation throughput" in message
     assert "Running: 3 reqs, Waiting: 2 reqs, KV cache usage: 50.0%, Prefix cache hit rate: 25.0%" in message
+
+
+def _spec_stats(drafts: int, draft_tokens: int, per_pos: list[int]) -> SpecDecodingStats:
+    return SpecDecodingStats(num_spec_tokens=len(per_pos), num_drafts=drafts, num_draft_tokens=draft_tokens,
+                             num_accepted_tokens=sum(per_pos), num_accepted_tokens_per_pos=per_pos)
+
+
+def test_spec_decode_counters_and_log_line(caplog):
+    prometheus = PrometheusStatLogger("m")
+    prometheus.record(SchedulerStats(), None)
+    assert "spec_decode" not in prometheus.render().decode()  # only when speculation is configured, as vLLM
+    for stats in (_spec_stats(4, 12, [3, 2, 1]), _spec_stats(2, 6, [2, 1, 0])):
+        prometheus.record(SchedulerStats(spec_decoding_stats=stats), None)
+    text = prometheus.render().decode()
+    for line in ('vllm:spec_decode_num_drafts_total{model_name="m"} 6.0',
+                 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 18.0',
+                 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 9.0',
+                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 5.0',
+                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0'):
+        assert line in text, line
+    logger = LoggingStatLogger(interval_s=10.0)
+    logger.record(SchedulerStats(num_running_reqs=1, spec_decoding_stats=_spec_stats(4, 12, [3, 2, 1])), None)
+    logger.record(SchedulerStats(num_running_reqs=1, spec_decoding_stats=_spec_stats(2, 6, [2, 1, 0])), None)
+    with caplog.at_level(logging.INFO, logger="pagedllm.metrics.loggers"):
+        logger.log()
+    spec_lines = [r.getMessage() for r in caplog.records if "SpecDecoding" in r.getMessage()]
+    assert len(spec_lines) == 1
+    assert "Mean acceptance length: 2.50" in spec_lines[0]  # 1 + 9 accepted / 6 drafts
+    assert "Accepted: 9 tokens, Drafted: 18 tokens, Per-position acceptance rate: 0.833, 0.500, 0.167" in spec_lines[0]
+    assert "Avg Draft acceptance rate: 50.0%" in spec_lines[0]

@@ -24,6 +24,7 @@ import aiohttp
 import numpy as np
 
 from pagedllm.bench import datasets
+from pagedllm.bench.copy_heavy import sample_copy_heavy
 from pagedllm.bench.datasets import SampleRequest
 from pagedllm.bench.metrics import PERCENTILE_METRICS, calculate_metrics
 from pagedllm.bench.report import DETAILED_FIELDS, build_result, format_table
@@ -31,7 +32,7 @@ from pagedllm.bench.request_func import REQUEST_FUNCS, RequestFuncInput, Request
 
 logger = logging.getLogger(__name__)
 
-DATASETS = ("random", "prefix-repetition", "prefix_repetition", "custom")
+DATASETS = ("random", "prefix-repetition", "prefix_repetition", "copy-heavy", "custom")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +77,8 @@ def _add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
     group.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
     group.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    group.add_argument("--copy-heavy-output-len", type=int, default=256,
+                       help="Output tokens of every copy-heavy prompt (repeat, edit or reformat given text or code).")
     group.add_argument("--custom-output-len", type=int, default=256,
                        help="Output tokens of every custom prompt; -1 takes each line's \"output_tokens\".")
     group.add_argument("--skip-chat-template", action="store_true",
@@ -138,6 +141,10 @@ def get_samples(args: argparse.Namespace, tokenizer) -> list[SampleRequest]:
             suffix_len=args.prefix_repetition_suffix_len, num_prefixes=args.prefix_repetition_num_prefixes,
             output_len=args.prefix_repetition_output_len, seed=args.seed, shuffle=not args.disable_shuffle,
             request_id_prefix=args.request_id_prefix)
+    if args.dataset_name == "copy-heavy":
+        return sample_copy_heavy(tokenizer, args.num_prompts, output_len=args.copy_heavy_output_len, seed=args.seed,
+                                 shuffle=not args.disable_shuffle, skip_chat_template=args.skip_chat_template,
+                                 request_id_prefix=args.request_id_prefix)
     if args.dataset_path is None:
         raise ValueError("--dataset-name custom needs --dataset-path FILE.jsonl.")
     return datasets.sample_custom(
@@ -303,6 +310,7 @@ async def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         args.random_input_len = args.input_len
     if args.output_len is not None:
         args.random_output_len = args.custom_output_len = args.prefix_repetition_output_len = args.output_len
+        args.copy_heavy_output_len = args.output_len
     if args.dataset_name == "random":
         args.ignore_eos = True  # as vLLM: random prompts run to the requested length
     if args.temperature is None:

@@ -21,6 +21,9 @@ logger = logging.getLogger(__name__)
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="Hugging Face folder or GGUF file; default: the engine's.")
+    parser.add_argument("--dataset-name", default="random", choices=("random", "copy-heavy"),
+                        help="random: --input-len random token ids; copy-heavy: prompts that ask to repeat, edit or "
+                             "reformat given text or code, in the chat template (bench/copy_heavy.py).")
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--input-len", type=int, default=256, help="Token ids per prompt.")
     parser.add_argument("--output-len", type=int, default=128, help="Tokens generated per prompt.")
@@ -52,7 +55,13 @@ def run(args: argparse.Namespace, llm=None) -> dict[str, Any]:
         warmup = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
         llm.generate(random_token_prompts(rng, args.num_warmup_prompts, args.input_len, vocab_size), warmup,
                      use_tqdm=False)
-    prompts = random_token_prompts(rng, args.num_prompts, args.input_len, vocab_size)
+    if getattr(args, "dataset_name", "random") == "copy-heavy":
+        from pagedllm.bench.copy_heavy import sample_copy_heavy
+
+        samples = sample_copy_heavy(llm.get_tokenizer(), args.num_prompts, args.output_len, seed=args.seed)
+        prompts = [llm.get_tokenizer().encode(s.prompt, add_special_tokens=False) for s in samples]
+    else:
+        prompts = random_token_prompts(rng, args.num_prompts, args.input_len, vocab_size)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -67,7 +67,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time", "priority",
         "cache_salt", "block_size", "output_token_ids", "all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "status", "stop_reason", "block_hashes", "num_preemptions",
-        "first_scheduled_time", "first_output_sent", "max_tokens", "_stop_token_ids",
+        "first_scheduled_time", "first_output_sent", "max_tokens", "_stop_token_ids", "spec_token_ids",
     )
 
     def __init__(
@@ -106,6 +106,8 @@ class Request:
         self.first_output_sent = False
         """Whether an EngineCoreOutput went out (first_scheduled_time rides on the first one)."""
         self.max_tokens = sampling_params.max_tokens
+        self.spec_token_ids: list[int] = []
+        """Draft tokens the proposer guessed after the last step, verified (in part) by the next one."""
         self._stop_token_ids = frozenset(sampling_params.stop_token_ids)
         append_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
 

@@ -22,12 +22,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats, SpecDecodingStats
 
 if TYPE_CHECKING:
     from pagedllm.core.block_pool import KVCacheBlock
@@ -52,6 +52,10 @@ class _Step:
     running_reqs: list[Request] = field(default_factory=list)
     new_reqs: list[Request] = field(default_factory=list)
     preempted_reqs: list[Request] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """req_id -> the drafts verified this step (speculative decoding)."""
+    use_spec: bool = False
+    """Whether running requests' drafts are scheduled this step."""
 
     def add(self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock]) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
@@ -65,6 +69,7 @@ class _Step:
             The tokens it had been given, for the caller to put back in its budget.
         """
         del self.new_blocks[request.request_id]
+        self.spec_tokens.pop(request.request_id, None)
         self.running_reqs.remove(request)
         if request.request_id in self.prefill_pairs:
             self.attention_pairs += self.prefill_pairs.pop(request.request_id)
@@ -99,13 +104,16 @@ class Scheduler:
         cache_config: block_size and enable_prefix_caching.
         num_blocks: KV-cache blocks in the pool.
         max_model_len: longest prompt + output (EngineCore.max_model_len, resolved once from the model).
+        speculative_config: speculative decoding (None: off). The runner proposes drafts; the scheduler
+            gives them room in the step (trimmed to the budget, max_tokens and max_model_len) and rolls
+            num_computed_tokens back over the rejected ones.
 
     Raises ValueError when one request of max_model_len tokens cannot fit the pool (KVCacheManager) or,
     without chunked prefill, a step.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int):
+                 max_model_len: int, speculative_config: SpeculativeConfig | None = None):
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -128,6 +136,10 @@ class Scheduler:
         """Finished or aborted since the last schedule(); sent in the next SchedulerOutput."""
         self.num_preemptions = 0
         self._last_stats = (0, 0, 0)  # (queries, hits, preemptions) at the last make_stats()
+        self.speculative_config = speculative_config
+        self._spec_stats = self._new_spec_stats()
+        self.spec_decoding_totals = self._new_spec_stats()
+        """Every draft verified since start (the per-snapshot deltas go out in make_stats)."""
 
     # ---- requests in and out ----
 
@@ -193,6 +205,9 @@ class Scheduler:
             The SchedulerOutput for the model runner; num_computed_tokens already counts this step.
         """
         step = _Step(token_budget=self.max_num_batched_tokens, attention_pairs=self.max_prefill_attention_pairs)
+        spec = self.speculative_config
+        step.use_spec = spec is not None and (spec.disable_by_batch_size is None
+                                              or len(self.running) < spec.disable_by_batch_size)
         self._schedule_running(step)
         if not step.preempted_reqs:
             self._schedule_waiting(step)
@@ -232,6 +247,10 @@ class Scheduler:
             if num_new_tokens <= 0:
                 i += 1
                 continue
+            drafts = None
+            if step.use_spec and request.spec_token_ids and num_new_tokens == 1:
+                drafts = self._trim_drafts(request, token_budget - 1)
+                num_new_tokens += len(drafts)
             new_blocks = allocate_slots(request, num_new_tokens)
             while new_blocks is None:
                 victim_index = self._select_victim()
@@ -250,9 +269,22 @@ class Scheduler:
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 new_blocks_by_req[request.request_id] = new_blocks
                 token_budget -= num_new_tokens
-                step.count_prefill(request, request.num_computed_tokens, num_new_tokens)
+                if drafts:
+                    step.spec_tokens[request.request_id] = drafts
+                else:
+                    step.count_prefill(request, request.num_computed_tokens, num_new_tokens)
                 i += 1
         step.token_budget = token_budget
+
+    def _trim_drafts(self, request: Request, budget: int) -> list[int]:
+        """The request's drafts cut so the step fits `budget` more tokens and, if all are accepted, the bonus
+        token still keeps within max_tokens and max_model_len. E.g. max_tokens 10 with 8 outputs: 1 draft
+        (accepted, it and the bonus token make output 10)."""
+        num_tokens = len(request.all_token_ids)
+        room = min(budget, self.max_model_len - num_tokens - 1)
+        if request.max_tokens is not None:
+            room = min(room, request.max_tokens - len(request.output_token_ids) - 1)
+        return request.spec_token_ids[:max(room, 0)]
 
     def _select_victim(self) -> int:
         """Index in self.running of the lowest-priority, latest-arrived request (fcfs: latest-arrived).
@@ -276,6 +308,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -335,6 +368,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - step.token_budget,
             finished_req_ids=finished_req_ids,
             preempted_req_ids={r.request_id for r in step.preempted_reqs},
+            scheduled_spec_decode_tokens=step.spec_tokens,
         )
 
     # ---- after the step ran ----
@@ -361,6 +395,8 @@ class Scheduler:
         prompt_logprobs = model_runner_output.prompt_logprobs
         check_stop = self._check_stop
         running_status = RequestStatus.RUNNING
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        proposals = model_runner_output.spec_token_ids
         outputs = []
         any_finished = False
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -368,10 +404,19 @@ class Scheduler:
             if request is None or request.status is not running_status:
                 continue  # finished (aborted) since schedule()
             num_computed_tokens = request.num_computed_tokens
-            if num_computed_tokens // block_size != (num_computed_tokens - num_scheduled) // block_size:
-                cache_blocks(request, num_computed_tokens)  # this step filled at least one block
+            start = num_computed_tokens - num_scheduled  # computed before this step
             index = req_id_to_index.get(req_id)
             new_token_ids = sampled_token_ids[index] if index is not None else None
+            drafts = spec_tokens.get(req_id) if spec_tokens else None
+            if drafts:
+                # Roll back over the rejected drafts before any block is cached: their K/V stays in blocks
+                # past num_computed_tokens, which later steps overwrite and the prefix cache never sees.
+                num_accepted = max(len(new_token_ids or ()) - 1, 0)
+                num_computed_tokens = request.num_computed_tokens = start + 1 + num_accepted
+                self._spec_stats.observe(len(drafts), num_accepted)
+                self.spec_decoding_totals.observe(len(drafts), num_accepted)
+            if proposals is not None and index is not None:
+                request.spec_token_ids = proposals[index]
             finished = False
             if not new_token_ids or num_computed_tokens < len(request.all_token_ids):
                 new_token_ids = []  # a prefill chunk that did not reach the end samples nothing
@@ -381,6 +426,8 @@ class Scheduler:
             else:
                 new_token_ids = self._append_and_check_stop(request, new_token_ids)
                 finished = request.status is not running_status
+            if num_computed_tokens // block_size != start // block_size:
+                cache_blocks(request, num_computed_tokens)  # this step filled at least one block
             new_prompt_logprobs = prompt_logprobs.get(req_id) if prompt_logprobs else None
             if not (new_token_ids or finished or new_prompt_logprobs):
                 continue
@@ -453,7 +500,18 @@ class Scheduler:
             prefix_cache_queries_delta=deltas[0],
             prefix_cache_hits_delta=deltas[1],
             num_preemptions_delta=deltas[2],
+            spec_decoding_stats=self._take_spec_stats(),
         )
+
+    def _new_spec_stats(self) -> SpecDecodingStats | None:
+        if self.speculative_config is None:
+            return None
+        k = self.speculative_config.num_speculative_tokens
+        return SpecDecodingStats(num_spec_tokens=k, num_accepted_tokens_per_pos=[0] * k)
+
+    def _take_spec_stats(self) -> SpecDecodingStats | None:
+        stats, self._spec_stats = self._spec_stats, self._new_spec_stats()
+        return stats
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)

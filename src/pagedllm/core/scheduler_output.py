@@ -57,6 +57,9 @@ class SchedulerOutput:
     """Requests finished or aborted since the last step: the runner drops their state."""
     preempted_req_ids: set[str] = field(default_factory=set)
     """Requests preempted this step: the runner drops their state; they come back as new requests."""
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """req_id -> draft tokens verified this step (speculative decoding). They are the last len(drafts) of the
+    request's num_scheduled_tokens: a decode with 3 drafts schedules 4 tokens (its last token, then the drafts)."""
 
     @classmethod
     def empty(cls) -> SchedulerOutput:

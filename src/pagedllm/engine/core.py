@@ -52,7 +52,7 @@ class EngineCore:
         self.kv_cache_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, self.dtype, self.device)
         self.num_blocks = self._determine_num_blocks()
         # Before the KV cache is allocated: the scheduler refuses a pool that cannot hold one longest request.
-        self.scheduler = Scheduler(sc, cc, self.num_blocks, self.max_model_len)
+        self.scheduler = Scheduler(sc, cc, self.num_blocks, self.max_model_len, config.speculative_config)
         self.runner = ModelRunner(config, model, info, self.device, self.dtype, self.kv_cache_dtype,
                                   max_model_len=self.max_model_len)
         self.runner.initialize_kv_cache(self.num_blocks)

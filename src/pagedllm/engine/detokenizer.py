@@ -58,6 +58,8 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self._last_output_text_offset = 0
         self.stopped = False
+        self.num_dropped = 0
+        """Tokens of the last update() after the one that completed a stop string (dropped: not output)."""
         prompt_tail = prompt_token_ids[-_INITIAL_OFFSET - 2:]
         self._tokens: list[str] = self._to_tokens(prompt_tail)
         self._read_offset = len(self._tokens)
@@ -67,21 +69,32 @@ class IncrementalDetokenizer:
         """Decode new tokens and check stop strings.
 
         Returns: the stop string that matched, else None. On a match `output_text` is truncated just
-        before the stop string (or just after it with include_stop_str_in_output); the caller finishes
-        the request. Stop strings do not fire while the output has at most min_tokens tokens.
+        before the stop string (or just after it with include_stop_str_in_output), the new tokens after the one
+        that completed it are not kept (`num_dropped` says how many), and the caller finishes the request. Stop
+        strings do not fire while the output has at most min_tokens tokens.
         """
+        self.num_dropped = 0
         if self.stopped:
             return None
         stop_check_offset = len(self.output_text)
-        for token_id in new_token_ids:
+        match = None
+        for i, token_id in enumerate(new_token_ids):
             self.output_token_ids.append(token_id)
             if self.detokenize:
                 self.output_text += self._decode_next(token_id)
             if self.min_tokens and len(self.output_token_ids) <= self.min_tokens:
                 stop_check_offset = len(self.output_text)
+            elif self.stop and i < len(new_token_ids) - 1:
+                # Several tokens at once (speculative decoding): a stop string that one of them completes ends
+                # the output there, as if they had come one by one; the tokens after it are dropped.
+                match = self._find_stop(len(self.output_text) - stop_check_offset)
+                if match is not None:
+                    self.num_dropped = len(new_token_ids) - i - 1
+                    break
         if not self.stop:
             return None
-        match = self._find_stop(len(self.output_text) - stop_check_offset)
+        if match is None:
+            match = self._find_stop(len(self.output_text) - stop_check_offset)
         if match is None:
             return None
         stop_str, truncate_to = match

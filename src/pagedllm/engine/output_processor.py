@@ -163,6 +163,8 @@ class OutputProcessor:
         stopped_here = False
         if state.detokenizer is not None and out.new_token_ids:
             stop_str = state.detokenizer.update(out.new_token_ids)
+            if state.detokenizer.num_dropped:  # a stop string inside a run of accepted drafts
+                del state.token_ids[len(state.token_ids) - state.detokenizer.num_dropped:]
             if stop_str is not None and out.finish_reason is None:
                 state.finish_reason, state.stop_reason = "stop", stop_str
                 stopped_here = True

@@ -13,6 +13,10 @@ Plan, built once per step (`AttentionMetadata.plan`) and reused by every layer:
   gathered with one `index_select` over whole blocks (contiguous block_size-token rows, a memcpy each), then
   one SDPA call with the query heads of each KV group as its query rows ([B, kv_heads, group, D]) and a
   length mask for the partly used last block;
+- rows that verify draft tokens (speculative decoding, `AttentionMetadata.verify_reqs`) are decode rows too, each
+  with its own context length over its request's block table; every K/V of the step is written first, then the
+  rows attend (the fused call, which writes and attends row by row in parallel, is not used for such a step),
+  so a verified token's output is the same as plain decoding's;
 - prefill chunks run one request at a time; a chunk with no cached prefix reads its own K/V directly (no
   cache read at all) when the cache holds the model dtype. A cache of another dtype (`--kv-cache-dtype`) is
   always read back (`.to` the model dtype), own chunk included, so a token's K/V are the same stored values
@@ -54,6 +58,7 @@ class _Prefill:
 class _AttentionPlan:
     native: bool  # the native kernels write the cache and run the decode rows
     all_decode: bool  # every row a decode, in order (the decode rows are the whole batch)
+    has_verify: bool  # some decode rows verify drafts: every K/V of the step is written before any row attends
     decode_rows: torch.Tensor | None  # [B] int64 rows of single-token queries
     decode_block_table: torch.Tensor | None  # [B, nb] int32 (native kernel)
     decode_seq_lens: torch.Tensor | None  # [B] int32 (native kernel)
@@ -72,14 +77,24 @@ def build_plan(md: AttentionMetadata, block_size: int, native: bool, always_read
     seq_lens = np.asarray(md.seq_lens_cpu, dtype=np.int64)  # [R]
     query_lens = qsl[1:] - qsl[:-1]  # [R]
     device = md.block_table.device
-    decode_reqs = np.nonzero(query_lens == 1)[0]
+    is_decode = query_lens == 1
+    has_verify = md.verify_reqs is not None and len(md.verify_reqs) > 0
+    if has_verify:
+        is_decode[md.verify_reqs] = True
+    decode_reqs = np.nonzero(is_decode)[0]
     decode_rows = decode_block_table = decode_seq_lens = decode_block_ids = decode_mask = None
     nb = 0
     if len(decode_reqs):
-        req_idx = torch.from_numpy(decode_reqs).to(device)
-        decode_rows = torch.from_numpy(qsl[decode_reqs]).to(device)
+        # One entry per decode row, in batch order: a verify request's q rows get context lengths L - q + 1 .. L.
+        # E.g. query_lens [1, 3], seq_lens [9, 20]: rows [0, 1, 2, 3], requests [0, 1, 1, 1], lens [9, 18, 19, 20].
+        counts = query_lens[decode_reqs]
+        row_req = np.repeat(decode_reqs, counts)  # [B]
+        row_offset = np.arange(len(row_req)) - np.repeat(np.cumsum(counts) - counts, counts)
+        row_lens = seq_lens[row_req] - counts.repeat(counts) + 1 + row_offset  # [B]
+        req_idx = torch.from_numpy(row_req).to(device)
+        decode_rows = torch.from_numpy(qsl[row_req] + row_offset).to(device)
         nb = int(cdiv(seq_lens[decode_reqs].max(), block_size))
-        lens = torch.from_numpy(seq_lens[decode_reqs]).to(device)  # [B]
+        lens = torch.from_numpy(row_lens).to(device)  # [B]
         if native:
             decode_block_table = md.block_table[req_idx, :nb].to(torch.int32).contiguous()  # [B, nb]
             decode_seq_lens = lens.to(torch.int32)
@@ -88,14 +103,15 @@ def build_plan(md: AttentionMetadata, block_size: int, native: bool, always_read
             key_pos = torch.arange(nb * block_size, device=device)  # [L]
             decode_mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
     prefills = []
-    for r in np.nonzero(query_lens > 1)[0]:
+    for r in np.nonzero(~is_decode)[0]:
         start, end, seq_len = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
         block_ids = None
         if seq_len > end - start or always_read_cache:
             block_ids = md.block_table[r, : cdiv(seq_len, block_size)].long()
         prefills.append(_Prefill(start, end, seq_len, block_ids))
     all_decode = decode_rows is not None and not prefills
-    return _AttentionPlan(native, all_decode, decode_rows, decode_block_table, decode_seq_lens, decode_block_ids, nb,
+    return _AttentionPlan(native, all_decode, has_verify, decode_rows, decode_block_table, decode_seq_lens,
+                          decode_block_ids, nb,
                           decode_mask, prefills)
 
 
@@ -139,7 +155,8 @@ class PagedAttention(nn.Module):
         kv_cache = ctx.kv_caches[self.layer_idx]  # [2, num_blocks, block_size, Hkv, D]
         num_padded, n = qkv.shape[0], md.num_actual_tokens
         plan = step_plan(md, kv_cache, qkv.dtype, qkv.device)
-        if plan.native and plan.all_decode and qkv.is_contiguous() and cos_sin.is_contiguous():  # one native call
+        fused = plan.native and plan.all_decode and not plan.has_verify
+        if fused and qkv.is_contiguous() and cos_sin.is_contiguous():  # one native call
             if num_padded > n:
                 qkv, cos_sin = qkv[:n], cos_sin[:n]
             out = cpu_kernels.fused_decode_attention(qkv, cos_sin, md.slot_mapping, kv_cache, plan.decode_block_table,

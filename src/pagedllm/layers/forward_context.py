@@ -37,6 +37,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset of each new token
     query_start_loc_cpu: np.ndarray  # [num_reqs + 1] host copy of query_start_loc
     seq_lens_cpu: np.ndarray  # [num_reqs] host copy of seq_lens
+    verify_reqs: np.ndarray | None = None
+    """Requests verifying drafts (speculative decoding): each of their query rows attends like a decode row of its own
+    context length (row i of a request with seq_len L and q rows: L - q + 1 + i) over the same block table, so
+    their outputs equal plain decoding's bit for bit. None: no such request."""
     # Derived per-step plan, built once by the first attention layer and shared by the others.
     plan: Any = field(default=None, repr=False, compare=False)
 

@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from pagedllm.messages import EngineCoreOutputs, SchedulerStats
+from pagedllm.messages import EngineCoreOutputs, SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -118,12 +118,15 @@ class LoggingStatLogger:
         self.num_generation_tokens = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.spec: SpecDecodingStats | None = None
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
         if scheduler_stats is not None:
             self.scheduler_stats = scheduler_stats
             self.prefix_queries += scheduler_stats.prefix_cache_queries_delta
             self.prefix_hits += scheduler_stats.prefix_cache_hits_delta
+            if scheduler_stats.spec_decoding_stats is not None:
+                self._add_spec(scheduler_stats.spec_decoding_stats)
         if iteration_stats is not None:
             self.num_prompt_tokens += iteration_stats.num_prompt_tokens
             self.num_generation_tokens += iteration_stats.num_generation_tokens
@@ -141,5 +144,30 @@ class LoggingStatLogger:
                         "Prefix cache hit rate: %.1f%%",
                         self.num_prompt_tokens / elapsed, self.num_generation_tokens / elapsed,
                         s.num_running_reqs, s.num_waiting_reqs, s.kv_cache_usage * 100, hit_rate * 100)
+        if self.spec is not None and self.spec.num_drafts:
+            _log_spec_decode(self.spec, elapsed)
         self._was_active = active
         self._reset(now)
+
+    def _add_spec(self, stats: SpecDecodingStats) -> None:
+        if self.spec is None:
+            self.spec = SpecDecodingStats(num_spec_tokens=stats.num_spec_tokens,
+                                          num_accepted_tokens_per_pos=[0] * stats.num_spec_tokens)
+        total = self.spec
+        total.num_drafts += stats.num_drafts
+        total.num_draft_tokens += stats.num_draft_tokens
+        total.num_accepted_tokens += stats.num_accepted_tokens
+        for i, n in enumerate(stats.num_accepted_tokens_per_pos):
+            total.num_accepted_tokens_per_pos[i] += n
+
+
+def _log_spec_decode(s: SpecDecodingStats, elapsed: float) -> None:
+    """vLLM's SpecDecoding metrics line: mean acceptance length counts the target's own token (1 + accepted per
+    draft); per-position rates are accepted drafts at each position over the drafts verified."""
+    per_pos = ", ".join(f"{n / s.num_drafts:.3f}" for n in s.num_accepted_tokens_per_pos)
+    logger.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f tokens/s, "
+                "Drafted throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens, "
+                "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
+                1 + s.num_accepted_tokens / s.num_drafts, s.num_accepted_tokens / elapsed,
+                s.num_draft_tokens / elapsed, s.num_accepted_tokens, s.num_draft_tokens, per_pos,
+                100 * s.num_accepted_tokens / max(s.num_draft_tokens, 1))

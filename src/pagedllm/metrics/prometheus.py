@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pagedllm.messages import SchedulerStats
+from pagedllm.messages import SchedulerStats, SpecDecodingStats
 from pagedllm.metrics.loggers import IterationStats
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -79,6 +79,13 @@ class PrometheusStatLogger:
                                                    "Number of generation tokens processed.", _TOKEN_BUCKETS)
         self.iteration_tokens = histogram("vllm:iteration_tokens_total",
                                           "Histogram of tokens per engine step.", _ITERATION_BUCKETS)
+        self.model_name = model_name
+        self.spec_decode: _SpecDecodeCounters | None = None  # made on the first step that reports speculation
+
+    def _record_spec_decode(self, stats: SpecDecodingStats) -> None:
+        if self.spec_decode is None:
+            self.spec_decode = _SpecDecodeCounters(self.registry, self.model_name, stats.num_spec_tokens)
+        self.spec_decode.record(stats)
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
         if scheduler_stats is not None:
@@ -90,6 +97,8 @@ class PrometheusStatLogger:
             self.prefix_cache_queries.inc(scheduler_stats.prefix_cache_queries_delta)
             self.prefix_cache_hits.inc(scheduler_stats.prefix_cache_hits_delta)
             self.num_preemptions.inc(scheduler_stats.num_preemptions_delta)
+            if scheduler_stats.spec_decoding_stats is not None:
+                self._record_spec_decode(scheduler_stats.spec_decoding_stats)
         if iteration_stats is None:
             return
         s = iteration_stats
@@ -115,3 +124,25 @@ class PrometheusStatLogger:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SpecDecodeCounters:
+    """vLLM's speculative decoding counters (only when speculation is configured, as in vLLM)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, num_spec_tokens: int):
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["model_name"], registry=registry).labels(model_name=model_name)
+
+        self.num_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                          "Accepted tokens per draft position.", ["model_name", "position"], registry=registry)
+        self.per_pos = [per_pos.labels(model_name=model_name, position=str(i)) for i in range(num_spec_tokens)]
+
+    def record(self, stats: SpecDecodingStats) -> None:
+        self.num_drafts.inc(stats.num_drafts)
+        self.num_draft_tokens.inc(stats.num_draft_tokens)
+        self.num_accepted_tokens.inc(stats.num_accepted_tokens)
+        for counter, accepted in zip(self.per_pos, stats.num_accepted_tokens_per_pos, strict=False):
+            counter.inc(accepted)

@@ -152,7 +152,7 @@ class LlamaNativeDecodeStep:
         if md is None or n != md.num_actual_tokens or len(ctx.kv_caches) != self._c_model.num_layers:
             return None
         plan = step_plan(md, ctx.kv_caches[0], torch.float32, input_ids.device)
-        if not (plan.native and plan.all_decode):
+        if not (plan.native and plan.all_decode) or plan.has_verify:  # verify rows: written first, then attend
             return None
         res = self.model.embed_tokens(input_ids).contiguous()  # [T, hidden]: the residual stream
         cos_sin = self.model.rotary_emb(positions, res.dtype)  # [T, 2, D / 2], contiguous

@@ -14,9 +14,11 @@ from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.forward_context import AttentionMetadata, kv_cache_shape, set_forward_context
 from pagedllm.layers.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs, logprobs_to_entries
+from pagedllm.layers.sampling.rejection_sampler import can_speculate, rejection_sample
 from pagedllm.math_utils import cdiv
 from pagedllm.messages import LogprobsEntry, ModelRunnerOutput
 from pagedllm.models.llama_native_step import LlamaNativeDecodeStep
+from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.worker.cpu_allocator import PoolPrefault, keep_freed_memory, zeroed_pool
 from pagedllm.worker.input_batch import InputBatch, RequestState
 
@@ -40,6 +42,8 @@ class ModelRunner:
         # Generators of seeded requests survive preemption: sampling resumes where it stopped.
         self.generators: dict[str, torch.Generator] = {}
         self.native_step = LlamaNativeDecodeStep.build(model) if device.type == "cpu" else None
+        self.speculative_config = config.speculative_config
+        self.proposer = NgramProposer(config.speculative_config) if config.speculative_config is not None else None
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = kv_cache_shape(num_blocks, self.block_size, self.info.num_kv_heads, self.info.head_dim)
@@ -68,7 +72,11 @@ class ModelRunner:
         batch = self.input_batch
         rows = np.fromiter((batch.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        spec = so.scheduled_spec_decode_tokens
+        num_drafts = self._write_drafts(spec, req_ids) if spec else None
         input_ids, positions, attn_metadata = self._prepare_inputs(rows, num_sched)
+        if num_drafts is not None:
+            attn_metadata.verify_reqs = np.flatnonzero(num_drafts)
         with set_forward_context(attn_metadata, self.kv_caches):
             hidden_states = self._forward(input_ids, positions)  # [T, hidden]
 
@@ -77,7 +85,10 @@ class ModelRunner:
         sampling = np.flatnonzero(seq_lens >= batch.num_tokens[rows])  # indices into req_ids
         sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
         logprobs: dict[str, list[LogprobsEntry]] = {}
-        if len(sampling):
+        if len(sampling) and num_drafts is not None:
+            self._sample_verify(hidden_states, attn_metadata.query_start_loc_cpu, req_ids, rows, sampling, num_drafts,
+                                spec, sampled_token_ids, logprobs)
+        elif len(sampling):
             last_idx = attn_metadata.query_start_loc_cpu[1:][sampling] - 1
             logits = self.model.compute_logits(hidden_states[torch.from_numpy(last_idx).to(self.device)])
             sample_rows = rows[sampling]
@@ -90,7 +101,80 @@ class ModelRunner:
                     logprobs[req_ids[i]] = [entry]
         prompt_logprobs = self._prompt_logprobs(req_ids, rows, num_sched, attn_metadata, hidden_states)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs)
+                                 prompt_logprobs=prompt_logprobs,
+                                 spec_token_ids=self._propose(rows, sampling) if self.proposer else None)
+
+    # ---- speculative decoding -------------------------------------------------------------------------
+    def _write_drafts(self, spec: dict[str, list[int]], req_ids: list[str]) -> np.ndarray:
+        """Put each request's drafts after its tokens (not counted in num_tokens: they are guesses).
+
+        Returns:
+            [R] drafts per scheduled request (0 for most).
+        """
+        batch = self.input_batch
+        num_drafts = np.zeros(len(req_ids), dtype=np.int64)
+        for i, req_id in enumerate(req_ids):
+            drafts = spec.get(req_id)
+            if drafts:
+                row = batch.req_id_to_row[req_id]
+                n = batch.num_tokens[row]
+                batch.token_ids[row, n:n + len(drafts)] = drafts
+                num_drafts[i] = len(drafts)
+        return num_drafts
+
+    def _sample_verify(self, hidden_states: torch.Tensor, query_start_loc: np.ndarray, req_ids: list[str],
+                       rows: np.ndarray, sampling: np.ndarray, num_drafts: np.ndarray, spec: dict[str, list[int]],
+                       sampled_token_ids: list[list[int]], logprobs: dict[str, list[LogprobsEntry]]) -> None:
+        """Sample a step that verifies drafts: logits at every verify row, then the rejection sampler for requests
+        with drafts and the plain sampler for the others (whose logits are computed in the same call).
+
+        Example: sampling requests with drafts [0, 2] ending at rows 5 and 9 -> logits rows [4, 7, 8, 9]."""
+        batch = self.input_batch
+        counts = num_drafts[sampling] + 1  # [S] logits rows per sampling request
+        first = np.zeros(len(sampling) + 1, dtype=np.int64)  # [S + 1] their start in the logits
+        np.cumsum(counts, out=first[1:])
+        ends = query_start_loc[1:][sampling]  # [S] one past each request's last row
+        idx = np.repeat(ends - counts, counts) + np.arange(int(first[-1])) - np.repeat(first[:-1], counts)
+        logits = self.model.compute_logits(hidden_states[torch.from_numpy(idx).to(self.device)])  # [sum counts, V]
+        sample_rows = rows[sampling]
+        plain = np.flatnonzero(counts == 1)
+        verify = np.flatnonzero(counts > 1)
+        if len(plain):
+            tokens, entries = self._sample(logits[torch.from_numpy(first[plain]).to(self.device)], sample_rows[plain])
+            for j, token, entry in zip(plain.tolist(), tokens, entries, strict=True):
+                sampled_token_ids[int(sampling[j])] = [token]
+                if entry is not None:
+                    logprobs[req_ids[int(sampling[j])]] = [entry]
+        if len(verify):
+            states = [batch.states[r] for r in sample_rows[verify].tolist()]
+            sel = np.concatenate([np.arange(first[j], first[j + 1]) for j in verify.tolist()])
+            results = rejection_sample(logits[torch.from_numpy(sel).to(self.device)], counts[verify].tolist(),
+                                       [spec[s.req_id] for s in states], [s.sampling_params for s in states],
+                                       [s.generator for s in states])
+            for j, tokens in zip(verify.tolist(), results, strict=True):
+                sampled_token_ids[int(sampling[j])] = tokens
+        for j in range(len(sampling)):
+            row = int(sample_rows[j])
+            for token in sampled_token_ids[int(sampling[j])]:
+                batch.append_token(row, token)
+
+    def _propose(self, rows: np.ndarray, sampling: np.ndarray) -> list[list[int]]:
+        """Drafts for the next step of every request that sampled now (and whose options the verifier supports),
+        aligned with the step's requests; none at all once the batch holds disable_by_batch_size requests."""
+        batch = self.input_batch
+        proposals: list[list[int]] = [[] for _ in rows]
+        limit = self.speculative_config.disable_by_batch_size
+        if not len(sampling) or (limit is not None and batch.num_reqs >= limit):
+            return proposals
+        sample_rows = rows[sampling]
+        keep = np.fromiter((can_speculate(batch.states[r].sampling_params) for r in sample_rows.tolist()),
+                           dtype=bool, count=len(sample_rows))
+        if not keep.any():
+            return proposals
+        drafts = self.proposer.propose(batch.token_ids, sample_rows[keep], batch.num_tokens[sample_rows[keep]])
+        for i, d in zip(sampling[keep].tolist(), drafts, strict=True):
+            proposals[i] = d
+        return proposals
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The model's hidden states for this step: one native call for a step of decodes where the model has a

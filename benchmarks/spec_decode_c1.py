@@ -1,0 +1,66 @@
+"""Speculative decoding at concurrency 1: output tokens/s with and without n-gram drafts on the same prompts, in one
+process, alternating (off, on, off, on, ...) so that a busy machine hurts both alike; with the acceptance figures.
+
+    python benchmarks/spec_decode_c1.py --dataset-name copy-heavy --num-prompts 8 --output-len 128 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.bench.copy_heavy import sample_copy_heavy
+from pagedllm.bench.throughput import random_token_prompts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dataset-name", default="copy-heavy", choices=("copy-heavy", "random"))
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
+                                                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}')
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args()
+    engine = dict(max_num_seqs=1, max_model_len=2048, kv_cache_memory=128 << 20)
+    llms = {"off": LLM(**engine), "on": LLM(speculative_config=args.speculative_config, **engine)}
+    tokenizer = llms["off"].get_tokenizer()
+    if args.dataset_name == "copy-heavy":
+        prompts = [tokenizer.encode(s.prompt, add_special_tokens=False)
+                   for s in sample_copy_heavy(tokenizer, args.num_prompts, args.output_len)]
+    else:
+        prompts = random_token_prompts(random.Random(0), args.num_prompts, 256, len(tokenizer))
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=args.ignore_eos)
+    for llm in llms.values():  # warm-up
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    rates: dict[str, list[float]] = {"off": [], "on": []}
+    outputs = {}
+    for _ in range(args.rounds):
+        for name, llm in llms.items():
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            rates[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+            outputs[name] = [o.outputs[0].token_ids for o in outs]
+            print(f"{name}: {rates[name][-1]:.2f} output tok/s", flush=True)
+    totals = llms["on"].llm_engine.engine_core.scheduler.spec_decoding_totals
+    result = {
+        "dataset": args.dataset_name, "num_prompts": args.num_prompts, "output_len": args.output_len,
+        "speculative_config": json.loads(args.speculative_config),
+        "output_tok_s_off": rates["off"], "output_tok_s_on": rates["on"],
+        "speedup_median": statistics.median(rates["on"]) / statistics.median(rates["off"]),
+        "identical_greedy_output": outputs["on"] == outputs["off"],
+        "acceptance_rate": totals.num_accepted_tokens / max(totals.num_draft_tokens, 1),
+        "mean_acceptance_length": 1 + totals.num_accepted_tokens / max(totals.num_drafts, 1),
+        "accepted_per_position": [n / max(totals.num_drafts, 1) for n in totals.num_accepted_tokens_per_pos],
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

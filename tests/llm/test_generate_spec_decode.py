@@ -1,0 +1,133 @@
+"""Speculative decoding end to end: greedy output with n-gram drafts is bit-identical to plain decoding (alone,
+batched, prefix caching off, chunked, preempted), stops inside an accepted run, n > 1 and seeded sampling work,
+and every block is free at the end (DESIGN invariants 1 and 2)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+GREEDY_24 = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _llm(model, **kwargs):
+    kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("max_model_len", 512)
+    kwargs.setdefault("num_gpu_blocks_override", 512)
+    return LLM(str(model), **kwargs)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    """Prompts that repeat themselves (drafts get proposed and some accepted) and random ones; a shared prefix."""
+    rng = random.Random(5)
+    shared = [rng.randrange(vocab) for _ in range(40)]
+    prompts = []
+    for i in range(12):
+        motif = [rng.randrange(vocab) for _ in range(rng.randrange(3, 9))]
+        body = motif * rng.randrange(2, 8) if i % 3 else [rng.randrange(vocab) for _ in range(rng.randrange(5, 60))]
+        prompts.append(shared + body if i % 2 else body)
+    return prompts
+
+
+def _spec_stats(llm: LLM):
+    return llm.llm_engine.engine_core.scheduler.spec_decoding_totals
+
+
+def _assert_all_free(llm: LLM) -> None:
+    scheduler = llm.llm_engine.engine_core.scheduler
+    assert scheduler.num_free_blocks == scheduler.num_total_blocks
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    llm = _llm(tiny_llama_dir)
+    prompts = _prompts(llm.llm_engine.engine_core.vocab_size)
+    return prompts, [_tokens(llm.generate([p], GREEDY_24, use_tqdm=False))[0] for p in prompts], llm
+
+
+@pytest.mark.parametrize("engine_args", [
+    {},
+    {"enable_prefix_caching": False},
+    {"max_num_batched_tokens": 24},  # chunked prefill, and drafts trimmed to the budget
+    {"num_gpu_blocks_override": 24, "max_model_len": 128},  # preemption
+], ids=["default", "no-prefix-caching", "chunked", "preempted"])
+def test_greedy_output_is_bit_identical_with_speculation(tiny_llama_dir, reference, engine_args):
+    prompts, expected, _ = reference
+    llm = _llm(tiny_llama_dir, speculative_config=NGRAM, **engine_args)
+    assert _tokens(llm.generate(prompts, GREEDY_24, use_tqdm=False)) == expected  # batched
+    if not engine_args:
+        assert [_tokens(llm.generate([p], GREEDY_24, use_tqdm=False))[0] for p in prompts] == expected  # alone
+    stats = _spec_stats(llm)
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0  # the test exercised both outcomes
+    assert stats.num_accepted_tokens < stats.num_draft_tokens
+    if "num_gpu_blocks_override" in engine_args:
+        assert llm.llm_engine.num_preemptions > 0
+    _assert_all_free(llm)
+
+
+def test_stop_inside_an_accepted_run_n_siblings_and_seeds(tiny_llama_dir, reference):
+    prompts, expected, plain = reference
+    llm = _llm(tiny_llama_dir, speculative_config=NGRAM)
+    # a stop token that greedy decoding reaches after a few tokens: output ends there, as without speculation
+    i = next(i for i, e in enumerate(expected) if len(set(e[3:])) < len(e[3:]))
+    stop_token = expected[i][5]
+    (out,) = llm.generate([prompts[i]], SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_token]),
+                          use_tqdm=False)
+    assert out.outputs[0].token_ids == expected[i][:expected[i].index(stop_token) + 1]
+    assert out.outputs[0].finish_reason == "stop"
+    # stop strings completed late in the output (after accepted runs): same text and tokens as without speculation
+    accepted_before = _spec_stats(llm).num_accepted_tokens
+    tokenizer = plain.get_tokenizer()
+    stops = [SamplingParams(temperature=0.0, max_tokens=24, stop=[tokenizer.decode(e[-5:])[1:4]]) for e in expected]
+    with_spec = llm.generate(prompts, stops, use_tqdm=False)
+    without = plain.generate(prompts, stops, use_tqdm=False)
+    assert _spec_stats(llm).num_accepted_tokens > accepted_before
+    assert [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].stop_reason) for o in with_spec] == \
+        [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].stop_reason) for o in without]
+    assert sum(o.outputs[0].finish_reason == "stop" for o in without) >= len(prompts) // 2
+    (short,) = llm.generate([prompts[i]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                            use_tqdm=False)
+    assert short.outputs[0].token_ids == expected[i][:3]  # max_tokens trims the drafts
+    seeded = SamplingParams(n=3, temperature=1.0, top_k=20, seed=11, max_tokens=16, ignore_eos=True)
+    (first,) = llm.generate([prompts[1]], seeded, use_tqdm=False)
+    (again,) = llm.generate([prompts[1]], seeded, use_tqdm=False)
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+    assert all(len(c.token_ids) == 16 for c in first.outputs)
+    # options the verifier does not support run without drafts, and still work
+    drafts_before = _spec_stats(llm).num_draft_tokens
+    (penalised,) = llm.generate([prompts[1]], SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.3),
+                                use_tqdm=False)
+    assert len(penalised.outputs[0].token_ids) == 8
+    assert _spec_stats(llm).num_draft_tokens == drafts_before
+    _assert_all_free(llm)
+
+
+FIXTURE = Path(__file__).parent.parent / "fixtures" / "smollm2_greedy_fp32.json"
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_with_speculation_matches_reference_and_plain_decoding():
+    cases = json.loads(FIXTURE.read_text())["cases"]
+    rng = random.Random(3)
+    randoms = [[rng.randrange(49152) for _ in range(rng.randrange(4, 40))] for _ in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    to_eos = SamplingParams(temperature=0.0, max_tokens=32)  # the reference's output_ids stop at EOS
+    kwargs = dict(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20)
+    plain = _tokens(LLM(**kwargs).generate(randoms, params, use_tqdm=False))
+    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+                                  "prompt_lookup_max": 4}, **kwargs)
+    prompts = [c["prompt_ids"] for c in cases]
+    assert _tokens(llm.generate(prompts, to_eos, use_tqdm=False)) == [c["output_ids"] for c in cases]
+    assert _tokens(llm.generate(prompts[:1], to_eos, use_tqdm=False)) == [cases[0]["output_ids"]]
+    assert _tokens(llm.generate(randoms, params, use_tqdm=False)) == plain
+    assert _spec_stats(llm).num_accepted_tokens > 0
