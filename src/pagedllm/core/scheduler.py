@@ -16,10 +16,8 @@ before the previous step's update and still see the right positions.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
@@ -27,73 +25,15 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedllm.core.step_builder import StepBuilder
 from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats, SpecDecodingStats
 
 if TYPE_CHECKING:
-    from pagedllm.core.block_pool import KVCacheBlock
     from pagedllm.messages import ModelRunnerOutput
 
 
 class QueueFullError(Exception):
     """The waiting queue holds max_num_queued_reqs requests; the new one is rejected (HTTP 503)."""
-
-
-@dataclass
-class _Step:
-    """Scratch state of one schedule() call."""
-
-    token_budget: int
-    attention_pairs: int | None = None
-    """Prefill attention pairs left this step (None: no cap)."""
-    prefill_pairs: dict[str, int] = field(default_factory=dict)
-    """The pairs each prefill chunk scheduled this step took from attention_pairs."""
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    new_blocks: dict[str, list[KVCacheBlock]] = field(default_factory=dict)
-    running_reqs: list[Request] = field(default_factory=list)
-    new_reqs: list[Request] = field(default_factory=list)
-    preempted_reqs: list[Request] = field(default_factory=list)
-    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
-    """req_id -> the drafts verified this step (speculative decoding)."""
-    use_spec: bool = False
-    """Whether running requests' drafts are scheduled this step."""
-
-    def add(self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock]) -> None:
-        self.num_scheduled_tokens[request.request_id] = num_tokens
-        self.new_blocks[request.request_id] = new_blocks
-        self.token_budget -= num_tokens
-
-    def unschedule(self, request: Request) -> int:
-        """Drop a running request scheduled earlier this step (it was just preempted).
-
-        Returns:
-            The tokens it had been given, for the caller to put back in its budget.
-        """
-        del self.new_blocks[request.request_id]
-        self.spec_tokens.pop(request.request_id, None)
-        self.running_reqs.remove(request)
-        if request.request_id in self.prefill_pairs:
-            self.attention_pairs += self.prefill_pairs.pop(request.request_id)
-        return self.num_scheduled_tokens.pop(request.request_id)
-
-    def cap_prefill(self, num_computed_tokens: int, num_new_tokens: int) -> int:
-        """num_new_tokens cut to the largest chunk T whose T x (num_computed_tokens + T) pairs fit the attention
-        budget left (a decode, one token, is not capped). The step's first prefill chunk gets at least one
-        token, so a request always advances. E.g. 2,097,152 pairs left: at 0 computed tokens T = 1,448
-        (1,448 x 1,448 = 2,096,704); at 7,000, T = 287 (287 x 7,287 = 2,091,369)."""
-        if self.attention_pairs is None or num_new_tokens <= 1:
-            return num_new_tokens
-        c = num_computed_tokens
-        fit = (math.isqrt(c * c + 4 * self.attention_pairs) - c) // 2  # largest T with T * (c + T) <= pairs
-        if not self.prefill_pairs:
-            fit = max(fit, 1)
-        return min(num_new_tokens, fit)
-
-    def count_prefill(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> None:
-        """Take a scheduled prefill chunk's pairs from the attention budget."""
-        if self.attention_pairs is not None and num_new_tokens > 1:
-            pairs = num_new_tokens * (num_computed_tokens + num_new_tokens)
-            self.prefill_pairs[request.request_id] = pairs
-            self.attention_pairs -= pairs
 
 
 class Scheduler:
@@ -204,7 +144,7 @@ class Scheduler:
         Returns:
             The SchedulerOutput for the model runner; num_computed_tokens already counts this step.
         """
-        step = _Step(token_budget=self.max_num_batched_tokens, attention_pairs=self.max_prefill_attention_pairs)
+        step = StepBuilder(token_budget=self.max_num_batched_tokens, attention_pairs=self.max_prefill_attention_pairs)
         spec = self.speculative_config
         step.use_spec = spec is not None and (spec.disable_by_batch_size is None
                                               or len(self.running) < spec.disable_by_batch_size)
@@ -226,7 +166,7 @@ class Scheduler:
             return threshold
         return num_new_tokens
 
-    def _schedule_running(self, step: _Step) -> None:
+    def _schedule_running(self, step: StepBuilder) -> None:
         allocate_slots = self.kv_cache_manager.allocate_slots
         threshold = self.scheduler_config.long_prefill_token_threshold
         running = self.running
@@ -313,7 +253,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.prepend(request)
 
-    def _schedule_waiting(self, step: _Step) -> None:
+    def _schedule_waiting(self, step: StepBuilder) -> None:
         kv = self.kv_cache_manager
         chunked = self.scheduler_config.enable_chunked_prefill
         while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_seqs:
@@ -339,7 +279,7 @@ class Scheduler:
             step.add(request, num_new_tokens, new_blocks)
             step.count_prefill(request, num_computed_tokens, num_new_tokens)
 
-    def _make_output(self, step: _Step) -> SchedulerOutput:
+    def _make_output(self, step: StepBuilder) -> SchedulerOutput:
         get_block_ids = self.kv_cache_manager.get_block_ids
         new_reqs = [
             NewRequestData(
