@@ -13,6 +13,23 @@ GREEDY_TEMPERATURE = 1e-5
 """A temperature below this samples greedily (argmax); the sampler applies the same threshold per row."""
 
 
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a request's output must match (vLLM's `StructuredOutputsParams`): exactly one of `json`, `regex`,
+    `choice`, `grammar` or `json_object`, plus options on how strictly JSON is generated."""
+
+    json: str | dict | None = None
+    """A JSON schema, as a dict or its JSON text."""
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    """A Lark or EBNF grammar, as the backend takes it."""
+    json_object: bool | None = None
+    """Any JSON object (OpenAI's `response_format: {"type": "json_object"}`)."""
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Sampling parameters for text generation, with vLLM's field names and defaults.
 
@@ -41,6 +58,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
