@@ -299,30 +299,12 @@ offline_vllm() {  # each call times 2 batches in one process; VLLM_OFFLINE_RUNS 
   (( run > ${VLLM_OFFLINE_RUNS:-$RUNS} )) && return
   say "vLLM offline run $run"
   lb=$(loadavg); t0=$(date -Is)
-  if [ "$VLLM_DTYPE" = bfloat16 ]; then
-    "$PEERS" offline "$OFFLINE_N" "$INPUT_LEN" "$OUTPUT_LEN" >"$LOGS/vllm-offline-run$run.log" 2>&1
-  else  # peers.sh's offline_vllm.py is bf16 only: the same workload with LLM(dtype=VLLM_DTYPE)
-    offline_vllm_dtype >"$LOGS/vllm-offline-run$run.log" 2>&1
-  fi
+  # peers.sh offline reads the compute dtype from DTYPE
+  DTYPE=$VLLM_DTYPE "$PEERS" offline "$OFFLINE_N" "$INPUT_LEN" "$OUTPUT_LEN" >"$LOGS/vllm-offline-run$run.log" 2>&1
   grep '^{"engine"' "$LOGS/vllm-offline-run$run.log" >"$f"
   if [ -s "$f" ]; then cat "$f"; record step=offline engine=vllm run="$run" file="offline/vllm-run$run.jsonl" \
       started="$t0" load_before="$lb" load_after="$(loadavg)"
   else tail -5 "$LOGS/vllm-offline-run$run.log"; record step=offline engine=vllm run="$run" failed=true load_before="$lb"; fi
-}
-
-offline_vllm_dtype() {  # ../shared/bench/offline_vllm.py with the dtype a parameter, in peers.sh's environment
-  local script=$LOGS/offline_vllm_dtype.py
-  sed -e 's/dtype="bfloat16"/dtype=os.environ["VLLM_DTYPE"]/' -e 's/^import json$/import json, os/' \
-    "$(dirname "$PEERS")/offline_vllm.py" >"$script"
-  grep -q 'os.environ\["VLLM_DTYPE"\]' "$script" || { echo "could not parametrize offline_vllm.py's dtype" >&2; return 1; }
-  (
-    export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-1}
-    local preload=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
-    [ -f "$PEERS_DIR/venv/lib/libiomp5.so" ] && preload="$preload:$PEERS_DIR/venv/lib/libiomp5.so"
-    [ -f /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] && export LD_PRELOAD=$preload
-    export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_DTYPE
-    "$PEERS_DIR/venv/bin/python" "$script" "$MODEL_DIR" "$OFFLINE_N" "$INPUT_LEN" "$OUTPUT_LEN"
-  )
 }
 
 offline_pagedllm() {  # ENGINE RUN

