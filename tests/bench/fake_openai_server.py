@@ -2,7 +2,9 @@
 
 Used by the client tests (in a thread, see `running_fake_server`) and, as a script, to drive vLLM's own
 client for a side-by-side check of the result files: `python tests/bench/fake_openai_server.py PORT [--llamacpp]`.
-Requests whose prompt contains "FAIL" get HTTP 500. Every request is recorded in `app[REQUESTS]`.
+Requests whose prompt contains "FAIL" get HTTP 500; the first one whose prompt contains "DROP" has its connection
+closed without an answer (what llama-server does now and then to a new connection).
+Every request is recorded in `app[REQUESTS]`.
 
 The usage event ends the stream as vLLM's server sends it, `{"choices": [], "usage": ...}`; with
 `llamacpp=True` a completions stream ends as llama.cpp's server ends it instead: one last chunk with a choice of
@@ -27,6 +29,7 @@ MODEL = "fake-model"
 REQUESTS = web.AppKey("requests", list)
 LLAMACPP = web.AppKey("llamacpp", bool)
 TOKENIZE_CALLS = web.AppKey("tokenize_calls", list)
+DROPPED = web.AppKey("dropped", list)
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -49,6 +52,10 @@ async def _stream(request: web.Request, chat: bool) -> web.StreamResponse:
     prompt = json.dumps(body.get("messages")) if chat else str(body.get("prompt"))
     if "FAIL" in prompt:
         return web.Response(status=500, reason="Internal Server Error", text="asked to fail")
+    if "DROP" in prompt and not request.app[DROPPED]:
+        request.app[DROPPED].append(prompt)
+        request.transport.close()
+        raise asyncio.CancelledError
     num_tokens = body.get("max_completion_tokens") if chat else body.get("max_tokens")
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
@@ -79,6 +86,7 @@ def make_app(llamacpp: bool = False) -> web.Application:
     app[REQUESTS] = []
     app[LLAMACPP] = llamacpp
     app[TOKENIZE_CALLS] = []
+    app[DROPPED] = []
     if llamacpp:
         app.router.add_post("/tokenize", _tokenize)
     app.router.add_get("/health", _health)

@@ -7,7 +7,7 @@ import json
 
 import aiohttp
 import pytest
-from fake_openai_server import REQUESTS, TOKENIZE_CALLS, running_fake_server
+from fake_openai_server import DROPPED, REQUESTS, TOKENIZE_CALLS, running_fake_server
 
 from pagedllm.bench import serve
 from pagedllm.bench.request_func import RequestFuncInput, SSEParser, request_openai_chat, request_openai_completions
@@ -171,3 +171,20 @@ def test_bench_serve_counts_failures_and_chat_backend(fake_server, bpe_tokenizer
     assert (result["completed"], result["failed"]) == (1, 1)
     assert sorted(result["output_lens"]) == [0, 3]
     assert any("500" in error for error in result["errors"])
+
+
+def test_a_connection_closed_before_the_request_is_taken_is_retried_once():
+    """llama-server closes about one new connection in 50 on a fresh server before it reads the request: the
+    client sends it again once on a new connection (counted in `retries`), rather than losing the request."""
+    with running_fake_server() as (base_url, app):
+        out = asyncio.run(_one_prompt(base_url, "DROP me"))
+        assert out.success, out.error
+        assert out.retries == 1 and len(app[DROPPED]) == 1
+        assert out.generated_text == "w0 w1 w2 w3 w4 "
+
+
+async def _one_prompt(base_url, prompt):
+    inp = RequestFuncInput(prompt=prompt, api_url=base_url + "/v1/completions", prompt_len=2, output_len=5,
+                           model="fake-model", ignore_eos=True)
+    async with aiohttp.ClientSession() as session:
+        return await request_openai_completions(inp, session)

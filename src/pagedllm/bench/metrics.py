@@ -33,6 +33,7 @@ PERCENTILE_METRICS = {
 class BenchmarkMetrics:
     completed: int
     failed: int
+    retried: int
     total_input: int
     total_output: int
     request_throughput: float
@@ -90,6 +91,7 @@ def calculate_metrics(
     metrics = BenchmarkMetrics(
         completed=len(successes),
         failed=len(failures),
+        retried=sum(out.retries for out in outputs),
         total_input=total_input,
         total_output=total_output,
         request_throughput=len(successes) / dur_s,

@@ -32,6 +32,7 @@ def build_result(
         "duration": duration_s,
         "completed": metrics.completed,
         "failed": metrics.failed,
+        **({"retried": metrics.retried} if metrics.retried else {}),  # not in vLLM's file: only when there were
         "total_input_tokens": metrics.total_input,
         "total_output_tokens": metrics.total_output,
         "request_throughput": metrics.request_throughput,
@@ -76,6 +77,8 @@ def format_table(
         _ROW.format("Successful requests:", result["completed"]),
         _ROW.format("Failed requests:", result["failed"]),
     ]
+    if result.get("retried"):
+        lines.append(_ROW.format("Retried requests:", result["retried"]))
     if max_concurrency is not None:
         lines.append(_ROW.format("Maximum request concurrency:", max_concurrency))
     if request_rate != float("inf"):

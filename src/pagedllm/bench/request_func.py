@@ -50,6 +50,8 @@ class RequestFuncOutput:
     start_time: float = 0.0
     # Seconds the request waited for a --max-concurrency slot before it was sent.
     client_queue_time: float = 0.0
+    # Times the request was sent again because the server closed the connection before taking it.
+    retries: int = 0
 
 
 class SSEParser:
@@ -137,7 +139,8 @@ async def _stream(
     output.start_time = start
     last_token_time = start
     try:
-        async with session.post(inp.api_url, json=payload, headers=_headers(inp.request_id)) as response:
+        response = await _post(session, inp, payload, output)
+        async with response:
             if response.status != 200:
                 body = await response.text()
                 output.error = f"HTTP {response.status} {response.reason or ''}: {body[:500]}".strip()
@@ -178,6 +181,22 @@ async def _stream(
     if pbar is not None:
         pbar.update(1)
     return output
+
+
+async def _post(session: aiohttp.ClientSession, inp: RequestFuncInput, payload: dict[str, Any],
+                output: RequestFuncOutput) -> aiohttp.ClientResponse:
+    """Send the request. A connection the server closes before it has taken the request (a stale keep-alive
+    connection, or llama-server dropping one of a burst of new connections: about 1 in 50 on a fresh server) is
+    retried once on a new connection, as the OpenAI SDK retries connection errors; the timing keeps counting from
+    the first attempt, and `output.retries` records it."""
+    for attempt in range(2):
+        try:
+            return await session.post(inp.api_url, json=payload, headers=_headers(inp.request_id))
+        except (aiohttp.ClientConnectionResetError, aiohttp.ServerDisconnectedError):
+            if attempt:
+                raise
+            output.retries += 1
+    raise AssertionError("unreachable")
 
 
 async def request_openai_completions(inp: RequestFuncInput, session: aiohttp.ClientSession,
