@@ -114,6 +114,21 @@ def test_decode_attention_over_a_quantized_pool(dtype, heads, kv_heads, head_dim
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+def test_decode_attention_over_a_quantized_pool_is_that_over_its_fp32_values(dtype):
+    """Converting each row once per KV head, KV_CHUNK (64) tokens at a time, changes no sum: the bits of the fp32
+    kernel over the dequantized pool (contexts shorter than, equal to and spanning several chunks; scales folded)."""
+    gen = torch.Generator().manual_seed(6)
+    cache = _pool(dtype, 140, 16, 3, 64, gen)
+    seq_lens = torch.tensor([1, 3, 64, 70, 130, 257, 300], dtype=torch.int32)
+    block_table = torch.randperm(140, generator=gen)[:7 * 19].view(7, 19).to(torch.int32)
+    q = torch.randn(7, 9, 64, generator=gen)
+    for k_scale, v_scale in ((1.0, 1.0), (2.0**-5, 2.0**3)):
+        out = cpu_kernels.paged_decode_attention(q, cache[0], cache[1], block_table, seq_lens, 0.125, k_scale, v_scale)
+        fp32 = [(half.float() * s).contiguous() for half, s in ((cache[0], k_scale), (cache[1], v_scale))]
+        assert torch.equal(out, cpu_kernels.paged_decode_attention(q, *fp32, block_table, seq_lens, 0.125))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, *KV_DTYPES])
 def test_fused_rotary_write_attend_matches_the_separate_kernels(dtype):
     """One call per layer (rotary on the fused qkv, K/V write, attention) gives the bits of the three calls."""
