@@ -247,7 +247,7 @@ class ParallelConfig:
     """Ranks that split every layer's weights (attention heads, MLP columns, vocabulary) and all-reduce after the
     row-parallel layers, over torch.distributed (gloo on the CPU, NCCL on CUDA). Each rank gets its share of the
     CPU threads. Must divide the attention heads, and the KV heads or be a multiple of them."""
-    distributed_executor_backend: str | None = None
+    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
     """How the model's workers run: uni (in the engine process; needs tensor-parallel-size 1), mp (one fresh
     process per rank on this machine), ray (not yet supported). Default: uni at size 1, else mp."""
 
@@ -450,6 +450,8 @@ def add_dataclass_flags(group, cls: type, prefix: str, skip: frozenset[str] | se
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         elif typing.get_origin(kind) is Literal:
             group.add_argument(flag, choices=typing.get_args(kind), **kwargs)
+        elif len(args) == 1 and typing.get_origin(args[0]) is Literal:  # Literal[...] | None
+            group.add_argument(flag, choices=typing.get_args(args[0]), **kwargs)
         else:
             base = args[0] if args else kind
             if f.name.endswith("_memory") or f.name.endswith("_bytes"):
