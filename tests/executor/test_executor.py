@@ -122,3 +122,36 @@ def _mqa_llama(tokenizer_dir: Path, folder: Path) -> Path:
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, folder / name)
     return folder
+
+
+@pytest.mark.slow
+def test_worker_death_between_steps_is_reported_and_steps_raise(tiny_llama_dir):
+    """A worker killed while the engine idles: the failure callback fires at once (engine/core_proc.py then stops
+    the engine), the next step raises ExecutorDeadError instead of waiting, and shutdown leaves no process."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from pagedllm.core.scheduler_output import SchedulerOutput
+    from pagedllm.executor.abstract import ExecutorDeadError
+    from pagedllm.executor.multiproc_executor import MultiprocExecutor
+
+    executor = MultiprocExecutor(EngineConfig.from_kwargs(model=str(tiny_llama_dir), distributed_executor_backend="mp",
+                                                          **POOL))
+    try:
+        reasons: list[str] = []
+        called = threading.Event()
+        executor.register_failure_callback(lambda reason: (reasons.append(reason), called.set()))
+        executor.initialize_kv_cache(executor.determine_num_blocks())
+        pid = executor.procs[0].pid
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        assert called.wait(2.0), "no failure callback within 2 s"
+        print(f"FIGURE idle worker kill: failure callback after {time.monotonic() - killed_at:.2f} s")
+        assert "worker 0" in reasons[0] and "exit code -9" in reasons[0]
+        with pytest.raises(ExecutorDeadError):
+            executor.execute_model(SchedulerOutput.empty())
+    finally:
+        executor.shutdown()
+    assert not pid_alive(pid)
