@@ -23,6 +23,7 @@ import time
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF folder or GGUF file (default: the embedded SmolLM2)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=304)
     parser.add_argument("--steps", type=int, default=32)
@@ -46,7 +47,7 @@ def main() -> None:
     parallel = {k: v for k, v in (("tensor_parallel_size", args.tensor_parallel_size),
                                   ("distributed_executor_backend", args.distributed_executor_backend)) if v}
     load_start = time.perf_counter()
-    llm = LLM(dtype=args.dtype, max_model_len=2048, seed=0, max_num_seqs=max(args.batch, 1),
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=2048, seed=0, max_num_seqs=max(args.batch, 1),
               max_num_batched_tokens=8192, kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
               calculate_kv_scales=args.calculate_kv_scales, **parallel)
     load_s = time.perf_counter() - load_start

@@ -15,6 +15,9 @@ from server_process import pid_alive
 PROMPTS = ["The quick brown fox jumps over", "Hello world! How are you", "Paged attention stores the KV cache",
            "Numbers like 12345 and 2024 appear", "user assistant system: write a short poem"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+# Every rank samples from the same gathered logits with the same generator; only rank 0's tokens are returned, and
+# the other ranks' persistent batches must hold the same tokens (vLLM relies on this too).
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=24, ignore_eos=True)
 POOL = {"kv_cache_memory": 8 << 20}
 
 
@@ -28,10 +31,11 @@ def _worker_pids(llm: LLM) -> list[int]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir):
-    """Tokens and logprobs of the default in-process (uni) engine."""
+    """Greedy outputs (tokens, logprobs) and seeded samples of the default in-process (uni) engine."""
     llm = LLM(str(tiny_llama_dir), **POOL)
     try:
-        return _generate(llm)
+        return {"greedy": _generate(llm),
+                "sampled": [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SEEDED, use_tqdm=False)]}
     finally:
         llm.llm_engine.engine_core.shutdown()
 
@@ -63,8 +67,8 @@ def test_mp_at_size_1_is_bitwise_the_in_process_engine(tiny_llama_dir, reference
         outputs = _generate(llm)
     finally:
         llm.llm_engine.engine_core.shutdown()
-    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
-    assert [o.logprobs for o in outputs] == [o.logprobs for o in reference]
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference["greedy"]]
+    assert [o.logprobs for o in outputs] == [o.logprobs for o in reference["greedy"]]
     assert not any(pid_alive(pid) for pid in pids)
 
 
@@ -77,10 +81,12 @@ def test_tensor_parallel_2_greedy_matches_size_1(tiny_llama_dir, reference):
     try:
         assert len(pids) == 2
         outputs = _generate(llm)
+        sampled = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SEEDED, use_tqdm=False)]
     finally:
         llm.llm_engine.engine_core.shutdown()
-    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
-    deltas = [abs(a.logprob - b.logprob) for x, y in zip(outputs, reference, strict=True)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference["greedy"]]
+    assert sampled == reference["sampled"]
+    deltas = [abs(a.logprob - b.logprob) for x, y in zip(outputs, reference["greedy"], strict=True)
               for step_a, step_b in zip(x.logprobs, y.logprobs, strict=True)
               for a, b in zip(step_a.values(), step_b.values(), strict=False)]
     print(f"FIGURE TP=2 vs TP=1 tiny Llama: {len(PROMPTS)} prompts x {GREEDY.max_tokens} tokens identical, "
