@@ -55,8 +55,9 @@ def main() -> None:
     rng = random.Random(0)
     total = args.steps + args.profile_steps + 4
     params = SamplingParams(max_tokens=total, ignore_eos=True, temperature=0.0)
+    top = min(49000, engine.engine_core.model_info.vocab_size)
     for i in range(args.batch):
-        engine.add_request(f"r{i}", [rng.randrange(100, 49000) for _ in range(args.prompt_len)], params)
+        engine.add_request(f"r{i}", [rng.randrange(100, top) for _ in range(args.prompt_len)], params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.engine_core.scheduler.running) \
             or engine.engine_core.scheduler.waiting:
         engine.step()

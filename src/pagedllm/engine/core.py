@@ -1,8 +1,7 @@
 """EngineCore: the loop body every frontend drives: schedule -> execute -> update.
 
 It owns the Scheduler (and through it the KV cache manager) and the Executor (executor/), which runs the
-model on one or more ranks. Only the thread that
-calls `step()` touches scheduler or KV state. The offline LLM calls it in-process; the server runs it in
+model on one or more ranks. Only the thread that calls `step()` touches scheduler or KV state. The offline LLM calls it in-process; the server runs it in
 its own process (engine/core_proc.py) behind ZMQ sockets.
 """
 
@@ -21,6 +20,7 @@ from pagedllm.models.loader import resolve_model
 from pagedllm.worker.worker import resolve_max_model_len
 
 logger = logging.getLogger(__name__)
+
 
 class EngineCore:
     """Starts the executor (which loads the model on every rank), sizes the KV pool, and runs steps.
