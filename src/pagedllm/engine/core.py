@@ -1,8 +1,8 @@
 """EngineCore: the loop body every frontend drives: schedule -> execute -> update.
 
 It owns the Scheduler (and through it the KV cache manager) and the Executor (executor/), which runs the
-model on one or more ranks. Only the thread that calls `step()` touches scheduler or KV state. The offline LLM calls it in-process; the server runs it in
-its own process (engine/core_proc.py) behind ZMQ sockets.
+model on one or more ranks. Only the thread that calls `step()` touches scheduler or KV state. The offline
+LLM calls it in-process; the server runs it in its own process (engine/core_proc.py) behind ZMQ sockets.
 """
 
 from __future__ import annotations
