@@ -100,7 +100,11 @@ def test_engine_kill_takes_its_workers(servers):
     engine_pid = server.engine_pid()
     workers = _workers(engine_pid)
     assert len(workers) == 2, workers
+    cmdline = open(f"/proc/{workers[0]}/cmdline").read().split("\0")
+    socket_dir = os.path.dirname(cmdline[cmdline.index("--broadcast-addr") + 1].removeprefix("ipc://"))
+    assert os.path.isdir(socket_dir)
     killed_at = time.monotonic()
     os.kill(engine_pid, signal.SIGKILL)
     assert wait_for(lambda: not any(pid_alive(p) for p in workers), 10.0), "workers outlived the engine core"
+    assert wait_for(lambda: not os.path.exists(socket_dir), 5.0), os.listdir(socket_dir)
     print(f"FIGURE engine kill (TP=2): both workers exited {time.monotonic() - killed_at:.2f} s after the kill")

@@ -108,14 +108,23 @@ def _busy_loop(worker, rank: int, world_size: int, broadcast: zmq.Socket, result
             return 0
 
 
-def _exit_when_parent_dies() -> None:
-    """stdin is a pipe from the engine process: EOF means it exited (or closed it to stop us)."""
+def _exit_when_parent_dies(*addrs: str) -> None:
+    """stdin is a pipe from the engine process: EOF means it exited (or closed it to stop us). The engine removes
+    its socket directory when it shuts down; killed, it cannot, so the workers remove the socket files and the
+    directory (once empty) on their way out."""
     try:
         while sys.stdin.buffer.read(4096):
             pass
     except OSError:
         pass
-    os._exit(1)  # nothing to clean that the kernel does not: the engine's socket dir is its own to remove
+    for addr in addrs:
+        path = addr.removeprefix("ipc://")
+        for remove in (os.unlink, lambda p: os.rmdir(os.path.dirname(p))):
+            try:
+                remove(path)
+            except OSError:
+                pass
+    os._exit(1)
 
 
 def _raise_system_exit(signum, frame) -> None:
@@ -136,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_system_exit)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the engine decides
     config = msgspec.json.decode(sys.stdin.buffer.readline(), type=EngineConfig)
-    threading.Thread(target=_exit_when_parent_dies, name="parent-watch", daemon=True).start()
+    threading.Thread(target=_exit_when_parent_dies, args=(args.broadcast_addr, args.result_addr), name="parent-watch",
+                     daemon=True).start()
     return run_worker(config, args.rank, args.broadcast_addr, args.result_addr, args.distributed_init_method)
 
 
