@@ -237,20 +237,60 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+"""Values of --distributed-executor-backend (vLLM's names; ray is not run yet)."""
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    """Ranks that split every layer's weights (attention heads, MLP columns, vocabulary) and all-reduce after the
+    row-parallel layers, over torch.distributed (gloo on the CPU, NCCL on CUDA). Each rank gets its share of the
+    CPU threads. Must divide the attention heads, and the KV heads or be a multiple of them."""
+    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
+    """How the model's workers run: uni (in the engine process; needs tensor-parallel-size 1), mp (one fresh
+    process per rank on this machine), ray (not yet supported). Default: uni at size 1, else mp."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}.")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"--distributed-executor-backend must be one of {', '.join(EXECUTOR_BACKENDS)}, got "
+                             f"{backend!r}.")
+        if backend == "ray":
+            raise ValueError("--distributed-executor-backend ray is not yet supported; use mp (one process per "
+                             "rank on this machine) or uni.")
+        if backend == "uni" and self.world_size > 1:
+            raise ValueError(f"--distributed-executor-backend uni runs one rank in the engine process; "
+                             f"--tensor-parallel-size {self.tensor_parallel_size} needs mp.")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """The backend that runs: the one asked for, else uni at world size 1 and mp above."""
+        return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative_config: SpeculativeConfig | None = None
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
-    SECTIONS = ("model_config", "cache_config", "scheduler_config")
+    SECTIONS = ("model_config", "cache_config", "scheduler_config", "parallel_config")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from flat engine arguments (`max_num_seqs=...`); unknown names raise ValueError."""
         parts: dict[str, Any] = {"speculative_config": SpeculativeConfig.parse(kwargs.pop("speculative_config", None))}
-        for section, section_cls in zip(cls.SECTIONS, (ModelConfig, CacheConfig, SchedulerConfig), strict=True):
+        for section, section_cls in zip(cls.SECTIONS, (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig),
+                                        strict=True):
             names = {f.name for f in fields(section_cls)}
             parts[section] = section_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         if kwargs:
@@ -410,6 +450,8 @@ def add_dataclass_flags(group, cls: type, prefix: str, skip: frozenset[str] | se
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         elif typing.get_origin(kind) is Literal:
             group.add_argument(flag, choices=typing.get_args(kind), **kwargs)
+        elif len(args) == 1 and typing.get_origin(args[0]) is Literal:  # Literal[...] | None
+            group.add_argument(flag, choices=typing.get_args(args[0]), **kwargs)
         else:
             base = args[0] if args else kind
             if f.name.endswith("_memory") or f.name.endswith("_bytes"):
@@ -420,9 +462,9 @@ def add_dataclass_flags(group, cls: type, prefix: str, skip: frozenset[str] | se
 
 def add_engine_flags(group, skip: frozenset[str] | set[str] = frozenset(), suppress_defaults: bool = False,
                      prefix: str = "engine_") -> None:
-    """Flags for every engine argument (ModelConfig, CacheConfig, SchedulerConfig) except `skip`."""
+    """Flags for every engine argument (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig) except `skip`."""
     seen = set(skip)
-    for cls in (ModelConfig, CacheConfig, SchedulerConfig):
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig):
         add_dataclass_flags(group, cls, prefix, frozenset(seen), suppress_defaults)
         seen |= {f.name for f in fields(cls)}
     if "speculative_config" not in seen:

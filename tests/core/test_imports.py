@@ -8,8 +8,9 @@ The layers, bottom first (a top-level module or sub-package is named by its firs
 
     values       sampling_params, messages, outputs, config, log_escape, math_utils   (no torch)
     core         core (pure Python, no torch), kernels (native code)
-    model        layers, models, tokenizer
+    model        layers, models, tokenizer, spec_decode, distributed (the tensor-parallel group)
     worker       worker
+    executor     executor (drives the workers: in-process or one process per rank)
     metrics      metrics
     engine       engine
     bench        bench (the load generator; a client, no engine)
@@ -36,8 +37,9 @@ SRC = Path(pagedllm.__file__).parent
 LAYERS = [
     {"sampling_params", "messages", "outputs", "config", "log_escape", "math_utils"},
     {"core", "kernels"},
-    {"layers", "models", "tokenizer", "spec_decode"},
+    {"layers", "models", "tokenizer", "spec_decode", "distributed"},
     {"worker"},
+    {"executor"},
     {"metrics"},
     {"engine"},
     {"bench"},

@@ -7,10 +7,8 @@ running arrive as diffs: the block ids appended this step and their num_computed
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams  # at run time: msgspec decodes it (the mp executor's broadcast)
 
 
 @dataclass

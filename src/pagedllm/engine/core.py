@@ -1,36 +1,29 @@
 """EngineCore: the loop body every frontend drives: schedule -> execute -> update.
 
-It owns the Scheduler (and through it the KV cache manager) and the ModelRunner. Only the thread that
-calls `step()` touches scheduler or KV state. The offline LLM calls it in-process; the server runs it in
-its own process (engine/core_proc.py) behind ZMQ sockets.
+It owns the Scheduler (and through it the KV cache manager) and the Executor (executor/), which runs the
+model on one or more ranks. Only the thread that calls `step()` touches scheduler or KV state. The offline
+LLM calls it in-process; the server runs it in its own process (engine/core_proc.py) behind ZMQ sockets.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-
-import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.layers.forward_context import kv_cache_bytes_per_block
-from pagedllm.layers.kv_cache_dtype import resolve_kv_cache_dtype
+from pagedllm.executor.abstract import ExecutorDeadError
+from pagedllm.executor.factory import create_executor
 from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, ModelLimits
-from pagedllm.models.loader import load_model, resolve_device, resolve_dtype, resolve_model
-from pagedllm.tokenizer import get_tokenizer
-from pagedllm.worker.kv_scales import CALIBRATION_TEXT, calculate_kv_scales
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.models.loader import resolve_model
+from pagedllm.worker.worker import resolve_max_model_len
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
-
 
 class EngineCore:
-    """Loads the model, sizes the KV pool, and runs steps.
+    """Starts the executor (which loads the model on every rank), sizes the KV pool, and runs steps.
 
     Raises ValueError at construction when the configuration cannot work (e.g. one request of
     max_model_len tokens does not fit in the KV pool: the scheduler's KVCacheManager checks, after the pool's
@@ -42,24 +35,29 @@ class EngineCore:
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         start = time.perf_counter()
         self.resolved_model = resolve_model(mc.model)
-        self.device = resolve_device(mc.device)
-        self.dtype = resolve_dtype(mc.dtype, self.device)
-        torch.manual_seed(mc.seed)
-        model = load_model(mc, self.device, self.dtype)
-        info = self.model_info = model.info
-        self.max_model_len = _resolve_max_model_len(mc.max_model_len, info.max_position_embeddings)
-        """The one resolved value: the scheduler, the runner and the frontend (ModelLimits) all get it from here."""
-        self.kv_cache_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, self.dtype, self.device)
-        self.num_blocks = self._determine_num_blocks()
-        # Before the KV cache is allocated: the scheduler refuses a pool that cannot hold one longest request.
-        self.scheduler = Scheduler(sc, cc, self.num_blocks, self.max_model_len, config.speculative_config)
-        self.runner = ModelRunner(config, model, info, self.device, self.dtype, self.kv_cache_dtype,
-                                  max_model_len=self.max_model_len)
-        self.runner.initialize_kv_cache(self.num_blocks)
-        if cc.kv_scales_calculated:
-            self._calculate_kv_scales()
-        logger.info("EngineCore ready in %.1f s: %s on %s in %s", time.perf_counter() - start,
-                    self.resolved_model.path, self.device, str(self.dtype).removeprefix("torch."))
+        self.executor = create_executor(config)
+        try:
+            info = self.model_info = self.executor.model_info
+            self.max_model_len = resolve_max_model_len(mc.max_model_len, info.max_position_embeddings)
+            """The one resolved value: the scheduler, the runner and the frontend (ModelLimits) all get it from here."""
+            self.num_blocks = self._determine_num_blocks()
+            # Before the KV cache is allocated: the scheduler refuses a pool that cannot hold one longest request.
+            self.scheduler = Scheduler(sc, cc, self.num_blocks, self.max_model_len, config.speculative_config)
+            self.executor.initialize_kv_cache(self.num_blocks)
+            if cc.kv_scales_calculated:
+                self.executor.collective_rpc("calculate_kv_scales")
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        pc = config.parallel_config
+        logger.info("EngineCore ready in %.1f s: %s, %s executor, tensor-parallel size %d",
+                    time.perf_counter() - start, self.resolved_model.path, pc.executor_backend,
+                    pc.tensor_parallel_size)
+
+    @property
+    def runner(self):
+        """The in-process ModelRunner (uni executor only; tests and fault injection reach it here)."""
+        return self.executor.driver_worker.model_runner
 
     # ---- facts the frontend needs ----------------------------------------------------------------
     @property
@@ -103,10 +101,10 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time())
         scheduler_output = self.scheduler.schedule()
-        prefault = self.runner.kv_prefault
         try:
-            with prefault.busy() if prefault is not None else contextlib.nullcontext():
-                runner_output = self.runner.execute_model(scheduler_output)
+            runner_output = self.executor.execute_model(scheduler_output)
+        except ExecutorDeadError:
+            raise  # a worker is gone: the engine stops (engine/core_proc.py reports it)
         except Exception:
             logger.exception("model execution failed; failing the %d requests of this step",
                              len(scheduler_output.num_scheduled_tokens))
@@ -123,58 +121,21 @@ class EngineCore:
                                  timestamp=time.time())
 
     def wait_kv_cache_resident(self) -> None:
-        """Block until the background prefault has faulted the KV pool in (CPU; a no-op elsewhere)."""
-        if self.runner.kv_prefault is not None:
-            start = time.perf_counter()
-            self.runner.kv_prefault.wait()
-            logger.info("KV cache resident in %.1f s", time.perf_counter() - start)
+        """Block until the background prefault has faulted the KV pool in on every rank (CPU; a no-op elsewhere)."""
+        self.executor.collective_rpc("wait_kv_cache_resident")
 
     def shutdown(self) -> None:
-        if self.runner.kv_prefault is not None:
-            self.runner.kv_prefault.stop()
-        self.runner.kv_caches.clear()
-
-    def _calculate_kv_scales(self) -> None:
-        """--calculate-kv-scales: every attention layer's k_scale and v_scale from the fixed calibration text."""
-        tokenizer = get_tokenizer(self.config.model_config.tokenizer or self.resolved_model)
-        token_ids = tokenizer.encode(CALIBRATION_TEXT.read_text())[: self.max_model_len]
-        start = time.perf_counter()
-        scales = calculate_kv_scales(self.runner.model, token_ids, self.device, self.dtype)
-        logger.info("KV cache scales calculated from %d calibration tokens in %.1f s: k_scale %s, v_scale %s",
-                    len(token_ids), time.perf_counter() - start, sorted({k for k, _ in scales}),
-                    sorted({v for _, v in scales}))
+        self.executor.shutdown()
 
     # ---- sizing ----------------------------------------------------------------------------------
     def _determine_num_blocks(self) -> int:
         cc = self.config.cache_config
-        info = self.model_info
-        per_block = kv_cache_bytes_per_block(cc.block_size, info.num_kv_heads, info.head_dim, self.kv_cache_dtype,
-                                             info.num_layers)
-        if cc.num_gpu_blocks_override is not None:
-            num_blocks = cc.num_gpu_blocks_override
-        else:
-            num_blocks = self._kv_cache_budget() // per_block
+        num_blocks = self.executor.determine_num_blocks()
+        per_block, kv_dtype = self.executor.collective_rpc("kv_cache_spec")[0]
         num_tokens = num_blocks * cc.block_size
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s); maximum concurrency at "
+        per_rank = " per rank" if self.config.parallel_config.world_size > 1 else ""
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB%s, %s); maximum concurrency at "
                     "max_model_len %d: %.2fx", num_blocks, cc.block_size, num_tokens,
-                    num_blocks * per_block / (1 << 20), str(self.kv_cache_dtype).removeprefix("torch."),
-                    self.max_model_len, num_tokens / self.max_model_len)
+                    num_blocks * per_block / (1 << 20), per_rank, kv_dtype, self.max_model_len,
+                    num_tokens / self.max_model_len)
         return num_blocks
-
-    def _kv_cache_budget(self) -> int:
-        cc = self.config.cache_config
-        if self.device.type == "cuda" and cc.kv_cache_memory is None:
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            return max(0, int(total * cc.gpu_memory_utilization) - used - (1 << 30))
-        return cc.kv_cache_memory if cc.kv_cache_memory is not None else DEFAULT_CPU_KV_CACHE_BYTES
-
-
-def _resolve_max_model_len(requested: int | None, model_max: int) -> int:
-    if requested is None:
-        return model_max
-    if requested < 2:
-        raise ValueError(f"--max-model-len must be at least 2, got {requested}.")
-    if requested > model_max:
-        raise ValueError(f"--max-model-len {requested} is larger than the model's context length {model_max}.")
-    return requested

@@ -28,10 +28,12 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 import msgspec
 import zmq
 
+from pagedllm.executor.abstract import ExecutorDeadError
 from pagedllm.log_escape import escape_control
 from pagedllm.messages import (
     MAX_MESSAGE_BYTES,
@@ -53,6 +55,14 @@ from pagedllm.messages import (
 
 logger = logging.getLogger(__name__)
 
+
+@dataclass
+class _WorkerDied:
+    """Put on the input queue by the executor's failure callback (in this process only, never sent)."""
+
+    reason: str
+
+
 class EngineCoreProc:
     """Owns an EngineCore and its sockets; `run_busy_loop` runs until shutdown."""
 
@@ -67,6 +77,8 @@ class EngineCoreProc:
         self.input_socket = _connect(self.ctx, zmq.PULL, input_addr)
         self.output_socket = _connect(self.ctx, zmq.PUSH, output_addr)
         threading.Thread(target=self._input_thread, name="engine-input", daemon=True).start()
+        # A worker that dies while the loop idles wakes it, and the loop stops the engine.
+        engine_core.executor.register_failure_callback(lambda reason: self.input_queue.put(_WorkerDied(reason)))
         self.output_thread = threading.Thread(target=self._output_thread, name="engine-output", daemon=True)
         self.output_thread.start()
 
@@ -110,7 +122,9 @@ class EngineCoreProc:
             self.send(Outputs(EngineCoreOutputs(scheduler_stats=self._stats(), timestamp=time.time()),
                               self.num_added))
 
-    def _handle(self, message: ToEngine) -> bool:
+    def _handle(self, message: ToEngine | _WorkerDied) -> bool:
+        if isinstance(message, _WorkerDied):
+            raise ExecutorDeadError(message.reason)
         if isinstance(message, AddRequest):
             return self._add(message.request)
         if isinstance(message, AbortRequests):
@@ -220,6 +234,7 @@ def run_engine_core(config, input_addr: str, output_addr: str) -> int:
     from pagedllm.engine.core import EngineCore
 
     proc = None
+    engine_core = None
     ready = False
     try:
         engine_core = EngineCore(config)
@@ -244,6 +259,8 @@ def run_engine_core(config, input_addr: str, output_addr: str) -> int:
     finally:
         if proc is not None:
             proc.close()
+        if engine_core is not None:
+            engine_core.shutdown()  # the mp executor's workers
         _remove_ipc_files(input_addr, output_addr)
     return 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import PagedAttention
 from pagedllm.layers.embedding import VocabEmbedding
@@ -19,36 +20,47 @@ from pagedllm.models.model_info import ModelInfo
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, info: ModelInfo, layer_idx: int):
+    """With tensor parallelism: this rank's query heads and KV heads (qkv_proj column-parallel), o_proj
+    row-parallel over them, then one all-reduce."""
+
+    def __init__(self, info: ModelInfo, layer_idx: int, tp: TensorParallelGroup):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = info.num_heads, info.num_kv_heads, info.head_dim
-        self.q_size = info.num_heads * info.head_dim
-        self.kv_size = info.num_kv_heads * info.head_dim
+        self.tp = tp
+        first_kv, end_kv = tp.kv_heads(info.num_kv_heads)
+        self.num_heads, self.num_kv_heads, self.head_dim = info.num_heads // tp.size, end_kv - first_kv, info.head_dim
+        self.q_size = self.num_heads * info.head_dim
+        self.kv_size = self.num_kv_heads * info.head_dim
         self.qkv_proj = Linear(info.hidden_size, self.q_size + 2 * self.kv_size, bias=info.attention_bias)
         self.o_proj = Linear(self.q_size, info.hidden_size, bias=info.attention_bias)
-        self.attn = PagedAttention(info.num_heads, info.num_kv_heads, info.head_dim, layer_idx)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, info.head_dim, layer_idx)
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]; cos_sin: [T, 2, D / 2] -> [T, hidden]
-        return self.o_proj(self.attn(self.qkv_proj(x), cos_sin))  # rotary inside: fused with the decode attention
+        # rotary inside the attention: fused with the decode attention
+        return self.tp.all_reduce(self.o_proj(self.attn(self.qkv_proj(x), cos_sin)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, info: ModelInfo):
+    """With tensor parallelism: this rank's columns of the intermediate size (gate_up_proj column-parallel,
+    down_proj row-parallel), then one all-reduce."""
+
+    def __init__(self, info: ModelInfo, tp: TensorParallelGroup):
         super().__init__()
-        self.gate_up_proj = Linear(info.hidden_size, 2 * info.intermediate_size, bias=info.mlp_bias)
-        self.down_proj = Linear(info.intermediate_size, info.hidden_size, bias=info.mlp_bias)
+        self.tp = tp
+        intermediate_size = info.intermediate_size // tp.size
+        self.gate_up_proj = Linear(info.hidden_size, 2 * intermediate_size, bias=info.mlp_bias)
+        self.down_proj = Linear(intermediate_size, info.hidden_size, bias=info.mlp_bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, hidden]
+        return self.tp.all_reduce(self.down_proj(self.act_fn(self.gate_up_proj(x))))  # [T, hidden]
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, info: ModelInfo, layer_idx: int):
+    def __init__(self, info: ModelInfo, layer_idx: int, tp: TensorParallelGroup):
         super().__init__()
-        self.self_attn = LlamaAttention(info, layer_idx)
-        self.mlp = LlamaMLP(info)
+        self.self_attn = LlamaAttention(info, layer_idx, tp)
+        self.mlp = LlamaMLP(info, tp)
         self.input_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps)
 
@@ -73,13 +85,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, info: ModelInfo):
+    def __init__(self, info: ModelInfo, tp: TensorParallelGroup):
         super().__init__()
         # An explicit _weight skips nn.Embedding's normal_() init: on the meta device that op imports
         # torch._dynamo (~3-6 s of cold start) for a tensor the loader replaces anyway.
-        self.embed_tokens = VocabEmbedding(info.vocab_size, info.hidden_size,
-                                         _weight=torch.empty(info.vocab_size, info.hidden_size))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(info, i) for i in range(info.num_layers))
+        vocab_start, vocab_end = tp.padded_split(info.vocab_size)
+        self.embed_tokens = VocabEmbedding(vocab_end - vocab_start, info.hidden_size,
+                                           _weight=torch.empty(vocab_end - vocab_start, info.hidden_size))
+        if tp.size > 1:
+            self.embed_tokens.shard(tp, vocab_start)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(info, i, tp) for i in range(info.num_layers))
         self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(info.head_dim, info.max_position_embeddings, info.rope_theta,
                                           info.rope_scaling, info.rope_freq_factors)
@@ -102,11 +117,21 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, info: ModelInfo):
+    # checkpoint name fragment -> how tensor parallelism slices it (models/tensor_parallel_weights.py)
+    tensor_parallel_plan = {
+        "q_proj": "q_heads", "k_proj": "kv_heads", "v_proj": "kv_heads", "o_proj": "in",
+        "gate_proj": "out", "up_proj": "out", "down_proj": "in", "embed_tokens": "vocab", "lm_head": "vocab",
+    }
+
+    def __init__(self, info: ModelInfo, tp: TensorParallelGroup | None = None):
         super().__init__()
         self.info = info
-        self.model = LlamaModel(info)
-        self.lm_head = Linear(info.hidden_size, info.vocab_size, bias=False)
+        self.tp = tp = tp or TensorParallelGroup.single()
+        self.model = LlamaModel(info, tp)
+        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads if info.num_layers else info.num_kv_heads
+        """KV heads this rank attends with and caches (all of them at tensor-parallel size 1)."""
+        vocab_start, vocab_end = tp.padded_split(info.vocab_size)
+        self.lm_head = Linear(info.hidden_size, vocab_end - vocab_start, bias=False)
 
     def tie_weights(self) -> None:
         if not self.info.tie_word_embeddings:
@@ -125,4 +150,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)  # [T, hidden]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()  # [N, hidden] -> [N, vocab] float32
+        # [N, hidden] -> [N, vocab] float32; with tensor parallelism each rank's vocabulary slice, gathered
+        logits = self.lm_head(hidden_states).float()
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather(logits)[:, : self.info.vocab_size]

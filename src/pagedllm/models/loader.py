@@ -18,6 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.parallel_state import TensorParallelGroup, check_tensor_parallel_size
 from pagedllm.kernels import cpu_kernels, quant_q8act
 from pagedllm.layers.int8_activation_weight import Int8ActivationWeight
 from pagedllm.layers.linear import pack_linear_weights
@@ -29,6 +30,7 @@ from pagedllm.models.quantized_codes import QuantizedWeight
 from pagedllm.models.registry import get_model_class
 from pagedllm.models.resolve import DEFAULT_MODEL_NAME, EMBEDDED_PACKAGE, ResolvedModel  # noqa: F401 (re-exported)
 from pagedllm.models.resolve import resolve_model as _resolve_model
+from pagedllm.models.tensor_parallel_weights import shard_tensors
 
 logger = logging.getLogger(__name__)
 RunWeight = PackedWeight | Int8ActivationWeight  # a quantized weight as Linear / VocabEmbedding run it
@@ -263,8 +265,10 @@ def _packer(model_config: ModelConfig, quantized: bool, source: str) -> Callable
     return pack
 
 
-def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """Build the model on the meta device, load its weights onto `device` in `dtype`; eval mode.
+def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
+               tp: TensorParallelGroup | None = None) -> nn.Module:
+    """Build the model on the meta device, load its weights onto `device` in `dtype`; eval mode. With a
+    tensor-parallel group of size > 1, only this rank's share of each weight (models/tensor_parallel_weights.py).
 
     Returns the model (e.g. LlamaForCausalLM); `model.info` is its ModelInfo.
     """
@@ -282,8 +286,11 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
         if runs_fp8(model_config, resolved, device, dtype):
             tensors = _fp8_linears(tensors)
     model_cls = get_model_class(info.architecture, source)
+    if tp is not None and tp.size > 1:
+        check_tensor_parallel_size(tp.size, info.num_heads, info.num_kv_heads, info.intermediate_size)
+        tensors = shard_tensors(tensors, model_cls.tensor_parallel_plan, info, tp)
     with torch.device("meta"):
-        model = model_cls(info)
+        model = model_cls(info, tp)
     with _one_cpu_thread():
         state = _fused_state_dict(model, tensors, source, device, dtype, pack)
     if info.tie_word_embeddings:

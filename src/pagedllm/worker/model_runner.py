@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, model_info, device: torch.device,
-                 dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None, *, max_model_len: int):
+                 dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None, *, max_model_len: int,
+                 num_kv_heads: int | None = None, tp_size: int = 1):
         self.config = config
         self.model = model
         self.info = model_info
@@ -35,18 +36,21 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype or dtype  # the pool's storage dtype (layers/kv_cache_dtype.py)
         self.block_size = config.cache_config.block_size
+        self.num_kv_heads = num_kv_heads or model_info.num_kv_heads
+        """KV heads this rank caches (its tensor-parallel share)."""
         self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, max_model_len, self.block_size)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.kv_prefault: PoolPrefault | None = None
         # Generators of seeded requests survive preemption: sampling resumes where it stopped.
         self.generators: dict[str, torch.Generator] = {}
-        self.native_step = LlamaNativeDecodeStep.build(model) if device.type == "cpu" else None
+        # One native call runs every layer: no room for the all-reduces of tensor parallelism.
+        self.native_step = LlamaNativeDecodeStep.build(model) if device.type == "cpu" and tp_size == 1 else None
         self.speculative_config = config.speculative_config
         self.proposer = NgramProposer(config.speculative_config) if config.speculative_config is not None else None
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        shape = kv_cache_shape(num_blocks, self.block_size, self.info.num_kv_heads, self.info.head_dim)
+        shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.info.head_dim)
         self.kv_caches = [_zeros(shape, self.kv_cache_dtype, self.device) for _ in range(self.info.num_layers)]
         if self.device.type == "cpu":
             keep_freed_memory()  # after the pool (its own calloc'd mmaps): step temporaries reuse the heap

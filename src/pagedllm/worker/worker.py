@@ -1,0 +1,150 @@
+"""Worker: one rank's model, KV cache and ModelRunner, driven by an executor (executor/).
+
+The uni executor holds one Worker in the engine process; the mp executor runs one per process
+(executor/worker_proc.py). Every rank loads only its tensor-parallel share of the weights and allocates its share
+of the KV cache; only the driver rank (0) returns the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.distributed.parallel_state import (
+    TensorParallelGroup,
+    destroy_tensor_parallel_group,
+    init_tensor_parallel_group,
+)
+from pagedllm.layers.forward_context import kv_cache_bytes_per_block
+from pagedllm.layers.kv_cache_dtype import resolve_kv_cache_dtype
+from pagedllm.messages import ModelRunnerOutput
+from pagedllm.models.loader import load_model, resolve_device, resolve_dtype, resolve_model
+from pagedllm.models.model_info import ModelInfo
+from pagedllm.tokenizer import get_tokenizer
+from pagedllm.worker.kv_scales import CALIBRATION_TEXT, calculate_kv_scales
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
+
+
+class Worker:
+    """Args:
+        config: the engine's configuration (every rank gets the same).
+        rank: this worker's tensor-parallel rank.
+        distributed_init_method: torch.distributed's rendezvous (e.g. tcp://127.0.0.1:PORT); None at size 1.
+    """
+
+    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None):
+        self.config = config
+        self.rank = rank
+        self.distributed_init_method = distributed_init_method
+        self.tp = TensorParallelGroup.single()
+        self.model_runner: ModelRunner | None = None
+
+    def init_device(self) -> None:
+        """Resolve the device and dtype; join the tensor-parallel group (all ranks at once)."""
+        mc, pc = self.config.model_config, self.config.parallel_config
+        self.device = resolve_device(mc.device)
+        if self.device.type == "cuda" and pc.world_size > 1:
+            self.device = torch.device("cuda", self.rank)
+            torch.cuda.set_device(self.device)
+        self.dtype = resolve_dtype(mc.dtype, self.device)
+        self.tp = init_tensor_parallel_group(self.rank, pc.tensor_parallel_size, self.distributed_init_method or "",
+                                             self.device)
+
+    def load_model(self) -> None:
+        """Load this rank's share of the weights and build the runner (before the KV cache exists)."""
+        mc, cc = self.config.model_config, self.config.cache_config
+        torch.manual_seed(mc.seed)
+        model = load_model(mc, self.device, self.dtype, self.tp)
+        self.model_info: ModelInfo = model.info
+        self.max_model_len = resolve_max_model_len(mc.max_model_len, model.info.max_position_embeddings)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, self.dtype, self.device)
+        self.model_runner = ModelRunner(self.config, model, model.info, self.device, self.dtype, self.kv_cache_dtype,
+                                        max_model_len=self.max_model_len, num_kv_heads=model.num_kv_heads,
+                                        tp_size=self.tp.size)
+
+    def get_model_info(self) -> ModelInfo:
+        return self.model_info
+
+    # ---- KV cache --------------------------------------------------------------------------------
+    def determine_num_blocks(self) -> int:
+        """KV blocks this rank's budget holds (--kv-cache-memory is per rank, as vLLM's is per GPU)."""
+        cc = self.config.cache_config
+        if cc.num_gpu_blocks_override is not None:
+            return cc.num_gpu_blocks_override
+        return self._kv_cache_budget() // self.kv_cache_spec()[0]
+
+    def kv_cache_spec(self) -> tuple[int, str]:
+        """(bytes one KV block takes on this rank, the pool's storage dtype), for the start-up log."""
+        cc = self.config.cache_config
+        per_block = kv_cache_bytes_per_block(cc.block_size, self.model_runner.num_kv_heads, self.model_info.head_dim,
+                                             self.kv_cache_dtype, self.model_info.num_layers)
+        return per_block, str(self.kv_cache_dtype).removeprefix("torch.")
+
+    def _kv_cache_budget(self) -> int:
+        cc = self.config.cache_config
+        if self.device.type == "cuda" and cc.kv_cache_memory is None:
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            return max(0, int(total * cc.gpu_memory_utilization) - used - (1 << 30))
+        return cc.kv_cache_memory if cc.kv_cache_memory is not None else DEFAULT_CPU_KV_CACHE_BYTES
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def calculate_kv_scales(self) -> None:
+        """--calculate-kv-scales: every attention layer's k_scale and v_scale from the fixed calibration text (with
+        tensor parallelism, each rank's from its own KV heads)."""
+        mc = self.config.model_config
+        tokenizer = get_tokenizer(mc.tokenizer or resolve_model(mc.model))
+        token_ids = tokenizer.encode(CALIBRATION_TEXT.read_text())[: self.max_model_len]
+        start = time.perf_counter()
+        scales = calculate_kv_scales(self.model_runner.model, token_ids, self.device, self.dtype)
+        logger.info("KV cache scales calculated from %d calibration tokens in %.1f s: k_scale %s, v_scale %s",
+                    len(token_ids), time.perf_counter() - start, sorted({k for k, _ in scales}),
+                    sorted({v for _, v in scales}))
+
+    def wait_kv_cache_resident(self) -> None:
+        """Block until the background prefault has faulted the KV pool in (CPU; a no-op elsewhere)."""
+        if self.model_runner.kv_prefault is not None:
+            start = time.perf_counter()
+            self.model_runner.kv_prefault.wait()
+            logger.info("KV cache resident in %.1f s", time.perf_counter() - start)
+
+    # ---- steps -----------------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step; the driver rank returns the output, the others None."""
+        runner = self.model_runner
+        prefault = runner.kv_prefault
+        with prefault.busy() if prefault is not None else contextlib.nullcontext():
+            output = runner.execute_model(scheduler_output)
+        return output if self.rank == 0 else None
+
+    def check_health(self) -> None:
+        """Raises if this worker cannot run steps (nothing to check in-process today)."""
+
+    def shutdown(self) -> None:
+        runner = self.model_runner
+        if runner is not None:
+            if runner.kv_prefault is not None:
+                runner.kv_prefault.stop()
+            runner.kv_caches.clear()
+        destroy_tensor_parallel_group(self.tp)
+
+
+def resolve_max_model_len(requested: int | None, model_max: int) -> int:
+    if requested is None:
+        return model_max
+    if requested < 2:
+        raise ValueError(f"--max-model-len must be at least 2, got {requested}.")
+    if requested > model_max:
+        raise ValueError(f"--max-model-len {requested} is larger than the model's context length {model_max}.")
+    return requested

@@ -1,0 +1,110 @@
+"""Faults of the mp executor's workers (tensor-parallel size 2 on the tiny model): kill -9 of a worker under
+streaming requests takes the engine-death path (streams end within 2 s, /health 503), and no process is left;
+kill -9 of the engine core takes its workers with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from reliability_utils import MODEL_NAME, pid_alive, wait_for
+
+pytestmark = pytest.mark.slow
+
+LONG = {"model": MODEL_NAME, "prompt": "The quick brown fox", "max_tokens": 400, "extra_body": {"ignore_eos": True}}
+TP2 = ("--tensor-parallel-size", "2", "--engine-death-exit-delay", "5")
+
+
+@pytest.fixture(scope="module")
+def servers(launcher) -> dict:
+    return {"worker-kill": launcher(*TP2, wait_ready=False), "engine-kill": launcher(*TP2, wait_ready=False)}
+
+
+def _workers(engine_pid: int) -> list[int]:
+    """The engine core's worker processes (its children running pagedllm.executor.worker_proc)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if ppid == engine_pid and "pagedllm.executor.worker_proc" in cmdline:
+            pids.append(int(entry))
+    return sorted(pids)
+
+
+def _stream(client: openai.OpenAI, started: threading.Barrier, results: list, lock: threading.Lock) -> None:
+    try:
+        stream = client.completions.create(**LONG, stream=True)
+        iterator = iter(stream)
+        next(iterator)
+        started.wait(timeout=60)
+        for _ in iterator:
+            pass
+        outcome = "completed"
+    except openai.APIError as e:
+        outcome = e
+    with lock:
+        results.append((outcome, time.monotonic()))
+
+
+def test_worker_kill_under_streams_ends_them_and_leaves_no_process(servers):
+    server = servers["worker-kill"].wait_ready()
+    engine_pid = server.engine_pid()
+    workers = _workers(engine_pid)
+    assert len(workers) == 2, workers
+    client = server.client(timeout=60.0)
+    results: list = []
+    lock = threading.Lock()
+    started = threading.Barrier(5)
+    threads = [threading.Thread(target=_stream, args=(client, started, results, lock)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=60)
+    killed_at = time.monotonic()
+    os.kill(workers[1], signal.SIGKILL)
+
+    def unavailable() -> bool:  # /health 503, or the API server already gone
+        try:
+            return server.http.get("/health").status_code == 503
+        except httpx.ConnectError:
+            return server.proc.poll() is not None
+
+    unhealthy = wait_for(unavailable, 2.0)
+    health_s = time.monotonic() - killed_at
+    for t in threads:
+        t.join(timeout=10)
+    assert len(results) == 4
+    assert all(isinstance(outcome, openai.APIError) for outcome, _ in results), results
+    last_error_s = max(at for _, at in results) - killed_at
+    print(f"FIGURE worker kill (TP=2): 4/4 streams errored, last after {last_error_s:.2f} s; /health 503 after "
+          f"{health_s:.2f} s")
+    assert unhealthy and last_error_s < 2.0
+    assert "worker 1" in server.log() and "exited unexpectedly" in server.log()
+    assert server.proc.wait(timeout=15) != 0
+    assert wait_for(lambda: not any(pid_alive(p) for p in [engine_pid, *workers]), 10.0)
+
+
+def test_engine_kill_takes_its_workers(servers):
+    server = servers["engine-kill"].wait_ready()
+    engine_pid = server.engine_pid()
+    workers = _workers(engine_pid)
+    assert len(workers) == 2, workers
+    cmdline = open(f"/proc/{workers[0]}/cmdline").read().split("\0")
+    socket_dir = os.path.dirname(cmdline[cmdline.index("--broadcast-addr") + 1].removeprefix("ipc://"))
+    assert os.path.isdir(socket_dir)
+    killed_at = time.monotonic()
+    os.kill(engine_pid, signal.SIGKILL)
+    assert wait_for(lambda: not any(pid_alive(p) for p in workers), 10.0), "workers outlived the engine core"
+    assert wait_for(lambda: not os.path.exists(socket_dir), 5.0), os.listdir(socket_dir)
+    print(f"FIGURE engine kill (TP=2): both workers exited {time.monotonic() - killed_at:.2f} s after the kill")
