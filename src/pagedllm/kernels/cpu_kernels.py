@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("paged_attention_cpu.c", "kv_cache_cpu.c", "elementwise_cpu.c", "quant_linear_cpu.c",
-                         "quant_q8act_cpu.c", "llama_decode_cpu.c", "ngram_cpu.c")]
+                         "quant_q8act_cpu.c", "llama_decode_cpu.c", "ngram_cpu.c",
+                         "suffix_cpu.c")]
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the cache key
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 """Compile flags. -ffast-math lets gcc call glibc's vector expf (libmvec) in the softmax; it is NOT given when
@@ -206,10 +207,13 @@ def require(ok: bool, what: str) -> None:
 
 
 def _declare_ngram(lib: ctypes.CDLL) -> None:
-    """ctypes signature of ngram_cpu.c's proposer."""
+    """ctypes signatures of ngram_cpu.c's and suffix_cpu.c's proposers."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.ngram_propose.restype = None
     lib.ngram_propose.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr]
+    lib.suffix_propose.restype = None
+    lib.suffix_propose.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_double, ctypes.c_double, ptr, ptr,
+                                   ptr, ptr, ptr]
 
 
 def native_library_available() -> bool:
@@ -241,6 +245,39 @@ def ngram_propose(token_ids: np.ndarray, rows: np.ndarray, num_tokens: np.ndarra
     _library().ngram_propose(token_ids.ctypes.data, token_ids.shape[1], rows.ctypes.data, num_tokens.ctypes.data,
                              len(rows), min_n, max_n, k, drafts.ctypes.data, counts.ctypes.data)
     return drafts, counts
+
+
+def suffix_propose(token_ids: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray, max_depth: int, k: int,
+                   max_spec_factor: float, min_token_prob: float
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Suffix-decoding drafts from each request's own tokens (suffix_cpu.c) for several requests in one call.
+
+    Args:
+        token_ids, rows, num_tokens: as ngram_propose.
+        max_depth, k, max_spec_factor, min_token_prob: the tree depth, most drafts, draft cap per matched token,
+            least path probability of a draft.
+    Returns:
+        drafts [R, k] int64, counts [R] int64, scores [R] float64 (sum of the drafts' probabilities) and match
+        lengths [R] int64.
+    """
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    num_tokens = np.ascontiguousarray(num_tokens, dtype=np.int64)
+    require(token_ids.dtype == np.int64 and token_ids.flags.c_contiguous and token_ids.ndim == 2,
+            "token_ids int64, C-contiguous, 2-D")
+    require(rows.shape == num_tokens.shape and bool(np.all((rows >= 0) & (rows < token_ids.shape[0])))
+            and bool(np.all((num_tokens >= 0) & (num_tokens <= token_ids.shape[1]))),
+            "rows and num_tokens within token_ids")
+    require(k >= 1 and max_depth >= 1, "k and max_depth at least 1")
+    drafts = np.zeros((len(rows), k), dtype=np.int64)
+    counts = np.zeros(len(rows), dtype=np.int64)
+    scores = np.zeros(len(rows), dtype=np.float64)
+    match_len = np.zeros(len(rows), dtype=np.int64)
+    scratch = np.empty(3 * token_ids.shape[1], dtype=np.int64)
+    _library().suffix_propose(token_ids.ctypes.data, token_ids.shape[1], rows.ctypes.data, num_tokens.ctypes.data,
+                              len(rows), max_depth, k, float(max_spec_factor), float(min_token_prob),
+                              drafts.ctypes.data, counts.ctypes.data, scores.ctypes.data, match_len.ctypes.data,
+                              scratch.ctypes.data)
+    return drafts, counts, scores, match_len
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
