@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pagedllm.config import SpeculativeConfig
-from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels import cpu_kernels, draft_lookup
 from pagedllm.spec_decode.suffix_proposer import SuffixProposer, propose_one
 from pagedllm.spec_decode.suffix_tree import SuffixTree
 
@@ -51,7 +51,7 @@ def test_native_kernel_matches_the_reference(vocab):
     rows = np.array([3, 5, 0, 11, 7], dtype=np.int64)
     num_tokens = np.array([300, 130, 1, 2, 130], dtype=np.int64)
     for depth, k, factor, min_prob in [(24, 4, 1.0, 0.1), (6, 3, 0.5, 0.0), (64, 8, 4.0, 0.3), (2, 5, 1.0, 0.1)]:
-        drafts, counts, scores, _ = cpu_kernels.suffix_propose(buf, rows, num_tokens, depth, k, factor, min_prob)
+        drafts, counts, scores, _ = draft_lookup.suffix_propose(buf, rows, num_tokens, depth, k, factor, min_prob)
         for i, (r, n) in enumerate(zip(rows, num_tokens, strict=True)):
             want, want_score = propose_one(buf[r, :n].tolist(), depth, k, factor, min_prob)
             assert drafts[i, :counts[i]].tolist() == want

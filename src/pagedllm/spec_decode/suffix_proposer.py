@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from pagedllm.config import SpeculativeConfig
-from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels import cpu_kernels, draft_lookup
 from pagedllm.spec_decode.suffix_tree import SuffixTree
 
 
@@ -32,7 +32,7 @@ class SuffixProposer:
         if not len(rows):
             return []
         if self.native:
-            drafts, counts, scores, _ = cpu_kernels.suffix_propose(token_ids, rows, num_tokens, self.max_depth, self.k,
+            drafts, counts, scores, _ = draft_lookup.suffix_propose(token_ids, rows, num_tokens, self.max_depth, self.k,
                                                                    self.max_spec_factor, self.min_token_prob)
             local = [(d[:c], s) for d, c, s in zip(drafts.tolist(), counts.tolist(), scores.tolist(), strict=True)]
         else:
