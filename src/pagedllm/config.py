@@ -149,9 +149,9 @@ class SchedulerConfig:
             raise ValueError("--max-num-queued-reqs must be at least 0.")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "suffix")
 """Speculative decoding methods pagedllm runs (vLLM's names)."""
-_PLANNED_SPECULATIVE_METHODS = ("suffix", "draft_model")
+_PLANNED_SPECULATIVE_METHODS = ("draft_model",)
 """vLLM methods whose keys are accepted but which pagedllm does not run yet."""
 
 
@@ -161,7 +161,8 @@ class SpeculativeConfig:
     forward pass of the target model verifies them; output keeps the target's distribution exactly."""
 
     method: str | None = None
-    """The proposer: ngram (prompt lookup over the request's prompt and output). Inferred from `model` when
+    """The proposer: ngram (prompt lookup over the request's prompt and output) or suffix (suffix decoding over
+    the request's tokens and the outputs of past requests). Inferred from `model` when
     absent, as vLLM does ("ngram" or "[ngram]": ngram; any other model: draft_model)."""
     num_speculative_tokens: int | None = None
     """Draft tokens proposed per request per step (required)."""
@@ -175,13 +176,14 @@ class SpeculativeConfig:
     """No drafts in a step that runs at least this many requests (at high concurrency verifying costs more than
     it saves). Default: never disabled."""
     suffix_decoding_max_tree_depth: int = 24
-    """suffix: deepest suffix tree (not run yet)."""
+    """suffix: depth of the suffix trees (matched context plus drafts, in tokens)."""
     suffix_decoding_max_cached_requests: int = 10000
-    """suffix: past requests kept in the global tree (not run yet)."""
+    """suffix: outputs of past requests kept in the global tree, oldest evicted first (0: no global tree)."""
     suffix_decoding_max_spec_factor: float = 1.0
-    """suffix: draft length cap as a multiple of the match length (not run yet)."""
+    """suffix: drafts per request at most this multiple of the matched length."""
     suffix_decoding_min_token_prob: float = 0.1
-    """suffix: least estimated probability of a drafted token (not run yet)."""
+    """suffix: drafting stops before a token whose estimated probability (the product of the tree's child/parent
+    counts along the draft) is below this."""
 
     def __post_init__(self) -> None:
         if self.method is None and self.model is not None:
@@ -209,6 +211,18 @@ class SpeculativeConfig:
         if self.prompt_lookup_min < 1 or self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"--speculative-config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}.")
+        if self.suffix_decoding_max_tree_depth < 2:
+            raise ValueError("suffix_decoding_max_tree_depth must be at least 2, got "
+                             f"{self.suffix_decoding_max_tree_depth}.")
+        if self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("suffix_decoding_max_cached_requests must be at least 0, got "
+                             f"{self.suffix_decoding_max_cached_requests}.")
+        if self.suffix_decoding_max_spec_factor <= 0:
+            raise ValueError("suffix_decoding_max_spec_factor must be positive, got "
+                             f"{self.suffix_decoding_max_spec_factor}.")
+        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError("suffix_decoding_min_token_prob must be within [0, 1], got "
+                             f"{self.suffix_decoding_min_token_prob}.")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
             raise ValueError(f"disable_by_batch_size must be at least 2, got {self.disable_by_batch_size}.")
 

@@ -12,6 +12,7 @@ from paged_runner import PagedRunner
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import cpu_kernels, quant_q8act
+from pagedllm.layers.forward_context import get_forward_context
 from pagedllm.models import llama_native_step
 from pagedllm.models.llama_native_step import LlamaNativeDecodeStep
 from pagedllm.models.loader import load_model
@@ -136,3 +137,38 @@ def test_the_engine_runs_decode_steps_natively(tiny_llama_gguf_quantized, monkey
     plain = llm()
     assert plain.llm_engine.engine_core.runner.native_step is None
     assert [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)] == tokens
+
+
+def test_verify_steps_of_speculative_decoding_run_natively(tiny_llama_gguf_quantized, monkeypatch):
+    """Steps that verify drafts (several rows per request, each attending to the rows before it) take the native
+    step too, with the tokens of plain decoding: greedy output with speculation stays bit-identical."""
+    motif = [11, 12, 13, 14, 15]
+    prompts = [motif * 6, [7, 8, 9] * 5 + [3], [21, 22, 23, 24]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def llm(**kwargs):
+        return LLM(str(tiny_llama_gguf_quantized), dtype="float32", max_model_len=128, num_gpu_blocks_override=64,
+                   **kwargs)
+
+    spec = llm(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                   "prompt_lookup_max": 3})
+    step = spec.llm_engine.engine_core.runner.native_step
+    verify_steps, forward = [], step.forward
+
+    def counted(*args):
+        hidden = forward(*args)
+        verify_reqs = get_forward_context().attn_metadata.verify_reqs
+        if verify_reqs is not None and len(verify_reqs):
+            verify_steps.append(hidden is not None)
+        return hidden
+
+    step.forward = counted
+    tokens = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert verify_steps and all(verify_steps)  # every verify step ran natively
+    assert spec.llm_engine.engine_core.scheduler.spec_decoding_totals.num_accepted_tokens > 0
+    plain = llm()
+    assert [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)] == tokens
+    monkeypatch.setenv(llama_native_step.SWITCH_ENV, "0")
+    modules = llm(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                      "prompt_lookup_max": 3})
+    assert [o.outputs[0].token_ids for o in modules.generate(prompts, params, use_tqdm=False)] == tokens

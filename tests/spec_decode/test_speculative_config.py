@@ -40,8 +40,11 @@ def test_defaults_and_inference_follow_vllm():
 @pytest.mark.parametrize("value, message", [
     ({"method": "eagle", "num_speculative_tokens": 3}, "'eagle' is not supported by pagedllm"),
     ({"method": "mtp", "num_speculative_tokens": 1}, "'mtp' is not supported by pagedllm"),
-    ({"method": "medusa2", "num_speculative_tokens": 1}, "supported: ngram"),
-    ({"method": "suffix", "num_speculative_tokens": 8}, "'suffix' is not implemented in pagedllm yet; supported"),
+    ({"method": "medusa2", "num_speculative_tokens": 1}, "supported: ngram, suffix"),
+    ({"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 1}, "at least 2"),
+    ({"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": -1}, "at least 0"),
+    ({"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_spec_factor": 0}, "must be positive"),
+    ({"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_min_token_prob": 1.5}, "within [0, 1]"),
     ({"model": "some/draft", "num_speculative_tokens": 4}, "'draft_model' is not implemented"),
     ({"method": "ngram"}, "num_speculative_tokens >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},

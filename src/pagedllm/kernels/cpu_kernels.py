@@ -27,14 +27,14 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("paged_attention_cpu.c", "kv_cache_cpu.c", "elementwise_cpu.c", "quant_linear_cpu.c",
-                         "quant_q8act_cpu.c", "llama_decode_cpu.c", "ngram_cpu.c")]
+                         "quant_q8act_cpu.c", "llama_decode_cpu.c", "ngram_cpu.c",
+                         "suffix_cpu.c")]
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the cache key
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 """Compile flags. -ffast-math lets gcc call glibc's vector expf (libmvec) in the softmax; it is NOT given when
@@ -206,41 +206,18 @@ def require(ok: bool, what: str) -> None:
 
 
 def _declare_ngram(lib: ctypes.CDLL) -> None:
-    """ctypes signature of ngram_cpu.c's proposer."""
+    """ctypes signatures of ngram_cpu.c's and suffix_cpu.c's proposers."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.ngram_propose.restype = None
     lib.ngram_propose.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr]
+    lib.suffix_propose.restype = None
+    lib.suffix_propose.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_double, ctypes.c_double, ptr, ptr,
+                                   ptr, ptr, ptr]
 
 
 def native_library_available() -> bool:
     """Whether the native library built and loaded (any dtype, CPU-side helpers such as ngram_propose)."""
     return _library() is not None
-
-
-def ngram_propose(token_ids: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray, min_n: int, max_n: int,
-                  k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Prompt-lookup drafts (ngram_cpu.c) for several requests in one call.
-
-    Args:
-        token_ids: [max_reqs, max_len] int64, C-contiguous: each row a request's tokens.
-        rows: [R] int64: the rows to propose for.
-        num_tokens: [R] int64: tokens in each of those rows.
-        min_n, max_n: the n-gram lengths looked up; k: most drafts per request.
-    Returns:
-        drafts [R, k] int64 and counts [R] int64 (drafts[r, :counts[r]] are request r's).
-    """
-    rows = np.ascontiguousarray(rows, dtype=np.int64)
-    num_tokens = np.ascontiguousarray(num_tokens, dtype=np.int64)
-    require(token_ids.dtype == np.int64 and token_ids.flags.c_contiguous and token_ids.ndim == 2,
-            "token_ids int64, C-contiguous, 2-D")
-    require(rows.shape == num_tokens.shape and bool(np.all((rows >= 0) & (rows < token_ids.shape[0])))
-            and bool(np.all((num_tokens >= 0) & (num_tokens <= token_ids.shape[1]))),
-            "rows and num_tokens within token_ids")
-    drafts = np.zeros((len(rows), k), dtype=np.int64)
-    counts = np.zeros(len(rows), dtype=np.int64)
-    _library().ngram_propose(token_ids.ctypes.data, token_ids.shape[1], rows.ctypes.data, num_tokens.ctypes.data,
-                             len(rows), min_n, max_n, k, drafts.ctypes.data, counts.ctypes.data)
-    return drafts, counts
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:

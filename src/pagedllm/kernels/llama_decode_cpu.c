@@ -6,6 +6,7 @@
  *                        : h, res = fused_add_rms_norm(h, res)     (h: the previous layer's MLP output)
  *                 qkv = linear(h) [+ bias]
  *                 attn = paged_decode_attention(qkv, ...)          (rotary, KV write at the slots, attention)
+ *                 verify: attn = paged_decode_attention(qkv, no rotary, no write)   (see below)
  *                 h = linear(attn) [+ bias];  h, res = fused_add_rms_norm(h, res)
  *                 gu = linear(h) [+ bias];  act = silu_and_mul(gu);  h = linear(act) [+ bias]
  *   then:         h, res = fused_add_rms_norm(h, res, final norm)
@@ -20,6 +21,14 @@
  * The KV cache of layer l: key_caches[l] [num_blocks, block_size, Hkv, D] in `kv_fmt` (kv_dtype_cpu.h), its
  * value cache value_bytes further on; block_table [num_seqs, block_table_stride] int32, seq_lens [num_seqs] int32,
  * slot_mapping [num_seqs] int64, cos_sin [num_seqs, 2, D / 2]: as paged_attention_cpu.c documents them.
+ *
+ * verify (speculative decoding): some requests have several consecutive rows (each a decode row of its own
+ * length over the request's block table), and a row attends to the K/V its request's earlier rows write in the
+ * same step. The first call's rows run in parallel, so a row may read such a slot before it is written: that
+ * call only rotates Q and K in place and writes every row's K/V; a second call over the rotated Q, with no
+ * rotary and no write, computes the attention once every slot holds its value: the module path's order (write
+ * all, then attend) and so its bits. It recomputes the attention of every row: a small part of a step at
+ * short contexts.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -85,7 +94,7 @@ static int linear(const decode_linear *l, const float *x, float *y, int64_t m) {
 int llama_decode_step(const decode_model *model, const decode_layer *layers, void *const *key_caches,
                       int64_t value_bytes, int kv_fmt, int64_t block_size, const int32_t *block_table,
                       int64_t block_table_stride, const int32_t *seq_lens, const int64_t *slot_mapping,
-                      const float *cos_sin, int64_t num_seqs, float *res, float *h, float *scratch) {
+                      const float *cos_sin, int64_t num_seqs, float *res, float *h, float *scratch, int verify) {
     const int64_t s = num_seqs, hidden = model->hidden, d = model->head_dim;
     const int64_t q_size = model->num_heads * d, qkv_size = q_size + 2 * model->num_kv_heads * d;
     float *qkv = scratch, *attn = qkv + s * qkv_size, *gu = attn + s * q_size, *act = gu + s * 2 * model->intermediate;
@@ -99,6 +108,11 @@ int llama_decode_step(const decode_model *model, const decode_layer *layers, voi
                                    block_table, block_table_stride, seq_lens, attn, s, model->num_heads,
                                    model->num_kv_heads, d, block_size, model->scale, kv_fmt, layer->k_scale,
                                    layer->v_scale, layer->k_comp) != 0)
+            return -1;
+        if (verify && paged_decode_attention(qkv, qkv_size, NULL, NULL, key_cache, key_cache + value_bytes,
+                                             block_table, block_table_stride, seq_lens, attn, s, model->num_heads,
+                                             model->num_kv_heads, d, block_size, model->scale, kv_fmt,
+                                             layer->k_scale, layer->v_scale, layer->k_comp) != 0)
             return -1;
         if (linear(&layer->o, attn, h, s) != 0) return -1;
         fused_add_rms_norm_f32(h, res, layer->post_attention_norm, s, hidden, model->eps);

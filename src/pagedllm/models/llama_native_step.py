@@ -14,9 +14,9 @@ When it runs (`forward` returns None otherwise, and the runner runs the model's 
 - built (`build`): a LlamaForCausalLM on the CPU in float32 with the native kernels, every linear of every layer
   a quantized weight run by the native kernels (GGUF codes, `--quantization fp8`, or the int8-activation weights
   of `--activation-quantization int8`), and `PAGEDLLM_NATIVE_STEP` not "0";
-- per step: every scheduled row is a decode and the attention plan runs the native decode kernel (a KV cache
-  dtype it reads: fp32, bf16, fp8), the batch unpadded. Prefill and mixed steps, oneDNN float weights and CUDA
-  keep the module path.
+- per step: every scheduled row is a decode (verify rows of speculative decoding included: each a decode row
+  of its own length) and the attention plan runs the native decode kernel (a KV cache dtype it reads: fp32,
+  bf16, fp8), the batch unpadded. Prefill and mixed steps, oneDNN float weights and CUDA keep the module path.
 
 It lives beside models/llama.py because it is a second implementation of one model's forward (it knows Llama's
 layer structure); the runner only chooses, per step, which one runs.
@@ -71,7 +71,7 @@ def _kernel():
     fn = lib.llama_decode_step
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), _ptr, _i64, ctypes.c_int, _i64, _ptr, _i64, _ptr,
-                   _ptr, _ptr, _i64, _ptr, _ptr, _ptr]
+                   _ptr, _ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_int]
     return fn
 
 
@@ -152,7 +152,7 @@ class LlamaNativeDecodeStep:
         if md is None or n != md.num_actual_tokens or len(ctx.kv_caches) != self._c_model.num_layers:
             return None
         plan = step_plan(md, ctx.kv_caches[0], torch.float32, input_ids.device)
-        if not (plan.native and plan.all_decode) or plan.has_verify:  # verify rows: written first, then attend
+        if not (plan.native and plan.all_decode):
             return None
         res = self.model.embed_tokens(input_ids).contiguous()  # [T, hidden]: the residual stream
         cos_sin = self.model.rotary_emb(positions, res.dtype)  # [T, 2, D / 2], contiguous
@@ -166,7 +166,7 @@ class LlamaNativeDecodeStep:
         rc = self._fn(self._c_model, self._c_layers, self._key_cache_array(ctx.kv_caches),
                       kv.stride(0) * kv.element_size(), cpu_kernels.KV_FORMATS[kv.dtype], kv.shape[2],
                       table.data_ptr(), table.stride(0), plan.decode_seq_lens.data_ptr(), slots.data_ptr(),
-                      cos_sin.data_ptr(), n, res.data_ptr(), h.data_ptr(), scratch.data_ptr())
+                      cos_sin.data_ptr(), n, res.data_ptr(), h.data_ptr(), scratch.data_ptr(), int(plan.has_verify))
         if rc != 0:
             raise MemoryError("the native decode step's kernels could not allocate their scratch buffers")
         return h

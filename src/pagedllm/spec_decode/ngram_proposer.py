@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from pagedllm.config import SpeculativeConfig
-from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels import cpu_kernels, draft_lookup
 
 
 class NgramProposer:
@@ -34,7 +34,7 @@ class NgramProposer:
         if not len(rows):
             return []
         if self.native:
-            drafts, counts = cpu_kernels.ngram_propose(token_ids, rows, num_tokens, self.min_n, self.max_n, self.k)
+            drafts, counts = draft_lookup.ngram_propose(token_ids, rows, num_tokens, self.min_n, self.max_n, self.k)
             return [d[:c] for d, c in zip(drafts.tolist(), counts.tolist(), strict=True)]
         return [propose_one(token_ids[r, :n].tolist(), self.min_n, self.max_n, self.k)
                 for r, n in zip(rows.tolist(), num_tokens.tolist(), strict=True)]

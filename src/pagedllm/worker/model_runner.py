@@ -19,6 +19,7 @@ from pagedllm.math_utils import cdiv
 from pagedllm.messages import LogprobsEntry, ModelRunnerOutput
 from pagedllm.models.llama_native_step import LlamaNativeDecodeStep
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
+from pagedllm.spec_decode.suffix_proposer import SuffixProposer
 from pagedllm.worker.cpu_allocator import PoolPrefault, keep_freed_memory, zeroed_pool
 from pagedllm.worker.input_batch import InputBatch, RequestState
 
@@ -47,7 +48,7 @@ class ModelRunner:
         # One native call runs every layer: no room for the all-reduces of tensor parallelism.
         self.native_step = LlamaNativeDecodeStep.build(model) if device.type == "cpu" and tp_size == 1 else None
         self.speculative_config = config.speculative_config
-        self.proposer = NgramProposer(config.speculative_config) if config.speculative_config is not None else None
+        self.proposer = _make_proposer(config.speculative_config)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.info.head_dim)
@@ -193,6 +194,9 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
         for req_id in so.finished_req_ids:
+            row = batch.req_id_to_row.get(req_id)
+            if row is not None and isinstance(self.proposer, SuffixProposer):
+                self.proposer.request_finished(batch.output_token_ids(row))
             batch.remove(req_id)
             self.generators.pop(req_id, None)
         for req_id in so.preempted_req_ids:
@@ -291,6 +295,13 @@ class ModelRunner:
                 entries.extend(compute_prompt_logprobs(logits, targets, k))
             result[req_ids[i]] = entries
         return result
+
+
+def _make_proposer(config):
+    """The draft proposer of the speculative config's method (None: no speculation)."""
+    if config is None:
+        return None
+    return SuffixProposer(config) if config.method == "suffix" else NgramProposer(config)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
