@@ -142,6 +142,8 @@ class ModelLimits:
     """Further EOS ids from generation_config.json; they stop a request like EOS."""
     generation_defaults: dict = field(default_factory=dict)
     """SamplingParams defaults from generation_config.json (vLLM's --generation-config auto)."""
+    grammar_compile_timeout_s: float = 10.0
+    """Structured outputs: a grammar that takes longer to compile is refused (StructuredOutputsConfig)."""
 
 
 @dataclass

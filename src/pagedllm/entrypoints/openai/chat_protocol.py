@@ -20,6 +20,20 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 
 
+class JsonSchemaResponseFormat(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's response_format; structural_tag (vLLM's) is known but not supported here (400)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[dict[str, Any]], WithJsonSchema(MESSAGES_SCHEMA)]
     max_tokens: Int | None = Field(None, json_schema_extra={"minimum": 1},
@@ -33,6 +47,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class ChatMessage(OpenAIBaseModel):
