@@ -48,7 +48,7 @@ def test_both_fields_with_a_constraint_are_refused():
 
 
 def test_unknown_fields_are_ignored_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="pagedllm.entrypoints.openai.protocol"):
+    with caplog.at_level(logging.WARNING, logger="pagedllm.entrypoints.openai.base_model"):
         request = _chat(guided_json=SCHEMA, structured_outputs={"json": SCHEMA, "nope": 1})
     assert request.structured_outputs.json_ == SCHEMA
     messages = [r.getMessage() for r in caplog.records]
