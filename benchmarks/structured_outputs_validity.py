@@ -156,10 +156,32 @@ def measure_cost(tokenizer, vocab_size: int, repeats: int = 3) -> dict[str, floa
                 accept.append(time.perf_counter() - start)
                 if matcher.is_stopped() or matcher.is_error():
                     break
+    apply_us = {rows: 1e6 * _apply_p50(rows, vocab_size) for rows in (1, 16)}
     return {"compile_cold_p50_ms": 1000 * statistics.median(cold),
             "compile_cached_p50_ms": 1000 * statistics.median(cached),
             "mask_fill_p50_us": 1e6 * statistics.median(fill), "mask_fill_p99_us": 1e6 * _p99(fill),
-            "accept_p50_us": 1e6 * statistics.median(accept), "steps": len(fill)}
+            "accept_p50_us": 1e6 * statistics.median(accept), "steps": len(fill),
+            "apply_1_row_p50_us": apply_us[1], "apply_16_rows_p50_us": apply_us[16]}
+
+
+def _apply_p50(num_rows: int, vocab_size: int) -> float:
+    """Seconds the runner takes to mask num_rows rows of [num_rows, vocab] logits (apply_grammar_bitmask)."""
+    import numpy as np
+    import torch
+
+    from pagedllm.layers.sampling.grammar_bitmask import apply_grammar_bitmask
+
+    rng = np.random.default_rng(0)
+    bitmask = rng.integers(-(2**31), 2**31, size=(num_rows, (vocab_size + 31) // 32), dtype=np.int64).astype(np.int32)
+    req_ids = [str(i) for i in range(num_rows)]
+    rows = {r: i for i, r in enumerate(req_ids)}
+    times = []
+    for _ in range(50):
+        logits = torch.randn(num_rows, vocab_size)
+        start = time.perf_counter()
+        apply_grammar_bitmask(logits, bitmask, rows, req_ids)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _p99(values: list[float]) -> float:
@@ -174,18 +196,21 @@ def main() -> None:
     parser.add_argument("--cost", action="store_true", help="also measure compile and mask fill times")
     parser.add_argument("--cost-only", action="store_true")
     args = parser.parse_args()
+    if args.cost_only:  # the tokenizer is all it needs
+        from pagedllm.tokenizer import get_tokenizer
+
+        tokenizer = get_tokenizer(args.model)
+        print(json.dumps(measure_cost(tokenizer, len(tokenizer)), indent=1))
+        return
     from pagedllm import LLM
 
     llm = LLM(args.model, dtype="float32", kv_cache_memory=512 << 20)
-    if not args.cost_only:
-        start = time.perf_counter()
-        print_validity(run_validity(llm, args.num_requests, args.max_tokens))
-        print(f"validity: {time.perf_counter() - start:.0f} s")
-    if args.cost or args.cost_only:
+    start = time.perf_counter()
+    print_validity(run_validity(llm, args.num_requests, args.max_tokens))
+    print(f"validity: {time.perf_counter() - start:.0f} s")
+    if args.cost:
         engine = llm.llm_engine
-        cost = measure_cost(engine.tokenizer, engine.engine_core.vocab_size)
-        print(json.dumps(cost, indent=1))
-
+        print(json.dumps(measure_cost(engine.tokenizer, engine.engine_core.vocab_size), indent=1))
 
 if __name__ == "__main__":
     main()

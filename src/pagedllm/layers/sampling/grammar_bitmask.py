@@ -29,5 +29,9 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, req_id_to_r
     allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]  # [K, <=V] 0/1
     forbidden = torch.ones((len(pairs), vocab_size), dtype=torch.bool)  # [K, V]
     forbidden[:, :allowed.shape[1]] = torch.from_numpy(allowed == 0)
-    index = torch.tensor(logit_rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(forbidden.to(logits.device), float("-inf"))
+    forbidden = forbidden.to(logits.device)
+    if len(pairs) == logits.shape[0]:  # every row is constrained (in order): one call
+        logits.masked_fill_(forbidden, float("-inf"))
+        return
+    for k, i in enumerate(logit_rows):  # in place on each row's view: no gather and scatter of the rows
+        logits[i].masked_fill_(forbidden[k], float("-inf"))
