@@ -30,6 +30,8 @@ def _error(params: S, timeout_s: float = 10.0) -> StructuredOutputError:
     (S(regex="a", choice=["a"]), "structured_outputs", "multiple are specified: regex, choice"),
     (S(json={"type": "object"}, json_object=True), "structured_outputs", "multiple"),
     (S(disable_any_whitespace=True), "structured_outputs", "none are specified"),
+    (S(regex="\ud800"), "structured_outputs.regex", "Invalid regex"),  # a lone surrogate (JSON allows "\ud800")
+    (S(json={"\ud800": {}}), "structured_outputs.json", "valid Unicode"),
 ])
 def test_bad_input_names_the_field(params, param, text):
     error = _error(params)

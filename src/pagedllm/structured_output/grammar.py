@@ -13,6 +13,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import llguidance
+import msgspec
 from llguidance.gbnf_to_lark import any_to_lark
 
 from pagedllm.sampling_params import StructuredOutputsParams
@@ -70,7 +71,11 @@ def grammar_of(params: StructuredOutputsParams, disable_any_whitespace: bool = F
         except ValueError as e:
             raise StructuredOutputError(param, f"Invalid JSON schema: {e}") from None
     if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(_string(params.regex, param))
+        regex = _string(params.regex, param)
+        try:
+            return llguidance.LLMatcher.grammar_from_regex(regex)
+        except Exception as e:  # e.g. a lone surrogate, which Rust strings cannot hold
+            raise StructuredOutputError(param, f"Invalid regex: {e}") from None
     if kind == "choice":
         choices = params.choice
         if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
@@ -97,6 +102,10 @@ def check_grammar(params: StructuredOutputsParams, timeout_s: float, disable_any
     """
     grammar = grammar_of(params, disable_any_whitespace, disable_additional_properties)
     param = f"structured_outputs.{constraint_of(params)}"
+    try:  # the params cross to the engine as msgpack: UTF-8 only
+        msgspec.msgpack.encode(params)
+    except (UnicodeEncodeError, msgspec.EncodeError, TypeError):
+        raise StructuredOutputError(param, "structured_outputs must be valid Unicode (no lone surrogates).") from None
     future = _validate_pool.submit(_validation_error, grammar)
     try:
         error = future.result(timeout=timeout_s)
