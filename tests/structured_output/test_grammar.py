@@ -45,9 +45,20 @@ def test_a_compile_over_the_time_limit_is_refused(monkeypatch):
         return ""
 
     monkeypatch.setattr(grammar_module, "_validation_error", slow)
-    error = _error(S(regex="[0-9]+"), timeout_s=0.05)
+    error = _error(S(regex="[0-9]+ (the time-limit test)"), timeout_s=0.05)
     assert error.param == "structured_outputs.regex"
     assert "longer than 0.05 s" in str(error)
+
+
+def test_a_grammar_seen_before_is_answered_without_the_worker(monkeypatch):
+    params = S(json={"type": "object", "properties": {"cached": {"type": "boolean"}}})
+    check_grammar(params, 10.0)
+
+    def busy(grammar: str) -> str:
+        raise AssertionError("validated again")
+
+    monkeypatch.setattr(grammar_module, "_validation_error", busy)
+    assert check_grammar(params, 10.0)  # e.g. the InputProcessor after the request layer: no wait on the pool
 
 
 @pytest.mark.parametrize("params", [

@@ -6,8 +6,9 @@ its GBNF-to-Lark converter); this module only picks the call and its options, as
 
 from __future__ import annotations
 
-import functools
 import json
+import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -21,7 +22,11 @@ from pagedllm.sampling_params import StructuredOutputsParams
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 """The StructuredOutputsParams fields of which a request sets exactly one."""
 
-_validate_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-validate")
+VALIDATION_CACHE_SIZE = 256
+_validate_pool = ThreadPoolExecutor(4, thread_name_prefix="grammar-validate")
+_validated: OrderedDict[str, str] = OrderedDict()
+"""grammar -> its validation error ("": valid), the most recent VALIDATION_CACHE_SIZE."""
+_validated_lock = threading.Lock()
 
 
 class StructuredOutputError(ValueError):
@@ -106,20 +111,27 @@ def check_grammar(params: StructuredOutputsParams, timeout_s: float, disable_any
         msgspec.msgpack.encode(params)
     except (UnicodeEncodeError, msgspec.EncodeError, TypeError):
         raise StructuredOutputError(param, "structured_outputs must be valid Unicode (no lone surrogates).") from None
-    future = _validate_pool.submit(_validation_error, grammar)
-    try:
-        error = future.result(timeout=timeout_s)
-    except FutureTimeout:
-        raise StructuredOutputError(param, f"The grammar took longer than {timeout_s:g} s to compile.") from None
+    error = _validated.get(grammar)
+    if error is None:  # not seen lately: validate in a worker, so that a slow one can be given up on
+        future = _validate_pool.submit(_validation_error, grammar)
+        try:
+            error = future.result(timeout=timeout_s)
+        except FutureTimeout:
+            raise StructuredOutputError(param, f"The grammar took longer than {timeout_s:g} s to compile.") from None
     if error:
         raise StructuredOutputError(param, f"The {param.split('.')[-1]} cannot be compiled: {error.strip()}")
     return grammar
 
 
-@functools.lru_cache(maxsize=256)
 def _validation_error(grammar: str) -> str:
-    """llguidance's error message for `grammar` ("" when valid); cached: a server sees the same schemas again."""
-    return llguidance.LLMatcher.validate_grammar(grammar, None)
+    """llguidance's error message for `grammar` ("" when valid), remembered: a server sees the same schemas again
+    (and the offline LLM and the server's InputProcessor check what the request layer checked)."""
+    error = llguidance.LLMatcher.validate_grammar(grammar, None)
+    with _validated_lock:
+        _validated[grammar] = error
+        if len(_validated) > VALIDATION_CACHE_SIZE:
+            _validated.popitem(last=False)
+    return error
 
 
 def _schema(value: str | dict | None, param: str) -> dict | bool:
