@@ -60,7 +60,6 @@ class StructuredOutputManager:
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self._backend: GuidanceBackend | None = None
-        self._backend_ready = threading.Event()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[str, object] = OrderedDict()  # grammar text -> matcher at its start
         self._lock = threading.Lock()
@@ -102,7 +101,6 @@ class StructuredOutputManager:
             self._backend = GuidanceBackend(self._load_tokenizer(), self.vocab_size)
             logger.info("structured outputs: llguidance ready for a vocabulary of %d tokens in %.2f s",
                         self._backend.vocab_size, time.perf_counter() - start)
-            self._backend_ready.set()
         return self._backend
 
     def take_stats(self) -> GrammarStats:
