@@ -235,20 +235,43 @@ class SpeculativeConfig:
         """
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("--speculative-config must be a JSON object such as "
-                             '\'{"method": "ngram", "num_speculative_tokens": 4}\'.')
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown --speculative-config keys: {', '.join(unknown)}; known: "
-                             f"{', '.join(sorted(known))}.")
-        return cls(**value)
+        return cls(**_json_object_flag(value, cls, "--speculative-config",
+                                       '{"method": "ngram", "num_speculative_tokens": 4}'))
+
+
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance")  # auto is guidance (llguidance); xgrammar is not installed
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """vLLM's --structured-outputs-config (the same JSON keys): which library turns a request's JSON schema, regex,
+    choice or grammar into token masks."""
+
+    backend: str = "auto"
+    """auto or guidance: llguidance (vLLM's xgrammar is refused: it is not installed with pagedllm)."""
+    disable_fallback: bool = False
+    """vLLM's: no fallback to another backend when one cannot compile a request (there is only one here)."""
+    disable_any_whitespace: bool = False
+    """JSON without whitespace between tokens, for every request (a request may also ask for it)."""
+    disable_additional_properties: bool = False
+    """JSON objects without properties the schema does not name, for every request."""
+    compile_timeout_s: float = 10.0
+    """pagedllm's: a grammar whose validation takes longer is refused with a 400."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in STRUCTURED_OUTPUT_BACKENDS:
+            why = " (xgrammar pulls triton and is not installed with it)" if self.backend == "xgrammar" else ""
+            raise ValueError(f"structured outputs backend {self.backend!r} is not supported by this pagedllm build"
+                             f"{why}; supported: auto, guidance (llguidance).")
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"compile_timeout_s must be positive, got {self.compile_timeout_s}.")
+
+    @classmethod
+    def parse(cls, value: str | dict | StructuredOutputsConfig | None) -> StructuredOutputsConfig:
+        """From the flag's JSON text, an LLM(structured_outputs_config={...}) dict, or None (the defaults)."""
+        if isinstance(value, StructuredOutputsConfig):
+            return value
+        return cls(**_json_object_flag(value, cls, "--structured-outputs-config", '{"backend": "guidance"}'))
 
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
@@ -296,13 +319,16 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative_config: SpeculativeConfig | None = None
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     SECTIONS = ("model_config", "cache_config", "scheduler_config", "parallel_config")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from flat engine arguments (`max_num_seqs=...`); unknown names raise ValueError."""
-        parts: dict[str, Any] = {"speculative_config": SpeculativeConfig.parse(kwargs.pop("speculative_config", None))}
+        parts: dict[str, Any] = {"speculative_config": SpeculativeConfig.parse(kwargs.pop("speculative_config", None)),
+                                 "structured_outputs_config": StructuredOutputsConfig.parse(
+                                     kwargs.pop("structured_outputs_config", None))}
         for section, section_cls in zip(cls.SECTIONS, (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig),
                                         strict=True):
             names = {f.name for f in fields(section_cls)}
@@ -487,6 +513,28 @@ def add_engine_flags(group, skip: frozenset[str] | set[str] = frozenset(), suppr
                            help="Speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
                                 "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'. Methods: "
                                 + ", ".join(SPECULATIVE_METHODS) + ". Default: off.")
+    if "structured_outputs_config" not in seen:
+        group.add_argument("--structured-outputs-config", dest=prefix + "structured_outputs_config", metavar="JSON",
+                           default=argparse.SUPPRESS if suppress_defaults else None,
+                           help="vLLM's JSON, e.g. '{\"backend\": \"guidance\"}'; backends: auto, guidance.")
+
+
+def _json_object_flag(value: str | dict | None, cls: type, flag: str, example: str) -> dict[str, Any]:
+    """A JSON-object flag's value as a dict of `cls`'s fields; raises ValueError naming the flag."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object such as '{example}'.")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"unknown {flag} keys: {', '.join(unknown)}; known: {', '.join(sorted(known))}.")
+    return value
 
 
 def engine_kwargs_from_args(args: argparse.Namespace, prefix: str = "engine_") -> dict[str, Any]:

@@ -37,7 +37,7 @@ SRC = Path(pagedllm.__file__).parent
 LAYERS = [
     {"sampling_params", "messages", "outputs", "config", "log_escape", "math_utils"},
     {"core", "kernels"},
-    {"layers", "models", "tokenizer", "spec_decode", "distributed"},
+    {"layers", "models", "tokenizer", "spec_decode", "distributed", "structured_output"},
     {"worker"},
     {"executor"},
     {"metrics"},

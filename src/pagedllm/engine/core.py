@@ -15,8 +15,17 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.executor.abstract import ExecutorDeadError
 from pagedllm.executor.factory import create_executor
-from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, ModelLimits
+from pagedllm.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    ModelLimits,
+    SchedulerStats,
+)
 from pagedllm.models.loader import resolve_model
+from pagedllm.structured_output.manager import StructuredOutputManager
+from pagedllm.tokenizer import get_tokenizer
 from pagedllm.worker.worker import resolve_max_model_len
 
 logger = logging.getLogger(__name__)
@@ -49,6 +58,8 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
+        self.structured_output_manager = StructuredOutputManager(
+            config.structured_outputs_config, self._load_tokenizer, self.vocab_size)
         pc = config.parallel_config
         logger.info("EngineCore ready in %.1f s: %s, %s executor, tensor-parallel size %d",
                     time.perf_counter() - start, self.resolved_model.path, pc.executor_backend,
@@ -68,7 +79,8 @@ class EngineCore:
         eos_ids = list(self.model_info.eos_token_ids)
         return ModelLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len,
                            eos_token_id=eos_ids[0] if eos_ids else None, extra_stop_token_ids=eos_ids[1:],
-                           generation_defaults=self._generation_defaults())
+                           generation_defaults=self._generation_defaults(),
+                           grammar_compile_timeout_s=self.config.structured_outputs_config.compile_timeout_s)
 
     def cache_config_info(self) -> dict[str, str]:
         """The labels of vLLM's `vllm:cache_config_info` gauge (its CacheConfig's names, values as strings): the
@@ -87,7 +99,12 @@ class EngineCore:
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a validated request. Raises QueueFullError when the waiting queue is at its cap."""
-        self.scheduler.add_request(Request.from_engine_core_request(request, self.config.cache_config.block_size))
+        req = Request.from_engine_core_request(request, self.config.cache_config.block_size)
+        if request.sampling_params.structured_outputs is not None:
+            req.structured_output_request = self.structured_output_manager.add_request(
+                request.sampling_params.structured_outputs)
+            req.status = RequestStatus.WAITING_FOR_FSM
+        self.scheduler.add_request(req)
 
     def abort_requests(self, req_ids: list[str]) -> None:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
@@ -101,8 +118,11 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time())
         scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.num_scheduled_tokens and self.scheduler.waiting:
+            time.sleep(0.001)  # e.g. every request waits for its grammar: no busy spin while it compiles
         try:
-            runner_output = self.executor.execute_model(scheduler_output)
+            grammar = self.structured_output_manager.grammar_bitmask(self.scheduler.requests, scheduler_output)
+            runner_output = self.executor.execute_model(scheduler_output, grammar)
         except ExecutorDeadError:
             raise  # a worker is gone: the engine stops (engine/core_proc.py reports it)
         except Exception:
@@ -110,8 +130,17 @@ class EngineCore:
                              len(scheduler_output.num_scheduled_tokens))
             return self._fail_requests(list(scheduler_output.num_scheduled_tokens))
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs.scheduler_stats = self.scheduler.make_stats()
+        outputs.scheduler_stats = self.make_stats()
         return outputs
+
+    def make_stats(self) -> SchedulerStats:
+        """The scheduler's snapshot with the grammar compiles since the last one."""
+        stats = self.scheduler.make_stats()
+        grammar = self.structured_output_manager.take_stats()
+        stats.grammar_compiles_delta = grammar.num_compiles
+        stats.grammar_compile_seconds_delta = grammar.compile_seconds
+        stats.grammar_cache_hits_delta = grammar.num_cache_hits
+        return stats
 
     def _fail_requests(self, req_ids: list[str]) -> EngineCoreOutputs:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ERROR)
@@ -125,7 +154,11 @@ class EngineCore:
         self.executor.collective_rpc("wait_kv_cache_resident")
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()
+
+    def _load_tokenizer(self):
+        return get_tokenizer(self.config.model_config.tokenizer or self.resolved_model)
 
     # ---- sizing ----------------------------------------------------------------------------------
     def _determine_num_blocks(self) -> int:

@@ -18,6 +18,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.messages import ModelRunnerOutput
 from pagedllm.models.model_info import ModelInfo
+from pagedllm.structured_output.manager import GrammarOutput
 
 
 class ExecutorDeadError(RuntimeError):
@@ -37,8 +38,10 @@ class Executor(ABC):
         """Call `Worker.<method>(*args)` on every rank; returns the results in rank order."""
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every rank; rank 0's output. Raises ExecutorDeadError when a worker is gone."""
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
+        """Run one step on every rank (`grammar`: the token bitmask of the rows that sample under a grammar);
+        rank 0's output. Raises ExecutorDeadError when a worker is gone."""
 
     def determine_num_blocks(self) -> int:
         """KV blocks every rank can hold: the minimum over ranks."""

@@ -49,6 +49,7 @@ from pagedllm.executor.worker_messages import (
 )
 from pagedllm.messages import MAX_MESSAGE_BYTES, ModelRunnerOutput
 from pagedllm.models.loader import load_model_info
+from pagedllm.structured_output.manager import GrammarOutput
 
 logger = logging.getLogger(__name__)
 
@@ -142,8 +143,9 @@ class MultiprocExecutor(Executor):
         return ready[0].model_info
 
     # ---- calls -----------------------------------------------------------------------------------
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._publish(ExecuteModel(scheduler_output))
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
+        self._publish(ExecuteModel.of(scheduler_output, grammar))
         while True:
             message = self._receive(None)
             if not isinstance(message, StepResult):

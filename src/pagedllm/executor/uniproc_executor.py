@@ -9,6 +9,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.executor.abstract import Executor
 from pagedllm.messages import ModelRunnerOutput
+from pagedllm.structured_output.manager import GrammarOutput
 from pagedllm.worker.worker import Worker
 
 
@@ -23,8 +24,9 @@ class UniProcExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple[Any, ...] = (), timeout_s: float | None = None) -> list[Any]:
         return [getattr(self.driver_worker, method)(*args)]
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.driver_worker.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
+        return self.driver_worker.execute_model(scheduler_output, grammar)
 
     def check_health(self) -> None:
         self.driver_worker.check_health()

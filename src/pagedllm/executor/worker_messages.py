@@ -9,14 +9,32 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.messages import ModelRunnerOutput
 from pagedllm.models.model_info import ModelInfo
+from pagedllm.structured_output.manager import GrammarOutput
 
 
 class ExecuteModel(msgspec.Struct, tag="execute", array_like=True):
     scheduler_output: SchedulerOutput
+    grammar_rows: dict[str, int] | None = None
+    """Structured outputs: request id -> row of the bitmask ([rows, words] int32, sent as its bytes)."""
+    grammar_bitmask: bytes | None = None
+    grammar_words: int = 0
+
+    @classmethod
+    def of(cls, scheduler_output: SchedulerOutput, grammar: GrammarOutput | None) -> ExecuteModel:
+        if grammar is None:
+            return cls(scheduler_output)
+        return cls(scheduler_output, grammar.req_id_to_row, grammar.bitmask.tobytes(), grammar.bitmask.shape[1])
+
+    def grammar(self) -> GrammarOutput | None:
+        if self.grammar_rows is None:
+            return None
+        bitmask = np.frombuffer(self.grammar_bitmask, dtype=np.int32).reshape(-1, self.grammar_words)
+        return GrammarOutput(self.grammar_rows, bitmask)
 
 
 class RpcCall(msgspec.Struct, tag="rpc", array_like=True):

@@ -86,7 +86,7 @@ def _busy_loop(worker, rank: int, world_size: int, broadcast: zmq.Socket, result
         message = decoder.decode(broadcast.recv(copy=False).buffer)
         if isinstance(message, ExecuteModel):
             try:
-                output = worker.execute_model(message.scheduler_output)
+                output = worker.execute_model(message.scheduler_output, message.grammar())
             except Exception as e:
                 logger.exception("worker %d: the step failed", rank)
                 results.send(encoder.encode(StepResult(rank, None, f"{type(e).__name__}: {e}")))

@@ -25,6 +25,7 @@ from pagedllm.layers.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedllm.messages import ModelRunnerOutput
 from pagedllm.models.loader import load_model, resolve_device, resolve_dtype, resolve_model
 from pagedllm.models.model_info import ModelInfo
+from pagedllm.structured_output.manager import GrammarOutput
 from pagedllm.tokenizer import get_tokenizer
 from pagedllm.worker.kv_scales import CALIBRATION_TEXT, calculate_kv_scales
 from pagedllm.worker.model_runner import ModelRunner
@@ -120,12 +121,14 @@ class Worker:
             logger.info("KV cache resident in %.1f s", time.perf_counter() - start)
 
     # ---- steps -----------------------------------------------------------------------------------
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run one step; the driver rank returns the output, the others None."""
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammar: GrammarOutput | None = None) -> ModelRunnerOutput | None:
+        """Run one step (`grammar`: this step's token bitmask); the driver rank returns the output, the others
+        None."""
         runner = self.model_runner
         prefault = runner.kv_prefault
         with prefault.busy() if prefault is not None else contextlib.nullcontext():
-            output = runner.execute_model(scheduler_output)
+            output = runner.execute_model(scheduler_output, grammar)
         return output if self.rank == 0 else None
 
     def check_health(self) -> None:

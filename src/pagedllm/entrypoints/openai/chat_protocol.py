@@ -18,6 +18,7 @@ from pagedllm.entrypoints.openai.protocol import (
     random_uuid,
     range_field,
 )
+from pagedllm.entrypoints.openai.structured_outputs_protocol import ResponseFormat
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -33,6 +34,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class ChatMessage(OpenAIBaseModel):

@@ -10,10 +10,12 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
 from pydantic_core import PydanticCustomError
 
 from pagedllm.engine.input_processor import MAX_CACHE_SALT_LEN
+from pagedllm.entrypoints.openai.base_model import OpenAIBaseModel
+from pagedllm.entrypoints.openai.structured_outputs_protocol import StructuredOutputsRequest
 
 MAX_REQUEST_ID_LEN = 256
 
@@ -22,8 +24,6 @@ def random_uuid() -> str:
     return uuid.uuid4().hex
 
 
-class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
 
 
 def _not_a_bool(kind: str):
@@ -142,6 +142,7 @@ class SamplingFields(OpenAIBaseModel):
     add_special_tokens: bool | None = None
     prompt_logprobs: Int | None = range_field(0, 20, description="Top-N logprobs of every prompt token (vLLM's); "
                                                             "not with stream=true.")
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @field_validator("n", mode="after")
     @classmethod
