@@ -319,6 +319,18 @@ class ServerConfig:
     """Accept a chat template sent in a request (`chat_template`, or `chat_template_kwargs.chat_template`);
     without this flag such a request is refused with HTTP 400, as vLLM does. A request's template is code:
     it is compiled and rendered in a child process with a memory limit, killed past --chat-template-timeout."""
+    chat_template: str | None = None
+    """The chat template to use instead of the model's own: a file path, the template text, or the name of a
+    template shipped with pagedllm (`tool_chat_template_hermes.jinja`: Hermes-style tool calling for ChatML
+    models such as SmolLM2)."""
+    enable_auto_tool_choice: bool = False
+    """Accept `tool_choice: "auto"` (the default when a request has tools): the --tool-call-parser reads tool
+    calls out of the model's free output."""
+    tool_call_parser: str | None = None
+    """How tool calls are read out of the output with `tool_choice: "auto"`: `hermes` (`<tool_call>{"name":
+    ..., "arguments": ...}</tool_call>`)."""
+    exclude_tools_when_tool_choice_none: bool = False
+    """Do not pass a request's tools to the chat template when its tool_choice is `none`."""
     max_request_bytes: int = 16 << 20
     """Largest request body accepted, in bytes (HTTP 413 beyond; chunked bodies are counted as they
     arrive)."""
@@ -340,6 +352,7 @@ class ServerConfig:
         if self.cache_salt_from_api_key and self.api_key is None:
             raise ValueError("--cache-salt-from-api-key needs --api-key (or VLLM_API_KEY): without a key there is "
                              "no tenant to derive a salt from.")
+        check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
         for name in ("max_n", "max_prompts", "max_choices", "max_logit_bias", "max_stop", "max_chat_template_chars",
                      "max_request_bytes", "max_header_bytes", "max_connections", "max_buffered_outputs"):
             if getattr(self, name) < 1:
@@ -352,6 +365,18 @@ class ServerConfig:
     def api_keys(self) -> list[str]:
         """The keys of --api-key: any of them is accepted as `Authorization: Bearer KEY`; []: no key needed."""
         return parse_api_keys(self.api_key)
+
+
+TOOL_CALL_PARSERS = ("hermes",)
+"""The --tool-call-parser values (entrypoints/openai/tool_parsers/)."""
+
+
+def check_tool_flags(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:
+    """vLLM's start-up checks of --enable-auto-tool-choice and --tool-call-parser (ValueError)."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"--tool-call-parser {tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}.")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser to be set.")
 
 
 def parse_api_keys(value: str | None, source: str = "--api-key") -> list[str]:
