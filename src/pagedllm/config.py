@@ -237,19 +237,64 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance", "xgrammar")
+"""Values of StructuredOutputsConfig.backend; auto is guidance (xgrammar is not installed with pagedllm)."""
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """vLLM's --structured-outputs-config (the same JSON keys): which library turns a request's JSON schema, regex,
+    choice or grammar into token masks."""
+
+    backend: str = "auto"
+    """auto (= guidance), guidance (llguidance) or xgrammar (only where it is installed)."""
+    disable_fallback: bool = False
+    """vLLM's: no fallback to another backend when one cannot compile a request (there is only one here)."""
+    disable_any_whitespace: bool = False
+    """JSON without whitespace between tokens, for every request (a request may also ask for it)."""
+    disable_additional_properties: bool = False
+    """JSON objects without properties the schema does not name, for every request."""
+    compile_timeout_s: float = 10.0
+    """pagedllm's: a grammar whose validation takes longer is refused with a 400."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(f"structured outputs backend {self.backend!r} is not supported by pagedllm; "
+                             f"supported: {', '.join(STRUCTURED_OUTPUT_BACKENDS)}.")
+        if self.backend == "xgrammar":
+            raise ValueError("structured outputs backend 'xgrammar' is not supported by this pagedllm build (xgrammar "
+                             "pulls triton and is not installed with it); use 'guidance' or 'auto' (llguidance).")
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"compile_timeout_s must be positive, got {self.compile_timeout_s}.")
+
+    @classmethod
+    def parse(cls, value: str | dict | StructuredOutputsConfig | None) -> StructuredOutputsConfig:
+        """From the flag's JSON text, an LLM(structured_outputs_config={...}) dict, or None (the defaults).
+
+        Raises:
+            ValueError: not JSON, not an object, an unknown key or backend.
+        """
+        if isinstance(value, StructuredOutputsConfig):
+            return value
+        return cls(**_json_object_flag(value, cls, "--structured-outputs-config", '{"backend": "guidance"}'))
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative_config: SpeculativeConfig | None = None
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     SECTIONS = ("model_config", "cache_config", "scheduler_config")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from flat engine arguments (`max_num_seqs=...`); unknown names raise ValueError."""
-        parts: dict[str, Any] = {"speculative_config": SpeculativeConfig.parse(kwargs.pop("speculative_config", None))}
+        parts: dict[str, Any] = {"speculative_config": SpeculativeConfig.parse(kwargs.pop("speculative_config", None)),
+                                 "structured_outputs_config": StructuredOutputsConfig.parse(
+                                     kwargs.pop("structured_outputs_config", None))}
         for section, section_cls in zip(cls.SECTIONS, (ModelConfig, CacheConfig, SchedulerConfig), strict=True):
             names = {f.name for f in fields(section_cls)}
             parts[section] = section_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
@@ -456,6 +501,29 @@ def add_engine_flags(group, skip: frozenset[str] | set[str] = frozenset(), suppr
                            help="Speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
                                 "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'. Methods: "
                                 + ", ".join(SPECULATIVE_METHODS) + ". Default: off.")
+    if "structured_outputs_config" not in seen:
+        group.add_argument("--structured-outputs-config", dest=prefix + "structured_outputs_config", metavar="JSON",
+                           default=argparse.SUPPRESS if suppress_defaults else None,
+                           help="Structured outputs as vLLM's JSON, e.g. '{\"backend\": \"guidance\"}'. Backends: "
+                                + ", ".join(STRUCTURED_OUTPUT_BACKENDS) + " (auto: guidance). Default: auto.")
+
+
+def _json_object_flag(value: str | dict | None, cls: type, flag: str, example: str) -> dict[str, Any]:
+    """A JSON-object flag's value as a dict of `cls`'s fields; raises ValueError naming the flag."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object such as '{example}'.")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"unknown {flag} keys: {', '.join(unknown)}; known: {', '.join(sorted(known))}.")
+    return value
 
 
 def engine_kwargs_from_args(args: argparse.Namespace, prefix: str = "engine_") -> dict[str, Any]:

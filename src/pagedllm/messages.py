@@ -64,6 +64,12 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     num_preemptions_delta: int = 0
     spec_decoding_stats: SpecDecodingStats | None = None
     """Speculative decoding counters since the last snapshot; None when speculation is off."""
+    grammar_compiles_delta: int = 0
+    """Structured outputs: grammars compiled (compile-cache misses) since the last snapshot."""
+    grammar_compile_seconds_delta: float = 0.0
+    """Their compile time."""
+    grammar_cache_hits_delta: int = 0
+    """Requests whose grammar came from the compile cache."""
     total_ref_cnt: int | None = None
     """Sum of every block's ref_cnt (0 when nothing holds a block). Filled only by the debug `stats` utility:
     it walks the whole pool, too slow for every step."""
@@ -136,6 +142,8 @@ class ModelLimits:
     """Further EOS ids from generation_config.json; they stop a request like EOS."""
     generation_defaults: dict = field(default_factory=dict)
     """SamplingParams defaults from generation_config.json (vLLM's --generation-config auto)."""
+    grammar_compile_timeout_s: float = 10.0
+    """Structured outputs: a grammar that takes longer to compile is refused (StructuredOutputsConfig)."""
 
 
 @dataclass

@@ -36,7 +36,7 @@ SRC = Path(pagedllm.__file__).parent
 LAYERS = [
     {"sampling_params", "messages", "outputs", "config", "log_escape", "math_utils"},
     {"core", "kernels"},
-    {"layers", "models", "tokenizer", "spec_decode"},
+    {"layers", "models", "tokenizer", "spec_decode", "structured_output"},
     {"worker"},
     {"metrics"},
     {"engine"},

@@ -4,6 +4,7 @@ message the non-streaming path returns, and the shipped Hermes template."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -52,12 +53,15 @@ def test_bad_tool_requests_name_the_field(fields, config, param):
     assert e.value.status == 400 and e.value.param == param, e.value.message
 
 
-def test_named_or_required_with_another_constraint_is_refused():
-    request = ChatCompletionRequest(messages=MESSAGES, tools=TOOLS, tool_choice="required")
-    object.__setattr__(request, "structured_outputs", {"regex": "a+"})  # the structured-outputs layer's field
+@pytest.mark.parametrize("constraint", [{"structured_outputs": {"regex": "a+"}},
+                                        {"response_format": {"type": "json_object"}}])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "now"}}])
+def test_named_or_required_with_another_constraint_is_refused(constraint, choice):
     with pytest.raises(APIError) as e:
-        ToolCalling(request, AUTO)
+        tool_calling(tools=TOOLS, tool_choice=choice, **constraint)
     assert e.value.param == "tool_choice"
+    tool_calling(tools=TOOLS, tool_choice="auto", **constraint)  # auto parses free output: allowed, as in vLLM
+    tool_calling(tools=TOOLS, tool_choice=choice, response_format={"type": "text"})
 
 
 def test_modes_and_template_tools():
@@ -70,10 +74,12 @@ def test_modes_and_template_tools():
     assert tool_calling(tools=TOOLS, tool_choice="required").mode == "required"
 
 
+def constrained(tools: ToolCalling) -> SamplingParams:
+    return asyncio.run(tools.constrain(SamplingParams(), timeout_s=10.0))
+
+
 def test_required_and_named_schemas_are_vllms():
-    params = SamplingParams()
-    tool_calling(tools=TOOLS, tool_choice="required").constrain(params)
-    schema = params.structured_outputs.json
+    schema = constrained(tool_calling(tools=TOOLS, tool_choice="required")).structured_outputs.json
     assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
     first, second = schema["items"]["anyOf"]
     assert first["properties"]["name"] == {"type": "string", "enum": ["get_weather"]}
@@ -84,9 +90,16 @@ def test_required_and_named_schemas_are_vllms():
     assert single["maxItems"] == 1
     named = tool_calling(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert named.schema == WEATHER["function"]["parameters"]
-    params = SamplingParams()
-    tool_calling(tools=TOOLS, tool_choice="auto").constrain(params)
-    assert params.structured_outputs is None
+    assert constrained(tool_calling(tools=TOOLS, tool_choice="auto")).structured_outputs is None
+
+
+def test_a_tool_schema_the_backend_cannot_compile_is_a_400_on_tools():
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "string", "pattern": "(unclosed"}}}}}
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        with pytest.raises(APIError) as e:
+            constrained(tool_calling(tools=[bad], tool_choice=choice))
+        assert e.value.param == "tools", e.value.message
 
 
 def test_malformed_tool_definitions_are_rejected_by_the_model():

@@ -18,6 +18,8 @@ class RequestStatus(enum.IntEnum):
     """Where a request is. Every status after PREEMPTED is a finished one."""
 
     WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()
+    """Waiting for its grammar to compile (structured outputs); then WAITING."""
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -68,6 +70,7 @@ class Request:
         "cache_salt", "block_size", "output_token_ids", "all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "status", "stop_reason", "block_hashes", "num_preemptions",
         "first_scheduled_time", "first_output_sent", "max_tokens", "_stop_token_ids", "spec_token_ids",
+        "structured_output_request",
     )
 
     def __init__(
@@ -109,6 +112,9 @@ class Request:
         self.spec_token_ids: list[int] = []
         """Draft tokens the proposer guessed after the last step, verified (in part) by the next one."""
         self._stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self.structured_output_request = None
+        """structured_output.StructuredOutputRequest when the output must match a grammar (set by the engine core,
+        which puts the request in WAITING_FOR_FSM): `is_ready()`, `accept_tokens(token_ids)`."""
         append_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
 
     @classmethod

@@ -256,8 +256,14 @@ class Scheduler:
     def _schedule_waiting(self, step: StepBuilder) -> None:
         kv = self.kv_cache_manager
         chunked = self.scheduler_config.enable_chunked_prefill
+        waiting_for_fsm = []
         while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if request.status == RequestStatus.WAITING_FOR_FSM:
+                if not request.structured_output_request.is_ready():
+                    waiting_for_fsm.append(self.waiting.pop())  # the requests behind it go first
+                    continue
+                request.status = RequestStatus.WAITING
             computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request, num_computed_tokens)
             if not chunked and num_new_tokens > step.token_budget:
@@ -278,6 +284,8 @@ class Scheduler:
             step.new_reqs.append(request)
             step.add(request, num_new_tokens, new_blocks)
             step.count_prefill(request, num_computed_tokens, num_new_tokens)
+        for request in reversed(waiting_for_fsm):
+            self.waiting.prepend(request)
 
     def _make_output(self, step: StepBuilder) -> SchedulerOutput:
         get_block_ids = self.kv_cache_manager.get_block_ids
@@ -360,6 +368,10 @@ class Scheduler:
             finished = False
             if not new_token_ids or num_computed_tokens < len(request.all_token_ids):
                 new_token_ids = []  # a prefill chunk that did not reach the end samples nothing
+            elif request.structured_output_request is not None:
+                request.structured_output_request.accept_tokens(new_token_ids)
+                new_token_ids = self._append_and_check_stop(request, new_token_ids)
+                finished = request.status is not running_status
             elif len(new_token_ids) == 1:
                 request.append_output_token_id(new_token_ids[0])
                 finished = check_stop(request, new_token_ids[0])

@@ -18,8 +18,16 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.layers.forward_context import kv_cache_bytes_per_block
 from pagedllm.layers.kv_cache_dtype import resolve_kv_cache_dtype
-from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, ModelLimits
+from pagedllm.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    ModelLimits,
+    SchedulerStats,
+)
 from pagedllm.models.loader import load_model, resolve_device, resolve_dtype, resolve_model
+from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import get_tokenizer
 from pagedllm.worker.kv_scales import CALIBRATION_TEXT, calculate_kv_scales
 from pagedllm.worker.model_runner import ModelRunner
@@ -58,6 +66,8 @@ class EngineCore:
         self.runner.initialize_kv_cache(self.num_blocks)
         if cc.kv_scales_calculated:
             self._calculate_kv_scales()
+        self.structured_output_manager = StructuredOutputManager(
+            config.structured_outputs_config, self._load_tokenizer, self.vocab_size)
         logger.info("EngineCore ready in %.1f s: %s on %s in %s", time.perf_counter() - start,
                     self.resolved_model.path, self.device, str(self.dtype).removeprefix("torch."))
 
@@ -70,7 +80,8 @@ class EngineCore:
         eos_ids = list(self.model_info.eos_token_ids)
         return ModelLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len,
                            eos_token_id=eos_ids[0] if eos_ids else None, extra_stop_token_ids=eos_ids[1:],
-                           generation_defaults=self._generation_defaults())
+                           generation_defaults=self._generation_defaults(),
+                           grammar_compile_timeout_s=self.config.structured_outputs_config.compile_timeout_s)
 
     def cache_config_info(self) -> dict[str, str]:
         """The labels of vLLM's `vllm:cache_config_info` gauge (its CacheConfig's names, values as strings): the
@@ -89,7 +100,12 @@ class EngineCore:
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a validated request. Raises QueueFullError when the waiting queue is at its cap."""
-        self.scheduler.add_request(Request.from_engine_core_request(request, self.config.cache_config.block_size))
+        req = Request.from_engine_core_request(request, self.config.cache_config.block_size)
+        if request.sampling_params.structured_outputs is not None:
+            req.structured_output_request = self.structured_output_manager.add_request(
+                request.sampling_params.structured_outputs)
+            req.status = RequestStatus.WAITING_FOR_FSM
+        self.scheduler.add_request(req)
 
     def abort_requests(self, req_ids: list[str]) -> None:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
@@ -103,17 +119,29 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time())
         scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.num_scheduled_tokens and self.scheduler.waiting:
+            time.sleep(0.001)  # e.g. every request waits for its grammar: no busy spin while it compiles
         prefault = self.runner.kv_prefault
         try:
             with prefault.busy() if prefault is not None else contextlib.nullcontext():
-                runner_output = self.runner.execute_model(scheduler_output)
+                grammar = self.structured_output_manager.grammar_bitmask(self.scheduler.requests, scheduler_output)
+                runner_output = self.runner.execute_model(scheduler_output, grammar)
         except Exception:
             logger.exception("model execution failed; failing the %d requests of this step",
                              len(scheduler_output.num_scheduled_tokens))
             return self._fail_requests(list(scheduler_output.num_scheduled_tokens))
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs.scheduler_stats = self.scheduler.make_stats()
+        outputs.scheduler_stats = self.make_stats()
         return outputs
+
+    def make_stats(self) -> SchedulerStats:
+        """The scheduler's snapshot with the grammar compiles since the last one."""
+        stats = self.scheduler.make_stats()
+        grammar = self.structured_output_manager.take_stats()
+        stats.grammar_compiles_delta = grammar.num_compiles
+        stats.grammar_compile_seconds_delta = grammar.compile_seconds
+        stats.grammar_cache_hits_delta = grammar.num_cache_hits
+        return stats
 
     def _fail_requests(self, req_ids: list[str]) -> EngineCoreOutputs:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ERROR)
@@ -130,13 +158,17 @@ class EngineCore:
             logger.info("KV cache resident in %.1f s", time.perf_counter() - start)
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         if self.runner.kv_prefault is not None:
             self.runner.kv_prefault.stop()
         self.runner.kv_caches.clear()
 
+    def _load_tokenizer(self):
+        return get_tokenizer(self.config.model_config.tokenizer or self.resolved_model)
+
     def _calculate_kv_scales(self) -> None:
         """--calculate-kv-scales: every attention layer's k_scale and v_scale from the fixed calibration text."""
-        tokenizer = get_tokenizer(self.config.model_config.tokenizer or self.resolved_model)
+        tokenizer = self._load_tokenizer()
         token_ids = tokenizer.encode(CALIBRATION_TEXT.read_text())[: self.max_model_len]
         start = time.perf_counter()
         scales = calculate_kv_scales(self.runner.model, token_ids, self.device, self.dtype)

@@ -11,6 +11,7 @@ import time
 
 from pagedllm.messages import EngineCoreRequest, ModelLimits
 from pagedllm.sampling_params import SamplingParams, SamplingParamsError
+from pagedllm.structured_output.grammar import StructuredOutputError, check_grammar
 
 # SamplingParams fields that a model's generation_config.json may default (vLLM's list).
 GENERATION_CONFIG_FIELDS = {
@@ -90,6 +91,11 @@ class InputProcessor:
             params.validate(limits.vocab_size)
         except SamplingParamsError as e:
             raise InvalidRequestError(str(e), param=e.param) from None
+        if params.structured_outputs is not None:
+            try:
+                check_grammar(params.structured_outputs, limits.grammar_compile_timeout_s)
+            except StructuredOutputError as e:
+                raise InvalidRequestError(str(e), param=e.param) from None
         room = limits.max_model_len - num_prompt
         if params.max_tokens is None:
             params = _replace(params, max_tokens=room)

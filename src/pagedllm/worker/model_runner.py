@@ -14,11 +14,13 @@ from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.forward_context import AttentionMetadata, kv_cache_shape, set_forward_context
 from pagedllm.layers.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs, logprobs_to_entries
+from pagedllm.layers.sampling.grammar_bitmask import apply_grammar_bitmask
 from pagedllm.layers.sampling.rejection_sampler import can_speculate, rejection_sample
 from pagedllm.math_utils import cdiv
 from pagedllm.messages import LogprobsEntry, ModelRunnerOutput
 from pagedllm.models.llama_native_step import LlamaNativeDecodeStep
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
+from pagedllm.structured_output.manager import GrammarOutput
 from pagedllm.worker.cpu_allocator import PoolPrefault, keep_freed_memory, zeroed_pool
 from pagedllm.worker.input_batch import InputBatch, RequestState
 
@@ -41,6 +43,8 @@ class ModelRunner:
         self.kv_prefault: PoolPrefault | None = None
         # Generators of seeded requests survive preemption: sampling resumes where it stopped.
         self.generators: dict[str, torch.Generator] = {}
+        self.grammar: GrammarOutput | None = None
+        """This step's token bitmask (structured outputs), set by execute_model."""
         self.native_step = LlamaNativeDecodeStep.build(model) if device.type == "cpu" else None
         self.speculative_config = config.speculative_config
         self.proposer = NgramProposer(config.speculative_config) if config.speculative_config is not None else None
@@ -58,14 +62,16 @@ class ModelRunner:
             cpu_kernels.available(self.dtype, self.device)
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step.
+    def execute_model(self, so: SchedulerOutput, grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
+        """Run one step. `grammar`: the token bitmask of the rows that sample under a grammar, applied to their
+        logits before the sampler.
 
         Returns:
             sampled token ids for every scheduled request, in the order of so.num_scheduled_tokens
             ([] for a request whose prefill chunk does not reach the end of its tokens).
         """
         self._update_states(so)
+        self.grammar = grammar
         req_ids = list(so.num_scheduled_tokens)
         if not req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -250,6 +256,9 @@ class ModelRunner:
         batch = self.input_batch
         states = [batch.states[r] for r in rows.tolist()]
         params = [s.sampling_params for s in states]
+        if self.grammar is not None:
+            apply_grammar_bitmask(logits, self.grammar.bitmask, self.grammar.req_id_to_row,
+                                  [s.req_id for s in states])
         needs_tokens = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
                            or p.min_tokens for p in params)
         metadata = build_sampling_metadata(

@@ -21,6 +21,20 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.tool_protocol import ChatCompletionToolsParam, DeltaToolCall, ToolCall, ToolChoice
 
 
+class JsonSchemaResponseFormat(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's response_format; structural_tag (vLLM's) is known but not supported here (400)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[dict[str, Any]], WithJsonSchema(MESSAGES_SCHEMA)]
     max_tokens: Int | None = Field(None, json_schema_extra={"minimum": 1},
@@ -37,6 +51,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: ToolChoice | None = None
     """none, auto, required or {"type": "function", "function": {"name": ...}}; default: auto with tools, else none."""
     parallel_tool_calls: bool | None = True
+    response_format: ResponseFormat | None = None
 
 
 class ChatMessage(OpenAIBaseModel):

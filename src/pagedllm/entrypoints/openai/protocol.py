@@ -6,14 +6,18 @@ model (vocabulary, context length) are checked later, by the InputProcessor.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagedllm.engine.input_processor import MAX_CACHE_SALT_LEN
+from pagedllm.log_escape import escape_control
+
+logger = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_LEN = 256
 
@@ -24,6 +28,19 @@ def random_uuid() -> str:
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _log_extra_fields(cls, data: Any, handler: Any) -> Any:
+        """vLLM's: fields this server does not know are ignored, with a warning naming them."""
+        result = handler(data)
+        if isinstance(data, dict):
+            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+            extra = sorted(str(k) for k in data.keys() - known)
+            if extra:
+                logger.warning("The following fields were present in the request but ignored: %s",
+                               escape_control(extra[:20])[:1000])
+        return result
 
 
 def _not_a_bool(kind: str):
@@ -106,6 +123,22 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs` request field (its StructuredOutputsParams): one of json, regex, choice, grammar,
+    json_object; structural_tag is known but not supported here (400)."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json", description="A JSON schema.")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="A Lark or GBNF (EBNF) grammar.")
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = Field(None, description="Not supported by pagedllm (400).")
+
+
 class SamplingFields(OpenAIBaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
 
@@ -142,6 +175,7 @@ class SamplingFields(OpenAIBaseModel):
     add_special_tokens: bool | None = None
     prompt_logprobs: Int | None = range_field(0, 20, description="Top-N logprobs of every prompt token (vLLM's); "
                                                             "not with stream=true.")
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @field_validator("n", mode="after")
     @classmethod

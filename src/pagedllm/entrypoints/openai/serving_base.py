@@ -59,6 +59,10 @@ class OpenAIServing:
                                                                 functools.partial(fn, *args, **kwargs))
 
     @property
+    def grammar_compile_timeout_s(self) -> float:
+        return self.engine.input_processor.limits.grammar_compile_timeout_s
+
+    @property
     def model_name(self) -> str:
         return self.served_model_names[0]
 

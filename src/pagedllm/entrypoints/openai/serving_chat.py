@@ -32,6 +32,7 @@ from pagedllm.entrypoints.openai.formatting import (
     usage,
 )
 from pagedllm.entrypoints.openai.serving_base import OpenAIServing, merge_streams
+from pagedllm.entrypoints.openai.structured_outputs import with_structured_outputs
 from pagedllm.entrypoints.openai.tool_calling import ChoiceStream, ToolCalling
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.sampling_params import MAX_LOGPROBS
@@ -177,7 +178,8 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         params = self.sampling_params(request, max_tokens, logprobs, request.prompt_logprobs)
-        tools.constrain(params)
+        params = await with_structured_outputs(request, params, self.grammar_compile_timeout_s)
+        params = await tools.constrain(params, self.grammar_compile_timeout_s)
         request_id = self.request_id("chatcmpl", request)
         streams = self.add_requests(request_id, [(prompt, token_ids)], params, request,
                                     "delta" if request.stream else "final_only")

@@ -26,6 +26,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.request_caps import too_many
 from pagedllm.entrypoints.openai.serving_base import OpenAIServing, merge_streams
+from pagedllm.entrypoints.openai.structured_outputs import with_structured_outputs
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 Prompt = tuple[str | None, list[int]]
@@ -48,6 +49,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = await self._tokenize(request, items)
         params = self.sampling_params(request, request.max_tokens, request.logprobs,
                                       _num_prompt_logprobs_computed(request))
+        params = await with_structured_outputs(request, params, self.grammar_compile_timeout_s)
         request_id = self.request_id("cmpl", request)
         streams = self.add_requests(request_id, prompts, params, request,
                                     "delta" if request.stream else "final_only")

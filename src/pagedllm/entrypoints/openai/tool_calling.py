@@ -16,9 +16,12 @@ A message with tool calls finishes with `tool_calls` (unless cut by max_tokens: 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from typing import Any
+
+import msgspec
 
 from pagedllm.config import ServerConfig
 from pagedllm.entrypoints.openai import errors
@@ -34,6 +37,7 @@ from pagedllm.entrypoints.openai.tool_protocol import (
     random_tool_call_id,
 )
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.structured_output.grammar import StructuredOutputError, check_grammar
 
 
 class ToolCalling:
@@ -96,10 +100,17 @@ class ToolCalling:
             schema["$defs"] = defs
         return schema
 
-    def constrain(self, params: SamplingParams) -> None:
-        """For required and named: the output must match the tools' schema (enforced by the backend)."""
-        if self.schema is not None:
-            params.structured_outputs = StructuredOutputsParams(json=self.schema)
+    async def constrain(self, params: SamplingParams, timeout_s: float) -> SamplingParams:
+        """`params`, for required and named with the tools' schema as their structured output (enforced by the
+        backend), once it compiles within timeout_s (in a worker thread); raises APIError(400, param tools)."""
+        if self.schema is None:
+            return params
+        constraint = StructuredOutputsParams(json=self.schema)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, check_grammar, constraint, timeout_s)
+        except StructuredOutputError as e:
+            raise errors.bad_request(f"The tools' parameters cannot be enforced: {e}", param="tools") from None
+        return msgspec.structs.replace(params, structured_outputs=constraint)
 
     @property
     def parses_output(self) -> bool:

@@ -1,0 +1,154 @@
+"""StructuredOutputManager: compiles grammars in a worker thread (with a cache keyed by grammar and tokenizer)
+and, each step, fills the token bitmask of the rows that sample under a grammar (vLLM's
+`StructuredOutputManager`). The engine core owns it; only the busy loop's thread calls `grammar_bitmask`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pagedllm.config import StructuredOutputsConfig
+from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.backend_guidance import GuidanceBackend
+from pagedllm.structured_output.grammar import grammar_of
+from pagedllm.structured_output.request import StructuredOutputRequest
+
+if TYPE_CHECKING:
+    from pagedllm.core.request import Request
+    from pagedllm.core.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+COMPILE_CACHE_SIZE = 256
+"""Compiled grammars kept (least recently used dropped first)."""
+
+
+@dataclass
+class GrammarOutput:
+    """A step's masks: row `req_id_to_row[r]` of `bitmask` ([rows, ceil(V / 32)] int32) is request r's."""
+
+    req_id_to_row: dict[str, int]
+    bitmask: np.ndarray
+
+
+@dataclass
+class GrammarStats:
+    """Since the last snapshot: grammars compiled (cache misses), their seconds, and cache hits."""
+
+    num_compiles: int = 0
+    compile_seconds: float = 0.0
+    num_cache_hits: int = 0
+
+
+class StructuredOutputManager:
+    """Args:
+        config: the backend choice and server-wide JSON options.
+        load_tokenizer: builds the model's tokenizer; called once, in the compile worker, on the first request.
+        vocab_size: rows of the model's logits.
+    """
+
+    def __init__(self, config: StructuredOutputsConfig, load_tokenizer: Callable, vocab_size: int):
+        self.config = config
+        self._load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size
+        self._backend: GuidanceBackend | None = None
+        self._backend_ready = threading.Event()
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._cache: OrderedDict[str, object] = OrderedDict()  # grammar text -> matcher at its start
+        self._lock = threading.Lock()
+        self._stats = GrammarStats()
+        self._bitmask: np.ndarray | None = None
+
+    def add_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
+        """Start compiling a request's grammar in the worker; the request waits (WAITING_FOR_FSM) until it is
+        ready. Raises StructuredOutputError for params that name no grammar (the frontend checked it first)."""
+        grammar = grammar_of(params, self.config.disable_any_whitespace, self.config.disable_additional_properties)
+        return StructuredOutputRequest(self._worker.submit(self._compile, grammar))
+
+    def _compile(self, grammar: str):
+        """In the worker: a matcher for `grammar` at its start, copied from the cache or compiled."""
+        backend = self._get_backend()
+        template = self._cache.get(grammar)  # only this thread touches the cache
+        if template is not None:
+            self._cache.move_to_end(grammar)
+            with self._lock:
+                self._stats.num_cache_hits += 1
+            return template.deep_copy()
+        start = time.perf_counter()
+        template = backend.compile(grammar)
+        seconds = time.perf_counter() - start
+        if template.is_error():
+            logger.warning("grammar does not compile: %s", template.get_error()[:500])
+        else:
+            self._cache[grammar] = template
+            if len(self._cache) > COMPILE_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        with self._lock:
+            self._stats.num_compiles += 1
+            self._stats.compile_seconds += seconds
+        return template.deep_copy()
+
+    def _get_backend(self) -> GuidanceBackend:
+        if self._backend is None:
+            start = time.perf_counter()
+            self._backend = GuidanceBackend(self._load_tokenizer(), self.vocab_size)
+            logger.info("structured outputs: llguidance ready for a vocabulary of %d tokens in %.2f s",
+                        self._backend.vocab_size, time.perf_counter() - start)
+            self._backend_ready.set()
+        return self._backend
+
+    def take_stats(self) -> GrammarStats:
+        """The counters since the previous call."""
+        with self._lock:
+            stats, self._stats = self._stats, GrammarStats()
+        return stats
+
+    def grammar_bitmask(self, requests: Mapping[str, Request], scheduler_output: SchedulerOutput
+                        ) -> GrammarOutput | None:
+        """The masks of this step's rows that sample under a grammar (None: no such row).
+
+        A request samples when the step's tokens reach the end of its tokens (scheduled num_computed_tokens,
+        which already counts this step, is its num_tokens). A row that would allow nothing gets EOS, so the
+        request can always end.
+        """
+        rows: dict[str, int] = {}
+        matchers = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = requests.get(req_id)
+            so_request = request.structured_output_request if request is not None else None
+            if so_request is None or request.num_computed_tokens < len(request.all_token_ids):
+                continue
+            rows[req_id] = len(rows)
+            matchers.append(so_request.matcher)
+        if not rows:
+            return None
+        backend = self._backend
+        if backend is None:  # every compile failed before the backend existed
+            return None
+        bitmask = self._rows(backend, len(rows))
+        live = [(m, i) for i, m in enumerate(matchers) if m is not None]
+        bitmask.fill(0)
+        if live:
+            backend.fill_bitmask(live, bitmask)
+        dead = np.flatnonzero(~bitmask.any(axis=1))
+        if len(dead) and backend.eos_token_id is not None:
+            eos = backend.eos_token_id
+            bitmask[dead, eos // 32] |= np.array([1 << (eos % 32)], dtype=np.uint32).view(np.int32)[0]
+        return GrammarOutput(rows, bitmask)
+
+    def _rows(self, backend: GuidanceBackend, num_rows: int) -> np.ndarray:
+        """A view of num_rows rows of a reused buffer (the runner reads it before the next step fills it)."""
+        if self._bitmask is None or len(self._bitmask) < num_rows:
+            self._bitmask = backend.allocate_bitmask(max(num_rows, 8))
+        return self._bitmask[:num_rows]
+
+    def shutdown(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
