@@ -85,7 +85,7 @@ def test_required_and_named_schemas_are_vllms():
     assert first["properties"]["name"] == {"type": "string", "enum": ["get_weather"]}
     assert first["properties"]["parameters"] == WEATHER["function"]["parameters"]
     assert second["properties"]["parameters"] == {"type": "object", "properties": {}}  # no parameters: {}
-    assert first["required"] == ["name", "parameters"]
+    assert first["required"] == ["name", "parameters"] and first["additionalProperties"] is False
     single = tool_calling(tools=TOOLS, tool_choice="required", parallel_tool_calls=False).schema
     assert single["maxItems"] == 1
     named = tool_calling(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})

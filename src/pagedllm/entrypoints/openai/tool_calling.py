@@ -77,7 +77,8 @@ class ToolCalling:
         self.schema = self._schema()
 
     def _schema(self) -> dict[str, Any] | None:
-        """vLLM's JSON schema for `required` and a named function (None for none and auto)."""
+        """vLLM's JSON schema for `required` (each call object closed to other keys) and a named function (None for
+        none and auto)."""
         if self.mode == "named":
             parameters = next(t.function.parameters for t in self.tools if t.function.name == self.function_name)
             return parameters if parameters is not None else {"type": "object", "properties": {}}
@@ -90,9 +91,11 @@ class ToolCalling:
                 if defs.setdefault(name, schema) != schema:
                     raise errors.bad_request(f"Tool definition '{name}' has multiple schemas, which is not "
                                              "supported.", param="tools")
+            # additionalProperties false (not in vLLM's schema): keys other than name and parameters are dropped by
+            # the parser anyway, and a weak model kept writing them until max_tokens
             items.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},
                                          "parameters": parameters},
-                          "required": ["name", "parameters"]})
+                          "required": ["name", "parameters"], "additionalProperties": False})
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
         if not self.parallel:
             schema["maxItems"] = 1
@@ -105,7 +108,9 @@ class ToolCalling:
         backend), once it compiles within timeout_s (in a worker thread); raises APIError(400, param tools)."""
         if self.schema is None:
             return params
-        constraint = StructuredOutputsParams(json=self.schema)
+        # compact JSON: with flexible whitespace a weak model (a random one always) writes whitespace until
+        # max_tokens instead of the call (vLLM leaves whitespace free here)
+        constraint = StructuredOutputsParams(json=self.schema, disable_any_whitespace=True)
         try:
             await asyncio.get_running_loop().run_in_executor(None, check_grammar, constraint, timeout_s)
         except StructuredOutputError as e:
