@@ -223,24 +223,11 @@ class SpeculativeConfig:
         """
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("--speculative-config must be a JSON object such as "
-                             '\'{"method": "ngram", "num_speculative_tokens": 4}\'.')
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown --speculative-config keys: {', '.join(unknown)}; known: "
-                             f"{', '.join(sorted(known))}.")
-        return cls(**value)
+        return cls(**_json_object_flag(value, cls, "--speculative-config",
+                                       '{"method": "ngram", "num_speculative_tokens": 4}'))
 
 
-STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance", "xgrammar")
-"""Values of StructuredOutputsConfig.backend; auto is guidance (xgrammar is not installed with pagedllm)."""
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance")  # auto is guidance (llguidance); xgrammar is not installed
 
 
 @dataclass
@@ -249,7 +236,7 @@ class StructuredOutputsConfig:
     choice or grammar into token masks."""
 
     backend: str = "auto"
-    """auto (= guidance), guidance (llguidance) or xgrammar (only where it is installed)."""
+    """auto or guidance: llguidance (vLLM's xgrammar is refused: it is not installed with pagedllm)."""
     disable_fallback: bool = False
     """vLLM's: no fallback to another backend when one cannot compile a request (there is only one here)."""
     disable_any_whitespace: bool = False
@@ -261,21 +248,15 @@ class StructuredOutputsConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in STRUCTURED_OUTPUT_BACKENDS:
-            raise ValueError(f"structured outputs backend {self.backend!r} is not supported by pagedllm; "
-                             f"supported: {', '.join(STRUCTURED_OUTPUT_BACKENDS)}.")
-        if self.backend == "xgrammar":
-            raise ValueError("structured outputs backend 'xgrammar' is not supported by this pagedllm build (xgrammar "
-                             "pulls triton and is not installed with it); use 'guidance' or 'auto' (llguidance).")
+            why = " (xgrammar pulls triton and is not installed with it)" if self.backend == "xgrammar" else ""
+            raise ValueError(f"structured outputs backend {self.backend!r} is not supported by this pagedllm build"
+                             f"{why}; supported: auto, guidance (llguidance).")
         if not self.compile_timeout_s > 0:
             raise ValueError(f"compile_timeout_s must be positive, got {self.compile_timeout_s}.")
 
     @classmethod
     def parse(cls, value: str | dict | StructuredOutputsConfig | None) -> StructuredOutputsConfig:
-        """From the flag's JSON text, an LLM(structured_outputs_config={...}) dict, or None (the defaults).
-
-        Raises:
-            ValueError: not JSON, not an object, an unknown key or backend.
-        """
+        """From the flag's JSON text, an LLM(structured_outputs_config={...}) dict, or None (the defaults)."""
         if isinstance(value, StructuredOutputsConfig):
             return value
         return cls(**_json_object_flag(value, cls, "--structured-outputs-config", '{"backend": "guidance"}'))
@@ -371,8 +352,7 @@ def add_engine_flags(group, skip: frozenset[str] | set[str] = frozenset(), suppr
     if "structured_outputs_config" not in seen:
         group.add_argument("--structured-outputs-config", dest=prefix + "structured_outputs_config", metavar="JSON",
                            default=argparse.SUPPRESS if suppress_defaults else None,
-                           help="Structured outputs as vLLM's JSON, e.g. '{\"backend\": \"guidance\"}'. Backends: "
-                                + ", ".join(STRUCTURED_OUTPUT_BACKENDS) + " (auto: guidance). Default: auto.")
+                           help="vLLM's JSON, e.g. '{\"backend\": \"guidance\"}'; backends: auto, guidance.")
 
 
 def _json_object_flag(value: str | dict | None, cls: type, flag: str, example: str) -> dict[str, Any]:

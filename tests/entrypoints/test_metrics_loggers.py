@@ -51,6 +51,19 @@ def test_log_line(caplog):
     (message,) = [r.getMessage() for r in caplog.records]
     assert "Avg prompt throughput" in message and "Avg generation throughput" in message
     assert "Running: 3 reqs, Waiting: 2 reqs, KV cache usage: 50.0%, Prefix cache hit rate: 25.0%" in message
+    assert "Grammar" not in message  # no structured outputs in the interval
+
+
+def test_log_line_counts_grammar_compiles_and_cache_hits(caplog):
+    logger = LoggingStatLogger(interval_s=10.0)
+    logger.record(SchedulerStats(num_running_reqs=1, grammar_compiles_delta=2, grammar_compile_seconds_delta=0.006,
+                                 grammar_cache_hits_delta=3), None)
+    logger.record(SchedulerStats(num_running_reqs=1, grammar_compiles_delta=1, grammar_compile_seconds_delta=0.003,
+                                 grammar_cache_hits_delta=4), None)
+    with caplog.at_level(logging.INFO, logger="pagedllm.metrics.loggers"):
+        logger.log()
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message.endswith("Prefix cache hit rate: 0.0%, Grammars compiled: 3 (avg 3.0 ms), Grammar cache hits: 7")
 
 
 def _spec_stats(drafts: int, draft_tokens: int, per_pos: list[int]) -> SpecDecodingStats:

@@ -119,12 +119,18 @@ class LoggingStatLogger:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.spec: SpecDecodingStats | None = None
+        self.grammar_compiles = 0
+        self.grammar_compile_seconds = 0.0
+        self.grammar_cache_hits = 0
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
         if scheduler_stats is not None:
             self.scheduler_stats = scheduler_stats
             self.prefix_queries += scheduler_stats.prefix_cache_queries_delta
             self.prefix_hits += scheduler_stats.prefix_cache_hits_delta
+            self.grammar_compiles += scheduler_stats.grammar_compiles_delta
+            self.grammar_compile_seconds += scheduler_stats.grammar_compile_seconds_delta
+            self.grammar_cache_hits += scheduler_stats.grammar_cache_hits_delta
             if scheduler_stats.spec_decoding_stats is not None:
                 self._add_spec(scheduler_stats.spec_decoding_stats)
         if iteration_stats is not None:
@@ -141,13 +147,22 @@ class LoggingStatLogger:
             hit_rate = self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
             logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                         "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
-                        "Prefix cache hit rate: %.1f%%",
+                        "Prefix cache hit rate: %.1f%%%s",
                         self.num_prompt_tokens / elapsed, self.num_generation_tokens / elapsed,
-                        s.num_running_reqs, s.num_waiting_reqs, s.kv_cache_usage * 100, hit_rate * 100)
+                        s.num_running_reqs, s.num_waiting_reqs, s.kv_cache_usage * 100, hit_rate * 100,
+                        self._grammar_part())
         if self.spec is not None and self.spec.num_drafts:
             _log_spec_decode(self.spec, elapsed)
         self._was_active = active
         self._reset(now)
+
+    def _grammar_part(self) -> str:
+        """Structured outputs in the interval: grammars compiled, their mean compile time, compile-cache hits."""
+        if not (self.grammar_compiles or self.grammar_cache_hits):
+            return ""
+        mean_ms = 1000 * self.grammar_compile_seconds / max(self.grammar_compiles, 1)
+        return (f", Grammars compiled: {self.grammar_compiles} (avg {mean_ms:.1f} ms), "
+                f"Grammar cache hits: {self.grammar_cache_hits}")
 
     def _add_spec(self, stats: SpecDecodingStats) -> None:
         if self.spec is None:

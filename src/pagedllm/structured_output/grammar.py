@@ -6,13 +6,15 @@ its GBNF-to-Lark converter); this module only picks the call and its options, as
 
 from __future__ import annotations
 
-import functools
 import json
+import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import llguidance
+import msgspec
 from llguidance.gbnf_to_lark import any_to_lark
 
 from pagedllm.sampling_params import StructuredOutputsParams
@@ -20,7 +22,11 @@ from pagedllm.sampling_params import StructuredOutputsParams
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 """The StructuredOutputsParams fields of which a request sets exactly one."""
 
-_validate_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-validate")
+VALIDATION_CACHE_SIZE = 256
+_validate_pool = ThreadPoolExecutor(4, thread_name_prefix="grammar-validate")
+_validated: OrderedDict[str, str] = OrderedDict()
+"""grammar -> its validation error ("": valid), the most recent VALIDATION_CACHE_SIZE."""
+_validated_lock = threading.Lock()
 
 
 class StructuredOutputError(ValueError):
@@ -70,7 +76,11 @@ def grammar_of(params: StructuredOutputsParams, disable_any_whitespace: bool = F
         except ValueError as e:
             raise StructuredOutputError(param, f"Invalid JSON schema: {e}") from None
     if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(_string(params.regex, param))
+        regex = _string(params.regex, param)
+        try:
+            return llguidance.LLMatcher.grammar_from_regex(regex)
+        except Exception as e:  # e.g. a lone surrogate, which Rust strings cannot hold
+            raise StructuredOutputError(param, f"Invalid regex: {e}") from None
     if kind == "choice":
         choices = params.choice
         if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
@@ -97,20 +107,31 @@ def check_grammar(params: StructuredOutputsParams, timeout_s: float, disable_any
     """
     grammar = grammar_of(params, disable_any_whitespace, disable_additional_properties)
     param = f"structured_outputs.{constraint_of(params)}"
-    future = _validate_pool.submit(_validation_error, grammar)
-    try:
-        error = future.result(timeout=timeout_s)
-    except FutureTimeout:
-        raise StructuredOutputError(param, f"The grammar took longer than {timeout_s:g} s to compile.") from None
+    try:  # the params cross to the engine as msgpack: UTF-8 only
+        msgspec.msgpack.encode(params)
+    except (UnicodeEncodeError, msgspec.EncodeError, TypeError):
+        raise StructuredOutputError(param, "structured_outputs must be valid Unicode (no lone surrogates).") from None
+    error = _validated.get(grammar)
+    if error is None:  # not seen lately: validate in a worker, so that a slow one can be given up on
+        future = _validate_pool.submit(_validation_error, grammar)
+        try:
+            error = future.result(timeout=timeout_s)
+        except FutureTimeout:
+            raise StructuredOutputError(param, f"The grammar took longer than {timeout_s:g} s to compile.") from None
     if error:
         raise StructuredOutputError(param, f"The {param.split('.')[-1]} cannot be compiled: {error.strip()}")
     return grammar
 
 
-@functools.lru_cache(maxsize=256)
 def _validation_error(grammar: str) -> str:
-    """llguidance's error message for `grammar` ("" when valid); cached: a server sees the same schemas again."""
-    return llguidance.LLMatcher.validate_grammar(grammar, None)
+    """llguidance's error message for `grammar` ("" when valid), remembered: a server sees the same schemas again
+    (and the offline LLM and the server's InputProcessor check what the request layer checked)."""
+    error = llguidance.LLMatcher.validate_grammar(grammar, None)
+    with _validated_lock:
+        _validated[grammar] = error
+        if len(_validated) > VALIDATION_CACHE_SIZE:
+            _validated.popitem(last=False)
+    return error
 
 
 def _schema(value: str | dict | None, param: str) -> dict | bool:

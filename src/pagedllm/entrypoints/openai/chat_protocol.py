@@ -18,21 +18,8 @@ from pagedllm.entrypoints.openai.protocol import (
     random_uuid,
     range_field,
 )
+from pagedllm.entrypoints.openai.structured_outputs_protocol import ResponseFormat
 from pagedllm.entrypoints.openai.tool_protocol import ChatCompletionToolsParam, DeltaToolCall, ToolCall, ToolChoice
-
-
-class JsonSchemaResponseFormat(OpenAIBaseModel):
-    name: str
-    description: str | None = None
-    json_schema: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(OpenAIBaseModel):
-    """OpenAI's response_format; structural_tag (vLLM's) is known but not supported here (400)."""
-
-    type: Literal["text", "json_object", "json_schema", "structural_tag"]
-    json_schema: JsonSchemaResponseFormat | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -6,18 +6,16 @@ model (vocabulary, context length) are checked later, by the InputProcessor.
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
 from pydantic_core import PydanticCustomError
 
 from pagedllm.engine.input_processor import MAX_CACHE_SALT_LEN
-from pagedllm.log_escape import escape_control
-
-logger = logging.getLogger(__name__)
+from pagedllm.entrypoints.openai.base_model import OpenAIBaseModel
+from pagedllm.entrypoints.openai.structured_outputs_protocol import StructuredOutputsRequest
 
 MAX_REQUEST_ID_LEN = 256
 
@@ -26,21 +24,6 @@ def random_uuid() -> str:
     return uuid.uuid4().hex
 
 
-class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _log_extra_fields(cls, data: Any, handler: Any) -> Any:
-        """vLLM's: fields this server does not know are ignored, with a warning naming them."""
-        result = handler(data)
-        if isinstance(data, dict):
-            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
-            extra = sorted(str(k) for k in data.keys() - known)
-            if extra:
-                logger.warning("The following fields were present in the request but ignored: %s",
-                               escape_control(extra[:20])[:1000])
-        return result
 
 
 def _not_a_bool(kind: str):
@@ -121,22 +104,6 @@ class ErrorResponse(OpenAIBaseModel):
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
-
-
-class StructuredOutputsRequest(OpenAIBaseModel):
-    """vLLM's `structured_outputs` request field (its StructuredOutputsParams): one of json, regex, choice, grammar,
-    json_object; structural_tag is known but not supported here (400)."""
-
-    json_: str | dict[str, Any] | None = Field(None, alias="json", description="A JSON schema.")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = Field(None, description="A Lark or GBNF (EBNF) grammar.")
-    json_object: bool | None = None
-    disable_fallback: bool = False
-    disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
-    whitespace_pattern: str | None = None
-    structural_tag: str | None = Field(None, description="Not supported by pagedllm (400).")
 
 
 class SamplingFields(OpenAIBaseModel):

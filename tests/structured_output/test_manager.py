@@ -1,0 +1,108 @@
+"""The compile worker and its cache, the per-step bitmask, and its application to the logits, with the tiny
+test tokenizer and no model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.config import StructuredOutputsConfig
+from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.layers.sampling.grammar_bitmask import apply_grammar_bitmask
+from pagedllm.sampling_params import StructuredOutputsParams as S
+from pagedllm.structured_output.manager import StructuredOutputManager
+
+
+class _Req:
+    """What grammar_bitmask reads of a core Request."""
+
+    def __init__(self, so_request, num_tokens: int, num_computed_tokens: int):
+        self.structured_output_request = so_request
+        self.all_token_ids = [0] * num_tokens
+        self.num_computed_tokens = num_computed_tokens
+
+
+def _allowed(row: np.ndarray) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+
+
+@pytest.fixture
+def manager(tiny_tokenizer):
+    m = StructuredOutputManager(StructuredOutputsConfig(), lambda: tiny_tokenizer, len(tiny_tokenizer))
+    yield m
+    m.shutdown()
+
+
+def _ready(manager, params):
+    so = manager.add_request(params)
+    so.future.result(timeout=60)
+    assert so.is_ready()
+    return so
+
+
+def test_the_compile_cache_is_keyed_by_grammar(manager):
+    a, b = _ready(manager, S(regex="[0-9]{3}")), _ready(manager, S(regex="[0-9]{3}"))
+    _ready(manager, S(regex="[a-c]+"))
+    stats = manager.take_stats()
+    assert (stats.num_compiles, stats.num_cache_hits) == (2, 1)
+    assert stats.compile_seconds > 0
+    assert a.matcher is not b.matcher  # a cache hit is a copy: each request advances its own matcher
+    assert manager.take_stats().num_compiles == 0  # counters since the last snapshot
+
+
+def test_bitmask_rows_are_the_constrained_rows_that_sample(manager, tiny_tokenizer):
+    digits = _ready(manager, S(regex="[0-9]{2}"))
+    choice = _ready(manager, S(choice=["yes"]))
+    requests = {"digits": _Req(digits, 10, 10), "plain": _Req(None, 10, 10), "chunk": _Req(choice, 10, 4),
+                "choice": _Req(choice, 5, 5)}
+    out = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=None,
+                          num_scheduled_tokens={k: 1 for k in requests}, total_num_scheduled_tokens=4,
+                          finished_req_ids=set(), preempted_req_ids=set())
+    grammar = manager.grammar_bitmask(requests, out)
+    assert grammar.req_id_to_row == {"digits": 0, "choice": 1}  # not the unconstrained one, not a mid-prompt chunk
+    allowed = {tiny_tokenizer.decode([t]) for t in _allowed(grammar.bitmask[0])}
+    assert allowed and all(text.isdigit() and len(text) <= 2 for text in allowed)
+    assert all("yes".startswith(tiny_tokenizer.decode([t])) for t in _allowed(grammar.bitmask[1]))
+
+
+def test_a_dead_end_allows_eos(manager, tiny_tokenizer):
+    so = _ready(manager, S(choice=["yes"]))
+    yes = tiny_tokenizer.encode("yes")
+    so.accept_tokens(yes)  # the grammar is complete: only EOS may follow
+    eos = tiny_tokenizer.eos_token_id
+    out = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=None, num_scheduled_tokens={"r": 1},
+                          total_num_scheduled_tokens=1, finished_req_ids=set(), preempted_req_ids=set())
+    assert _allowed(manager.grammar_bitmask({"r": _Req(so, 5, 5)}, out).bitmask[0]).tolist() == [eos]
+    so.accept_tokens(yes[:1])  # a token the grammar refuses: the matcher's error state, still EOS
+    assert _allowed(manager.grammar_bitmask({"r": _Req(so, 5, 5)}, out).bitmask[0]).tolist() == [eos]
+
+
+def test_masked_rows_get_minus_inf_and_other_rows_stay_bitwise_unchanged():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 70)
+    before = logits.clone()
+    bitmask = np.zeros((1, 2), dtype=np.int32)  # 64 tokens: 2 words; tokens 64..69 are past the mask
+    bitmask[0, 0] = 0b1010
+    bitmask[0, 1] = np.array([1 << 31], dtype=np.uint32).view(np.int32)[0]  # token 63
+    apply_grammar_bitmask(logits, bitmask, {"b": 0}, ["a", "b", "c"])
+    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+    finite = torch.isfinite(logits[1]).nonzero().flatten().tolist()
+    assert finite == [1, 3, 63]
+    assert torch.equal(logits[1, finite], before[1, finite])
+
+
+def test_a_failed_compile_leaves_only_eos(manager, tiny_tokenizer):
+    from concurrent.futures import Future
+
+    from pagedllm.structured_output.request import StructuredOutputRequest
+
+    _ready(manager, S(regex="a"))  # the backend exists
+    future = Future()
+    future.set_exception(RuntimeError("backend failure"))
+    so = StructuredOutputRequest(future)
+    assert so.is_ready() and so.failed and so.matcher is None
+    out = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=None, num_scheduled_tokens={"r": 1},
+                          total_num_scheduled_tokens=1, finished_req_ids=set(), preempted_req_ids=set())
+    row = manager.grammar_bitmask({"r": _Req(so, 5, 5)}, out).bitmask[0]
+    assert _allowed(row).tolist() == [tiny_tokenizer.eos_token_id]  # never an all-zero row
