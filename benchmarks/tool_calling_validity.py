@@ -92,7 +92,7 @@ def one_request(client: openai.OpenAI, model: str, tool_index: int, mode: str, t
 
 def run_validity(base_url: str, requests_per_tool: int, temperatures=(0.0, 1.0), modes=("required", "named"),
                  concurrency: int = 16, max_tokens: int = 512, parallel_tool_calls: bool = True,
-                 api_key: str = "unused") -> list[dict[str, Any]]:
+                 api_key: str = "unused", seed_offset: int = 0) -> list[dict[str, Any]]:
     """One row per (mode, temperature): total, valid, errors (the first few), finish reasons, tokens, seconds.
     parallel_tool_calls=False caps `required` at one call (maxItems 1)."""
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
@@ -100,7 +100,7 @@ def run_validity(base_url: str, requests_per_tool: int, temperatures=(0.0, 1.0),
     rows = []
     for mode in modes:
         for temperature in temperatures:
-            jobs = [(tool, mode, temperature, max_tokens, 1000 * tool + i, parallel_tool_calls)
+            jobs = [(tool, mode, temperature, max_tokens, 1000 * tool + seed_offset + i, parallel_tool_calls)
                     for tool in range(len(TOOLS)) for i in range(requests_per_tool)]
             start = time.perf_counter()
             with ThreadPoolExecutor(concurrency) as pool:
@@ -124,10 +124,13 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--no-parallel-tool-calls", action="store_true",
                         help="send parallel_tool_calls: false (required: exactly one call)")
+    parser.add_argument("--seed-offset", type=int, default=0, help="request i of a tool has seed 1000 * tool + "
+                        "offset + i (another offset: other samples at temperature 1)")
     parser.add_argument("--output", help="write the rows as JSON here")
     args = parser.parse_args()
     rows = run_validity(args.base_url, args.requests_per_tool, concurrency=args.concurrency,
-                        max_tokens=args.max_tokens, parallel_tool_calls=not args.no_parallel_tool_calls)
+                        max_tokens=args.max_tokens, parallel_tool_calls=not args.no_parallel_tool_calls,
+                        seed_offset=args.seed_offset)
     print(f"{'mode':<9} {'temp':>4} {'valid':>9} {'tokens':>7} {'s':>6}  finish reasons / calls per response")
     for row in rows:
         print(f"{row['mode']:<9} {row['temperature']:>4} {row['valid']:>4}/{row['total']:<4} "
