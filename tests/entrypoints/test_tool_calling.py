@@ -256,3 +256,10 @@ def test_load_chat_template(tmp_path):
     assert chat_template.load_chat_template("{{ 'inline' }}") == "{{ 'inline' }}"
     with pytest.raises(ValueError, match="neither a readable file"):
         chat_template.load_chat_template("missing.jinja")
+
+
+def test_tool_flags_are_checked_at_start_up():
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        ServerConfig(enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="--tool-call-parser 'mistral' is not one of hermes"):
+        ServerConfig(tool_call_parser="mistral")
