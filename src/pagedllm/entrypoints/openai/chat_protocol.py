@@ -19,6 +19,7 @@ from pagedllm.entrypoints.openai.protocol import (
     range_field,
 )
 from pagedllm.entrypoints.openai.structured_outputs_protocol import ResponseFormat
+from pagedllm.entrypoints.openai.tool_protocol import ChatCompletionToolsParam, DeltaToolCall, ToolCall, ToolChoice
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -33,18 +34,23 @@ class ChatCompletionRequest(SamplingFields):
     echo: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: ToolChoice | None = None
+    """none, auto, required or {"type": "function", "function": {"name": ...}}; default: auto with tools, else none."""
+    parallel_tool_calls: bool | None = True
     response_format: ResponseFormat | None = None
 
 
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
 class TopLogprob(OpenAIBaseModel):

@@ -22,6 +22,7 @@ import json
 import sys
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -104,6 +105,19 @@ def render(template_source: str, messages: list[dict[str, Any]], *, add_generati
                              "rendered chat.")
         text = _cut_at_tag(text, tag)
     return text
+
+
+def load_chat_template(value: str) -> str:
+    """The template of --chat-template: a file's text, the value itself when it looks like a template (vLLM's
+    rule: it contains `{`, `}` or a newline), or a template shipped in tool_parsers/ by its file name.
+    Raises ValueError for a path that cannot be read."""
+    for path in (Path(value), Path(__file__).parent / "tool_parsers" / value):
+        if path.is_file():
+            return path.read_text()
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a readable file, nor a template shipped with "
+                     "pagedllm (tool_chat_template_hermes.jinja), nor template text.")
 
 
 def _cut_at_tag(text: str, tag: str) -> str:

@@ -13,6 +13,7 @@ from pagedllm.config import EngineConfig, ServerConfig
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineCoreClient, EngineStartupError
 from pagedllm.entrypoints.openai.app import build_app
+from pagedllm.entrypoints.openai.chat_template import load_chat_template
 from pagedllm.entrypoints.openai.connection_limits import (
     ConnectionLimitedH11Protocol,
     ConnectionLimits,
@@ -37,6 +38,11 @@ def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
 async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:
     from pagedllm.tokenizer import get_tokenizer
 
+    try:
+        chat_template = None if sc.chat_template is None else load_chat_template(sc.chat_template)
+    except (OSError, ValueError) as e:
+        logger.error("%s", e)
+        return 1
     fd_limit = raise_fd_limit()
     asyncio.get_running_loop().set_exception_handler(RateLimitedLoopErrors())
     mc = engine_config.model_config
@@ -57,6 +63,8 @@ async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:
         logger.error("Cannot load the tokenizer: %s", e)
         client.shutdown()
         return 1
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     names = [mc.served_model_name or client.ready.model_name]
     engine = AsyncLLM(client, tokenizer, names[0], engine_config.scheduler_config.max_num_queued_reqs,
                       log_stats=not sc.disable_log_stats, watchdog_timeout_s=sc.engine_hang_timeout or None,

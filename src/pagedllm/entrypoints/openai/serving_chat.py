@@ -17,7 +17,6 @@ from pagedllm.entrypoints.openai.chat_protocol import (
     ChatCompletionStreamResponse,
     ChatLogprobs,
     ChatLogprobToken,
-    ChatMessage,
     DeltaMessage,
     TopLogprob,
 )
@@ -34,6 +33,7 @@ from pagedllm.entrypoints.openai.formatting import (
 )
 from pagedllm.entrypoints.openai.serving_base import OpenAIServing, merge_streams
 from pagedllm.entrypoints.openai.structured_outputs import with_structured_outputs
+from pagedllm.entrypoints.openai.tool_calling import ChoiceStream, ToolCalling
 from pagedllm.outputs import PositionLogprobs
 from pagedllm.sampling_params import MAX_LOGPROBS
 
@@ -164,9 +164,10 @@ class OpenAIServingChat(OpenAIServing):
         self.check_stream_fields(request, request.prompt_logprobs)
         self.check_request_caps(request)
         self.engine.check_admission(request.n)
+        tools = ToolCalling(request, self.config)
         template = request_chat_template(request, self.config.trust_request_chat_template)
         render_args = (self.tokenizer, request.messages, request.add_generation_prompt, request.continue_final_message,
-                       template, request.chat_template_kwargs, request.tools, self.config.chat_template_timeout,
+                       template, request.chat_template_kwargs, tools.template_tools, self.config.chat_template_timeout,
                        self.config.max_chat_template_chars)
         if template is None:
             prompt = render_chat(*render_args)
@@ -178,12 +179,13 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         params = self.sampling_params(request, max_tokens, logprobs, request.prompt_logprobs)
         params = await with_structured_outputs(request, params, self.grammar_compile_timeout_s)
+        params = await tools.constrain(params, self.grammar_compile_timeout_s)
         request_id = self.request_id("chatcmpl", request)
         streams = self.add_requests(request_id, [(prompt, token_ids)], params, request,
                                     "delta" if request.stream else "final_only")
         merged = merge_streams(streams)
         if request.stream:
-            return self._stream(request, request_id, token_ids, merged)
+            return self._stream(request, request_id, token_ids, merged, tools)
         final = None
         try:
             async for _, output in merged:
@@ -194,10 +196,11 @@ class OpenAIServingChat(OpenAIServing):
         num_completion = 0
         for output in sorted(final.outputs, key=lambda o: o.index):
             num_completion += len(output.token_ids)
+            message, finish_reason = tools.message(output.text, output.finish_reason)
             choices.append(ChatCompletionResponseChoice(
-                index=output.index, message=ChatMessage(role="assistant", content=output.text),
+                index=output.index, message=message,
                 logprobs=self._logprobs(output.token_ids, output.logprobs, request),
-                finish_reason=output.finish_reason, stop_reason=output.stop_reason,
+                finish_reason=finish_reason, stop_reason=output.stop_reason,
                 token_ids=list(output.token_ids) if request.return_token_ids else None))
         return ChatCompletionResponse(
             id=request_id, model=self.model_name, choices=choices,
@@ -220,10 +223,10 @@ class OpenAIServingChat(OpenAIServing):
         return ChatLogprobs(content=content)
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, prompt_token_ids: list[int],
-                      merged) -> AsyncIterator[str]:
+                      merged, tools: ToolCalling) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        started: set[int] = set()
+        started: dict[int, ChoiceStream] = {}
         num_completion = num_cached = 0
 
         def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
@@ -236,16 +239,21 @@ class OpenAIServingChat(OpenAIServing):
                 choices = []
                 for completion in output.outputs:
                     if completion.index not in started:
-                        started.add(completion.index)
+                        started[completion.index] = tools.stream()
                         yield chunk([ChatCompletionStreamChoice(
                             index=completion.index, delta=DeltaMessage(role="assistant", content=""))])
                     num_completion += len(completion.token_ids)
                     if not completion.text and not completion.token_ids and completion.finish_reason is None:
                         continue
+                    delta, finish_reason = DeltaMessage(content=completion.text), completion.finish_reason
+                    if tools.parses_output:
+                        delta, finish_reason = started[completion.index].delta(completion.text, finish_reason)
+                        if delta is None and not (request.logprobs or request.return_token_ids):
+                            continue  # held back (a tail that may begin a tool call)
                     choices.append(ChatCompletionStreamChoice(
-                        index=completion.index, delta=DeltaMessage(content=completion.text),
+                        index=completion.index, delta=delta or DeltaMessage(),
                         logprobs=self._logprobs(completion.token_ids, completion.logprobs, request),
-                        finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                        finish_reason=finish_reason, stop_reason=completion.stop_reason,
                         token_ids=list(completion.token_ids) if request.return_token_ids else None))
                 if choices:
                     yield chunk(choices)
