@@ -93,15 +93,22 @@ def test_logprobs_see_the_masked_logits(llm, tiny_tokenizer):
     dict(num_gpu_blocks_override=6, max_model_len=96),  # 96 tokens; the JSON and plain requests need 56 + 67
     dict(max_num_batched_tokens=8, max_model_len=256),  # chunked prefill: prompts arrive in chunks of <= 8
     dict(enable_prefix_caching=False),
+    # the step's bitmask crosses the wire to a worker process (ExecuteModel carries its bytes)
+    pytest.param(dict(distributed_executor_backend="mp"), marks=pytest.mark.slow),
+    # constrained rows get no drafts; the plain row is speculated and keeps its greedy tokens
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}),
 ])
-def test_greedy_output_is_the_same_under_preemption_chunking_and_without_prefix_caching(tiny_llama_dir, llm,
-                                                                                         engine_args):
+def test_greedy_output_is_the_same_under_other_engine_settings(tiny_llama_dir, llm, engine_args):
+    """Preemption, chunked prefill, no prefix caching, an mp worker process, n-gram speculation."""
     prompts = [p * 3 for p in PROMPTS]
     params = [_params(0.0, json=SCHEMA, disable_any_whitespace=True), _params(0.0, regex=REGEX),
               _params(0.0, choice=CHOICES), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)]
     reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     other = _llm(tiny_llama_dir, **engine_args)
-    outputs = other.generate(prompts, params, use_tqdm=False)
+    try:
+        outputs = other.generate(prompts, params, use_tqdm=False)
+    finally:
+        other.llm_engine.engine_core.shutdown()
     assert [o.outputs[0].token_ids for o in outputs] == reference
     if "num_gpu_blocks_override" in engine_args:
         assert other.llm_engine.engine_core.scheduler.num_preemptions > 0
