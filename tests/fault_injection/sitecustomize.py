@@ -38,7 +38,7 @@ def install_fault(engine_core, spec: str) -> None:
     execute_model = runner.execute_model
     calls = {"n": 0}
 
-    def faulty_execute_model(scheduler_output):
+    def faulty_execute_model(scheduler_output, grammar=None):
         calls["n"] += 1
         if after_steps < calls["n"] <= after_steps + times:
             logger.warning("%s: injecting %s at step %d", FAULT_INJECT_ENV, kind, calls["n"])
@@ -46,10 +46,10 @@ def install_fault(engine_core, spec: str) -> None:
                 raise RuntimeError("injected fault in the forward pass")
             if kind == "sleep_in_forward":
                 time.sleep(seconds)
-                return execute_model(scheduler_output)
+                return execute_model(scheduler_output, grammar)
             while True:
                 time.sleep(3600)
-        return execute_model(scheduler_output)
+        return execute_model(scheduler_output, grammar)
 
     runner.execute_model = faulty_execute_model
 
