@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
 
@@ -92,6 +93,18 @@ def test_different_draft_keeps_greedy_output_bit_identical(tiny_llama_dir, shall
         (again,) = llm.generate([prompts[i]], GREEDY_16, use_tqdm=False)
         assert again.outputs[0].token_ids == expected[i] and again.num_cached_tokens >= 16
     _assert_all_free(llm)
+
+
+def test_fp8_kv_cache_with_a_draft(tiny_llama_dir, shallow_draft, reference):
+    """--kv-cache-dtype fp8: the target's pool is fp8, the draft's scratch cache stays float32; greedy output equals
+    the fp8 run without speculation."""
+    prompts, _ = reference
+    plain = _tokens(_llm(tiny_llama_dir, kv_cache_dtype="fp8").generate(prompts, GREEDY_16, use_tqdm=False))
+    llm = _llm(tiny_llama_dir, draft=shallow_draft, kv_cache_dtype="fp8")
+    assert _tokens(llm.generate(prompts, GREEDY_16, use_tqdm=False)) == plain
+    assert llm.llm_engine.engine_core.executor.driver_worker.model_runner.proposer.kv_caches[0].dtype == \
+        torch.float32
+    assert _stats(llm).num_accepted_tokens > 0
 
 
 def test_abort_and_seeded_sampling_with_a_draft(tiny_llama_dir, shallow_draft, reference):

@@ -31,11 +31,13 @@ class DraftModelProposer:
     """Args:
         config: num_speculative_tokens is read.
         model: the draft model, loaded like the target (models/loader.py), on `device`.
+        dtype: the model's; the scratch cache keeps it even under --kv-cache-dtype fp8 (no scales are calibrated
+            for the draft, and the cache is small).
         max_model_len: the engine's; no draft goes past it (the scheduler would trim it anyway).
     """
 
     def __init__(self, config: SpeculativeConfig, model: torch.nn.Module, device: torch.device,
-                 kv_cache_dtype: torch.dtype, max_model_len: int, block_size: int):
+                 dtype: torch.dtype, max_model_len: int, block_size: int):
         self.k = config.num_speculative_tokens
         self.model = model
         self.device = device
@@ -44,14 +46,13 @@ class DraftModelProposer:
         self.num_blocks = cdiv(max_model_len, block_size)
         info = model.info
         shape = kv_cache_shape(self.num_blocks, block_size, model.num_kv_heads, info.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=kv_cache_dtype, device=device) for _ in range(info.num_layers)]
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(info.num_layers)]
 
     @staticmethod
-    def scratch_bytes(model_info, num_kv_heads: int, kv_cache_dtype: torch.dtype, max_model_len: int,
-                      block_size: int) -> int:
+    def scratch_bytes(model_info, num_kv_heads: int, dtype: torch.dtype, max_model_len: int, block_size: int) -> int:
         """Bytes of the scratch KV cache, taken out of the pool's budget."""
         return cdiv(max_model_len, block_size) * kv_cache_bytes_per_block(
-            block_size, num_kv_heads, model_info.head_dim, kv_cache_dtype, model_info.num_layers)
+            block_size, num_kv_heads, model_info.head_dim, dtype, model_info.num_layers)
 
     def propose(self, token_ids: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray) -> list[list[int]]:
         """Greedy drafts for the requests in `rows` of the persistent batch's token buffer (the same interface as

@@ -53,7 +53,7 @@ class ModelRunner:
         # One native call runs every layer: no room for the all-reduces of tensor parallelism.
         self.native_step = LlamaNativeDecodeStep.build(model) if device.type == "cpu" and tp_size == 1 else None
         self.speculative_config = config.speculative_config
-        self.proposer = _make_proposer(config.speculative_config, draft_model, device, self.kv_cache_dtype,
+        self.proposer = _make_proposer(config.speculative_config, draft_model, device, dtype,
                                        max_model_len, self.block_size)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -308,12 +308,12 @@ class ModelRunner:
         return result
 
 
-def _make_proposer(config, draft_model, device, kv_cache_dtype, max_model_len, block_size):
+def _make_proposer(config, draft_model, device, dtype, max_model_len, block_size):
     """The draft proposer of the speculative config's method (None: no speculation)."""
     if config is None:
         return None
     if config.method == "draft_model":
-        return DraftModelProposer(config, draft_model, device, kv_cache_dtype, max_model_len, block_size)
+        return DraftModelProposer(config, draft_model, device, dtype, max_model_len, block_size)
     return SuffixProposer(config) if config.method == "suffix" else NgramProposer(config)
 
 

@@ -118,7 +118,7 @@ class Worker:
         budget = self._kv_cache_budget()
         if self.draft_model is not None:  # the draft's scratch KV comes out of the same budget
             budget = max(0, budget - DraftModelProposer.scratch_bytes(
-                self.draft_model.info, self.draft_model.num_kv_heads, self.kv_cache_dtype, self.max_model_len,
+                self.draft_model.info, self.draft_model.num_kv_heads, self.dtype, self.max_model_len,
                 self.config.cache_config.block_size))
         return budget // self.kv_cache_spec()[0]
 
