@@ -51,6 +51,8 @@ class Worker:
         self.tp = TensorParallelGroup.single()
         self.model_runner: ModelRunner | None = None
         self.draft_model: torch.nn.Module | None = None
+        self.draft_scratch_bytes = 0
+        """Bytes of the draft model's scratch KV cache (draft_model method), taken from the KV budget."""
 
     def init_device(self) -> None:
         """Resolve the device and dtype; join the tensor-parallel group (all ranks at once)."""
@@ -102,8 +104,11 @@ class Worker:
         if draft.info.max_position_embeddings < self.max_model_len:
             raise ValueError(f"the draft model {spec.model!r} handles {draft.info.max_position_embeddings} positions, "
                              f"fewer than --max-model-len {self.max_model_len}.")
-        logger.info("Draft model %s loaded: %d layers, %d drafts per step", spec.model, draft.info.num_layers,
-                    spec.num_speculative_tokens)
+        self.draft_scratch_bytes = DraftModelProposer.scratch_bytes(
+            draft.info, draft.num_kv_heads, self.dtype, self.max_model_len, self.config.cache_config.block_size)
+        logger.info("Draft model %s loaded: %d layers, %d drafts per step, %.1f MiB of scratch KV (taken from the "
+                    "KV cache budget)", spec.model, draft.info.num_layers, spec.num_speculative_tokens,
+                    self.draft_scratch_bytes / 2**20)
         return draft
 
     def get_model_info(self) -> ModelInfo:
@@ -115,12 +120,8 @@ class Worker:
         cc = self.config.cache_config
         if cc.num_gpu_blocks_override is not None:
             return cc.num_gpu_blocks_override
-        budget = self._kv_cache_budget()
-        if self.draft_model is not None:  # the draft's scratch KV comes out of the same budget
-            budget = max(0, budget - DraftModelProposer.scratch_bytes(
-                self.draft_model.info, self.draft_model.num_kv_heads, self.dtype, self.max_model_len,
-                self.config.cache_config.block_size))
-        return budget // self.kv_cache_spec()[0]
+        # the draft model's scratch KV comes out of the same budget
+        return max(0, self._kv_cache_budget() - self.draft_scratch_bytes) // self.kv_cache_spec()[0]
 
     def kv_cache_spec(self) -> tuple[int, str]:
         """(bytes one KV block takes on this rank, the pool's storage dtype), for the start-up log."""
