@@ -68,10 +68,14 @@ def reference(tiny_llama_dir):
     return prompts, _tokens(plain.generate(prompts, GREEDY_16, use_tqdm=False))
 
 
-@pytest.mark.parametrize("max_model_len", [256, 64])  # 64: a scratch cache of 4 blocks, drafted in small groups
-def test_draft_equal_to_target_accepts_every_greedy_draft(tiny_llama_dir, reference, max_model_len):
+@pytest.mark.parametrize("engine_args", [
+    {},
+    {"max_model_len": 64},  # a scratch cache of 4 blocks: drafted in small groups
+    {"max_num_batched_tokens": 16},  # contexts over 16 tokens: the draft prefills them in chunks
+], ids=["default", "small-scratch", "chunked"])
+def test_draft_equal_to_target_accepts_every_greedy_draft(tiny_llama_dir, reference, engine_args):
     prompts, expected = reference
-    llm = _llm(tiny_llama_dir, draft=tiny_llama_dir, max_model_len=max_model_len)
+    llm = _llm(tiny_llama_dir, draft=tiny_llama_dir, **engine_args)
     assert _tokens(llm.generate(prompts, GREEDY_16, use_tqdm=False)) == expected
     stats = _stats(llm)
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens

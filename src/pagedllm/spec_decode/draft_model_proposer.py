@@ -34,15 +34,18 @@ class DraftModelProposer:
         dtype: the model's; the scratch cache keeps it even under --kv-cache-dtype fp8 (no scales are calibrated
             for the draft, and the cache is small).
         max_model_len: the engine's; no draft goes past it (the scheduler would trim it anyway).
+        max_prefill_tokens: the most context tokens one draft forward pass takes (the engine's
+            max_num_batched_tokens): a longer context is prefilled in chunks, as the target's would be.
     """
 
     def __init__(self, config: SpeculativeConfig, model: torch.nn.Module, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int, block_size: int):
+                 dtype: torch.dtype, max_model_len: int, block_size: int, max_prefill_tokens: int):
         self.k = config.num_speculative_tokens
         self.model = model
         self.device = device
         self.max_model_len = max_model_len
         self.block_size = block_size
+        self.max_prefill_tokens = max_prefill_tokens
         self.num_blocks = cdiv(max_model_len, block_size)
         info = model.info
         shape = kv_cache_shape(self.num_blocks, block_size, model.num_kv_heads, info.head_dim)
@@ -57,26 +60,28 @@ class DraftModelProposer:
     def propose(self, token_ids: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray) -> list[list[int]]:
         """Greedy drafts for the requests in `rows` of the persistent batch's token buffer (the same interface as
         NgramProposer.propose): up to num_speculative_tokens each, none past max_model_len. Requests are drafted
-        together, in groups whose contexts fit the scratch cache side by side."""
+        together, in groups whose contexts fit the scratch cache side by side and max_prefill_tokens."""
         drafts: list[list[int]] = [[] for _ in rows]
         ks = np.minimum(self.k, self.max_model_len - num_tokens)  # [R] drafts each request gets
         blocks = cdiv(num_tokens + ks - 1, self.block_size)  # [R] scratch blocks: context and all but the last draft
         group: list[int] = []
-        used = 0
+        used = tokens = 0
         for i in np.flatnonzero(ks > 0).tolist():
-            if group and used + blocks[i] > self.num_blocks:
+            if group and (used + blocks[i] > self.num_blocks or tokens + num_tokens[i] > self.max_prefill_tokens):
                 self._propose_group(token_ids, rows, num_tokens, ks, blocks, group, drafts)
-                group, used = [], 0
+                group, used, tokens = [], 0, 0
             group.append(i)
             used += int(blocks[i])
+            tokens += int(num_tokens[i])
         if group:
             self._propose_group(token_ids, rows, num_tokens, ks, blocks, group, drafts)
         return drafts
 
     def _propose_group(self, token_ids: np.ndarray, rows: np.ndarray, num_tokens: np.ndarray, ks: np.ndarray,
                        blocks: np.ndarray, group: list[int], drafts: list[list[int]]) -> None:
-        """One prefill over every context of the group, then one decode step per further draft (requests that
-        want fewer drafts drop out). Request j's scratch blocks are first[j] .. first[j] + blocks[j] - 1.
+        """One prefill over every context of the group (in chunks of max_prefill_tokens for a request alone in
+        its group), then one decode step per further draft (requests that want fewer drafts drop out). Request
+        j's scratch blocks are first[j] .. first[j] + blocks[j] - 1.
 
         Example, block_size 16, contexts of 20 and 5 tokens, 3 drafts: blocks [2, 1], first [0, 2]; the prefill
         writes slots 0..19 and 32..36; the decode steps write positions 20, 21 and 5, 6."""
@@ -86,9 +91,15 @@ class DraftModelProposer:
         first = np.concatenate([[0], np.cumsum(nb)[:-1]])  # [G]
         # [G, max blocks]; past a request's own blocks the ids are never attended to, only kept in range
         block_table = np.minimum(first[:, None] + np.arange(int(nb.max()))[None, :], self.num_blocks - 1)
-        positions = np.concatenate([np.arange(c) for c in n.tolist()])
-        input_ids = np.concatenate([token_ids[r, :c] for r, c in zip(rows[g].tolist(), n.tolist(), strict=True)])
-        last = self._step(input_ids, positions, np.repeat(first, n) * bs + positions, n, block_table)  # [G]
+        if len(group) == 1:
+            row, c, chunk = int(rows[g[0]]), int(n[0]), self.max_prefill_tokens
+            for start in range(0, c, chunk):
+                pos = np.arange(start, min(c, start + chunk))
+                last = self._step(token_ids[row, pos], pos, pos, np.array([len(pos)]), block_table)  # [1]
+        else:
+            positions = np.concatenate([np.arange(c) for c in n.tolist()])
+            input_ids = np.concatenate([token_ids[r, :c] for r, c in zip(rows[g].tolist(), n.tolist(), strict=True)])
+            last = self._step(input_ids, positions, np.repeat(first, n) * bs + positions, n, block_table)  # [G]
         for j, token in enumerate(last.tolist()):
             drafts[group[j]].append(token)
         for i in range(1, int(k.max())):  # draft i + 1 from draft i, at position n + i - 1

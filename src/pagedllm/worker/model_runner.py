@@ -53,8 +53,8 @@ class ModelRunner:
         # One native call runs every layer: no room for the all-reduces of tensor parallelism.
         self.native_step = LlamaNativeDecodeStep.build(model) if device.type == "cpu" and tp_size == 1 else None
         self.speculative_config = config.speculative_config
-        self.proposer = _make_proposer(config.speculative_config, draft_model, device, dtype,
-                                       max_model_len, self.block_size)
+        self.proposer = _make_proposer(config.speculative_config, draft_model, device, dtype, max_model_len,
+                                       self.block_size, config.scheduler_config.max_num_batched_tokens)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.info.head_dim)
@@ -308,12 +308,13 @@ class ModelRunner:
         return result
 
 
-def _make_proposer(config, draft_model, device, dtype, max_model_len, block_size):
+def _make_proposer(config, draft_model, device, dtype, max_model_len, block_size, max_prefill_tokens):
     """The draft proposer of the speculative config's method (None: no speculation)."""
     if config is None:
         return None
     if config.method == "draft_model":
-        return DraftModelProposer(config, draft_model, device, dtype, max_model_len, block_size)
+        return DraftModelProposer(config, draft_model, device, dtype, max_model_len, block_size,
+                                  max_prefill_tokens)
     return SuffixProposer(config) if config.method == "suffix" else NgramProposer(config)
 
 
