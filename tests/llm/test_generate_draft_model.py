@@ -156,3 +156,12 @@ def test_draft_with_another_tokenizer_is_a_startup_error(tiny_llama_dir, shallow
     with pytest.raises(ValueError, match="draft model .*other-tokenizer-draft.* does not share the target model "
                                          ".*tiny-llama.*tokenizer"):
         _llm(tiny_llama_dir, draft=folder)
+
+
+def test_gguf_target_with_a_hugging_face_draft(tiny_llama_gguf, shallow_draft, reference):
+    """The tokenizer check compares vocabularies, not files: a GGUF target (tokenizer from its metadata) takes a
+    Hugging Face draft with the same tokenizer."""
+    prompts, expected = reference
+    llm = _llm(tiny_llama_gguf, draft=shallow_draft)
+    assert _tokens(llm.generate(prompts, GREEDY_16, use_tqdm=False)) == expected
+    assert _stats(llm).num_accepted_tokens > 0
