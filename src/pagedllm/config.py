@@ -151,10 +151,8 @@ class SchedulerConfig:
             raise ValueError("--max-num-queued-reqs must be at least 0.")
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 """Speculative decoding methods pagedllm runs (vLLM's names)."""
-_PLANNED_SPECULATIVE_METHODS = ("draft_model",)
-"""vLLM methods whose keys are accepted but which pagedllm does not run yet."""
 
 
 @dataclass
@@ -163,13 +161,15 @@ class SpeculativeConfig:
     forward pass of the target model verifies them; output keeps the target's distribution exactly."""
 
     method: str | None = None
-    """The proposer: ngram (prompt lookup over the request's prompt and output) or suffix (suffix decoding over
-    the request's tokens and the outputs of past requests). Inferred from `model` when
+    """The proposer: ngram (prompt lookup over the request's prompt and output), suffix (suffix decoding over
+    the request's tokens and the outputs of past requests) or draft_model (a smaller model with the target's
+    vocabulary drafts greedily, spec_decode/draft_model_proposer.py). Inferred from `model` when
     absent, as vLLM does ("ngram" or "[ngram]": ngram; any other model: draft_model)."""
     num_speculative_tokens: int | None = None
     """Draft tokens proposed per request per step (required)."""
     model: str | None = None
-    """Draft model (draft_model method)."""
+    """draft_model: the draft model (a Hugging Face folder or GGUF file, as --model), loaded and run like the
+    target; its tokenizer must equal the target's."""
     prompt_lookup_min: int | None = None
     """ngram: shortest suffix of the context that is looked up (default: prompt_lookup_max, or 5)."""
     prompt_lookup_max: int | None = None
@@ -195,12 +195,11 @@ class SpeculativeConfig:
         supported = ", ".join(SPECULATIVE_METHODS)
         if self.method is None:
             raise ValueError(f"--speculative-config needs a method; supported: {supported}.")
-        if self.method in _PLANNED_SPECULATIVE_METHODS:
-            raise ValueError(f"speculative method {self.method!r} is not implemented in pagedllm yet; "
-                             f"supported: {supported}.")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method {self.method!r} is not supported by pagedllm (eagle, eagle3 and "
                              f"mtp need model heads it does not run); supported: {supported}.")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('--speculative-config method "draft_model" needs "model": the draft model\'s path.')
         if self.num_speculative_tokens is None or self.num_speculative_tokens < 1:
             raise ValueError("--speculative-config needs num_speculative_tokens >= 1, got "
                              f"{self.num_speculative_tokens!r}.")

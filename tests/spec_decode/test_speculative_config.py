@@ -35,6 +35,8 @@ def test_defaults_and_inference_follow_vllm():
     assert (spec.method, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 5, 5)
     spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2})
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (2, 2)
+    spec = SpeculativeConfig.parse({"model": "some/draft", "num_speculative_tokens": 4})
+    assert (spec.method, spec.model) == ("draft_model", "some/draft")
 
 
 @pytest.mark.parametrize("value, message", [
@@ -45,7 +47,7 @@ def test_defaults_and_inference_follow_vllm():
     ({"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": -1}, "at least 0"),
     ({"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_spec_factor": 0}, "must be positive"),
     ({"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_min_token_prob": 1.5}, "within [0, 1]"),
-    ({"model": "some/draft", "num_speculative_tokens": 4}, "'draft_model' is not implemented"),
+    ({"method": "draft_model", "num_speculative_tokens": 4}, "needs \"model\""),
     ({"method": "ngram"}, "num_speculative_tokens >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min <= prompt_lookup_max"),

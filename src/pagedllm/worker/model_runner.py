@@ -19,6 +19,7 @@ from pagedllm.layers.sampling.rejection_sampler import can_speculate, rejection_
 from pagedllm.math_utils import cdiv
 from pagedllm.messages import LogprobsEntry, ModelRunnerOutput
 from pagedllm.models.llama_native_step import LlamaNativeDecodeStep
+from pagedllm.spec_decode.draft_model_proposer import DraftModelProposer
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.suffix_proposer import SuffixProposer
 from pagedllm.structured_output.manager import GrammarOutput
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, model_info, device: torch.device,
                  dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None, *, max_model_len: int,
-                 num_kv_heads: int | None = None, tp_size: int = 1):
+                 num_kv_heads: int | None = None, tp_size: int = 1, draft_model: torch.nn.Module | None = None):
         self.config = config
         self.model = model
         self.info = model_info
@@ -52,7 +53,8 @@ class ModelRunner:
         # One native call runs every layer: no room for the all-reduces of tensor parallelism.
         self.native_step = LlamaNativeDecodeStep.build(model) if device.type == "cpu" and tp_size == 1 else None
         self.speculative_config = config.speculative_config
-        self.proposer = _make_proposer(config.speculative_config)
+        self.proposer = _make_proposer(config.speculative_config, draft_model, device, dtype, max_model_len,
+                                       self.block_size, config.scheduler_config.max_num_batched_tokens)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.info.head_dim)
@@ -306,10 +308,13 @@ class ModelRunner:
         return result
 
 
-def _make_proposer(config):
+def _make_proposer(config, draft_model, device, dtype, max_model_len, block_size, max_prefill_tokens):
     """The draft proposer of the speculative config's method (None: no speculation)."""
     if config is None:
         return None
+    if config.method == "draft_model":
+        return DraftModelProposer(config, draft_model, device, dtype, max_model_len, block_size,
+                                  max_prefill_tokens)
     return SuffixProposer(config) if config.method == "suffix" else NgramProposer(config)
 
 

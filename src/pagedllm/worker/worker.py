@@ -8,6 +8,7 @@ of the KV cache; only the driver rank (0) returns the sampled tokens.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -25,6 +26,7 @@ from pagedllm.layers.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedllm.messages import ModelRunnerOutput
 from pagedllm.models.loader import load_model, resolve_device, resolve_dtype, resolve_model
 from pagedllm.models.model_info import ModelInfo
+from pagedllm.spec_decode.draft_model_proposer import DraftModelProposer
 from pagedllm.structured_output.manager import GrammarOutput
 from pagedllm.tokenizer import get_tokenizer
 from pagedllm.worker.kv_scales import CALIBRATION_TEXT, calculate_kv_scales
@@ -48,6 +50,9 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.tp = TensorParallelGroup.single()
         self.model_runner: ModelRunner | None = None
+        self.draft_model: torch.nn.Module | None = None
+        self.draft_scratch_bytes = 0
+        """Bytes of the draft model's scratch KV cache (draft_model method), taken from the KV budget."""
 
     def init_device(self) -> None:
         """Resolve the device and dtype; join the tensor-parallel group (all ranks at once)."""
@@ -68,9 +73,43 @@ class Worker:
         self.model_info: ModelInfo = model.info
         self.max_model_len = resolve_max_model_len(mc.max_model_len, model.info.max_position_embeddings)
         self.kv_cache_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, self.dtype, self.device)
+        self.draft_model = self._load_draft_model()
         self.model_runner = ModelRunner(self.config, model, model.info, self.device, self.dtype, self.kv_cache_dtype,
                                         max_model_len=self.max_model_len, num_kv_heads=model.num_kv_heads,
-                                        tp_size=self.tp.size)
+                                        tp_size=self.tp.size, draft_model=self.draft_model)
+
+    def _load_draft_model(self) -> torch.nn.Module | None:
+        """The draft_model method's model, through the same loader and dtype as the target; None for other methods.
+
+        Raises:
+            ValueError: tensor parallelism, or a draft whose tokenizer differs from the target's (naming both).
+        """
+        spec, mc = self.config.speculative_config, self.config.model_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        if self.tp.size > 1:
+            raise ValueError("speculative method 'draft_model' runs only at --tensor-parallel-size 1.")
+        target_vocab = get_tokenizer(mc.tokenizer or resolve_model(mc.model)).get_vocab()
+        draft_vocab = get_tokenizer(resolve_model(spec.model)).get_vocab()
+        if draft_vocab != target_vocab:
+            raise ValueError(f"the draft model {spec.model!r} does not share the target model {mc.model!r}'s "
+                             f"tokenizer ({len(draft_vocab)} vs {len(target_vocab)} tokens, "
+                             f"{sum(draft_vocab.get(t) != i for t, i in target_vocab.items())} differ); "
+                             "draft_model needs a draft with the same vocabulary.")
+        draft = load_model(dataclasses.replace(mc, model=spec.model, tokenizer=None, quantization=None), self.device,
+                           self.dtype)
+        if draft.info.vocab_size != self.model_info.vocab_size:
+            raise ValueError(f"the draft model {spec.model!r} has {draft.info.vocab_size} logits, the target model "
+                             f"{mc.model!r} {self.model_info.vocab_size}; draft_model needs the same vocabulary.")
+        if draft.info.max_position_embeddings < self.max_model_len:
+            raise ValueError(f"the draft model {spec.model!r} handles {draft.info.max_position_embeddings} positions, "
+                             f"fewer than --max-model-len {self.max_model_len}.")
+        self.draft_scratch_bytes = DraftModelProposer.scratch_bytes(
+            draft.info, draft.num_kv_heads, self.dtype, self.max_model_len, self.config.cache_config.block_size)
+        logger.info("Draft model %s loaded: %d layers, %d drafts per step, %.1f MiB of scratch KV (taken from the "
+                    "KV cache budget)", spec.model, draft.info.num_layers, spec.num_speculative_tokens,
+                    self.draft_scratch_bytes / 2**20)
+        return draft
 
     def get_model_info(self) -> ModelInfo:
         return self.model_info
@@ -81,7 +120,8 @@ class Worker:
         cc = self.config.cache_config
         if cc.num_gpu_blocks_override is not None:
             return cc.num_gpu_blocks_override
-        return self._kv_cache_budget() // self.kv_cache_spec()[0]
+        # the draft model's scratch KV comes out of the same budget
+        return max(0, self._kv_cache_budget() - self.draft_scratch_bytes) // self.kv_cache_spec()[0]
 
     def kv_cache_spec(self) -> tuple[int, str]:
         """(bytes one KV block takes on this rank, the pool's storage dtype), for the start-up log."""
