@@ -19,6 +19,7 @@ from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import TensorParallelGroup, check_tensor_parallel_size
+from pagedllm.distributed.pipeline_parallel import PipelineParallelGroup, check_pipeline_parallel_size
 from pagedllm.kernels import cpu_kernels, quant_q8act
 from pagedllm.layers.int8_activation_weight import Int8ActivationWeight
 from pagedllm.layers.linear import pack_linear_weights
@@ -266,9 +267,10 @@ def _packer(model_config: ModelConfig, quantized: bool, source: str) -> Callable
 
 
 def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
-               tp: TensorParallelGroup | None = None) -> nn.Module:
+               tp: TensorParallelGroup | None = None, pp: PipelineParallelGroup | None = None) -> nn.Module:
     """Build the model on the meta device, load its weights onto `device` in `dtype`; eval mode. With a
-    tensor-parallel group of size > 1, only this rank's share of each weight (models/tensor_parallel_weights.py).
+    tensor-parallel group of size > 1, only this rank's share of each weight (models/tensor_parallel_weights.py);
+    with a pipeline stage of several, only its layers' weights (distributed/pipeline_parallel.py).
 
     Returns the model (e.g. LlamaForCausalLM); `model.info` is its ModelInfo.
     """
@@ -289,15 +291,18 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     if tp is not None and tp.size > 1:
         check_tensor_parallel_size(tp.size, info.num_heads, info.num_kv_heads, info.intermediate_size)
         tensors = shard_tensors(tensors, model_cls.tensor_parallel_plan, info, tp)
+    if pp is not None and pp.size > 1:
+        check_pipeline_parallel_size(pp.size, info.num_layers)
+        tensors = pp.stage_tensors(tensors, info.num_layers, info.tie_word_embeddings)
     with torch.device("meta"):
-        model = model_cls(info, tp)
+        model = model_cls(info, tp, pp)
     with _one_cpu_thread():
         state = _fused_state_dict(model, tensors, source, device, dtype, pack)
+    expected = model.state_dict()
     if info.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-        if "model.embed_tokens.weight" in state:
+        if "model.embed_tokens.weight" in state and "lm_head.weight" in expected:  # a pipeline stage may lack it
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:

@@ -1,0 +1,134 @@
+"""The pipeline-parallel stage a rank is: its contiguous range of layers, the weights it loads, and the
+point-to-point hand-over of the hidden state to the next stage, over torch.distributed (gloo on the CPU, NCCL on
+CUDA; the code is the same).
+
+    stage 0: embed + layers [0, a)  ──send (hidden, residual)──▶  stage 1: layers [a, b)  ──▶ … ──▶
+    last stage: layers [z, L) + final norm + LM head: samples, and broadcasts the sampled tokens to every stage
+    (the first stage reads them as the next step's inputs; every stage's persistent batch stays the same)
+
+`PipelineParallelGroup.single()` is the one stage of size 1: it holds every layer and never communicates.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def pipeline_layer_range(num_layers: int, rank: int, size: int) -> tuple[int, int]:
+    """Stage `rank`'s [start, end) of `num_layers` split over `size` stages as vLLM's get_pp_indices does: as even
+    as possible, the extra layers on the stages before the last (which also holds the LM head), from the
+    second-to-last backwards (10 layers, 4 stages: 2, 3, 3, 2)."""
+    parts = [num_layers // size] * size
+    for i in range(2, num_layers % size + 2):
+        parts[-i] += 1
+    start = sum(parts[:rank])
+    return start, start + parts[rank]
+
+
+def check_pipeline_parallel_size(size: int, num_layers: int) -> None:
+    """ValueError unless every stage gets at least one layer."""
+    if size > num_layers:
+        raise ValueError(f"--pipeline-parallel-size {size} is larger than the model's {num_layers} layers; use at "
+                         f"most {num_layers}.")
+
+
+@dataclass(frozen=True)
+class PipelineParallelGroup:
+    rank: int
+    size: int
+
+    @classmethod
+    def single(cls) -> PipelineParallelGroup:
+        return cls(0, 1)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def layers(self, num_layers: int) -> tuple[int, int]:
+        """This stage's [start, end) of the model's `num_layers` layers."""
+        return pipeline_layer_range(num_layers, self.rank, self.size)
+
+    def keeps_weight(self, name: str, num_layers: int, tie_word_embeddings: bool) -> bool:
+        """Whether this stage loads the checkpoint tensor `name` (Hugging Face names): its layers, the embedding on
+        the first stage (and on the last when the LM head is tied to it), the final norm and LM head on the last."""
+        if self.size == 1:
+            return True
+        m = _LAYER_NAME.match(name)
+        if m is not None:
+            start, end = self.layers(num_layers)
+            return start <= int(m.group(1)) < end
+        if name.startswith("model.embed_tokens."):
+            return self.is_first or (self.is_last and tie_word_embeddings)
+        if name.startswith(("model.norm.", "lm_head.")):
+            return self.is_last
+        return True
+
+    def stage_tensors(self, tensors: Iterator[tuple[str, Any]], num_layers: int, tie_word_embeddings: bool
+                      ) -> Iterator[tuple[str, Any]]:
+        """The checkpoint's tensors this stage loads (the others are skipped before they are sliced or packed)."""
+        return ((name, t) for name, t in tensors if self.keeps_weight(name, num_layers, tie_word_embeddings))
+
+    # ---- communication -------------------------------------------------------------------------------
+    def send_to_next(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> None:
+        """Hand this stage's output, (MLP output, residual stream before it) each [T, hidden], to the next stage."""
+        dist.send(torch.stack([hidden_states, residual]), self.rank + 1)
+
+    def recv_from_previous(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
+                           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The previous stage's (hidden_states, residual), each [num_tokens, hidden_size]."""
+        both = torch.empty(2, num_tokens, hidden_size, dtype=dtype, device=device)
+        dist.recv(both, self.rank - 1)
+        return both[0], both[1]
+
+    def broadcast_sampled(self, sampled: list[list[int]] | None, num_reqs: int,
+                          device: torch.device) -> list[list[int]]:
+        """The last stage's sampled token ids (one list per scheduled request) on every stage: the counts, then the
+        tokens, as int64 tensors (two broadcasts; the lengths vary with speculative decoding)."""
+        src = self.size - 1
+        counts = torch.empty(num_reqs, dtype=torch.int64, device=device)
+        if self.is_last:
+            counts.copy_(torch.tensor([len(t) for t in sampled], dtype=torch.int64))
+        dist.broadcast(counts, src)
+        flat = torch.empty(int(counts.sum()), dtype=torch.int64, device=device)
+        if self.is_last:
+            flat.copy_(torch.tensor([t for ts in sampled for t in ts], dtype=torch.int64))
+        if flat.numel():
+            dist.broadcast(flat, src)
+        if self.is_last:
+            return sampled
+        tokens = flat.tolist()
+        out, i = [], 0
+        for n in counts.tolist():
+            out.append(tokens[i:i + n])
+            i += n
+        return out
+
+
+def destroy_world() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def init_world(rank: int, world_size: int, init_method: str, device: torch.device, timeout_s: float = 600.0) -> None:
+    """Join the process group of every rank (all ranks call this); gloo on the CPU, NCCL on CUDA."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    logger.info("rank %d of %d joined the %s group", rank, world_size, backend)
