@@ -289,8 +289,8 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     """Stages that each hold a contiguous range of the layers (vLLM's split: as even as possible; the embedding on
     the first stage, the final norm and LM head on the last) and their KV cache; the hidden state and residual go
-    from stage to stage point to point, the last stage samples. One batch at a time (no batch queue yet); not
-    combined with tensor parallelism yet."""
+    from stage to stage point to point, the last stage samples. One batch at a time (no batch queue yet).
+    Combined with --tensor-parallel-size the world is tp x pp processes (rank = stage * tp + tp rank)."""
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
     """How the model's workers run: uni (in the engine process; needs tensor-parallel-size 1), mp (one fresh
     process per rank on this machine), ray (not yet supported). Default: uni at size 1, else mp."""
@@ -300,9 +300,6 @@ class ParallelConfig:
             raise ValueError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}.")
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"--pipeline-parallel-size must be at least 1, got {self.pipeline_parallel_size}.")
-        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
-            raise ValueError(f"--pipeline-parallel-size {self.pipeline_parallel_size} with --tensor-parallel-size "
-                             f"{self.tensor_parallel_size} is not yet supported; use one of them.")
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"--distributed-executor-backend must be one of {', '.join(EXECUTOR_BACKENDS)}, got "

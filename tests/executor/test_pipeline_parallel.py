@@ -1,7 +1,8 @@
 """Pipeline parallelism on the tiny random Llama (3 layers): the layer split, what each stage loads, the start-up
-errors, and greedy tokens and logprobs at pipeline-parallel size 2 and 3 (mp: one process per stage, gloo, 1 thread
-each) bitwise equal to the in-process engine: a stage runs the same ops on the same inputs, so the summation order
-does not change. A killed stage ends the engine as a killed tensor-parallel rank does."""
+errors, and greedy tokens and logprobs at pipeline-parallel size 2 and 3 (mp: one process per stage, gloo, 1
+thread each) bitwise equal to the in-process engine: a stage runs the same ops on the same inputs, so the
+summation order does not change. Combined with tensor parallelism (tp 2 x pp 2). A killed stage ends the engine
+as a killed tensor-parallel rank does."""
 
 from __future__ import annotations
 
@@ -67,9 +68,8 @@ def test_startup_errors(tiny_llama_dir):
         EngineConfig.from_kwargs(distributed_executor_backend="uni", pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="at least 1"):
         EngineConfig.from_kwargs(pipeline_parallel_size=0)
-    with pytest.raises(ValueError, match="with --tensor-parallel-size 2 is not yet supported"):
-        EngineConfig.from_kwargs(pipeline_parallel_size=2, tensor_parallel_size=2)
     assert EngineConfig.from_kwargs(pipeline_parallel_size=2).parallel_config.executor_backend == "mp"
+    assert EngineConfig.from_kwargs(pipeline_parallel_size=2, tensor_parallel_size=2).parallel_config.world_size == 4
 
 
 def test_each_stage_loads_only_its_layers_quantized_rows_included(tiny_llama_gguf_quantized):
@@ -123,6 +123,25 @@ def test_pipeline_parallel_is_bitwise_the_in_process_engine(tiny_llama_dir, refe
     assert result["sampled"] == reference["sampled"]
     print(f"FIGURE PP={size} vs PP=1 tiny Llama: {len(PROMPTS)} prompts x {GREEDY.max_tokens} tokens, logprobs and "
           "prompt logprobs bitwise equal")
+    assert not any(pid_alive(pid) for pid in pids)
+
+
+@pytest.mark.slow
+def test_pipeline_and_tensor_parallel_together(tiny_llama_dir, reference, one_thread):
+    """tp 2 x pp 2 = 4 processes: each stage's two ranks split its layers and all-reduce in their own group, and
+    each hands its hidden state to its peer in the next stage. Greedy tokens and seeded samples equal size 1's; the
+    logprobs differ only by the all-reduce's summation order."""
+    llm = LLM(str(tiny_llama_dir), pipeline_parallel_size=2, tensor_parallel_size=2, **POOL)
+    pids = _worker_pids(llm)
+    result = _run(llm)
+    assert len(pids) == 4
+    assert result["tokens"] == reference["tokens"]
+    assert result["sampled"] == reference["sampled"]
+    deltas = [abs(a.logprob - b.logprob) for x, y in zip(result["logprobs"], reference["logprobs"], strict=True)
+              for step_a, step_b in zip(x, y, strict=True)
+              for a, b in zip(step_a.values(), step_b.values(), strict=False)]
+    print(f"FIGURE TP=2 x PP=2 vs size 1 tiny Llama: tokens identical, max |delta logprob| {max(deltas):.2e}")
+    assert max(deltas) < 1e-4
     assert not any(pid_alive(pid) for pid in pids)
 
 

@@ -6,6 +6,10 @@ CUDA; the code is the same).
     last stage: layers [z, L) + final norm + LM head: samples, and broadcasts the sampled tokens to every stage
     (the first stage reads them as the next step's inputs; every stage's persistent batch stays the same)
 
+With tensor parallelism too (world = tp x pp), rank = stage * tp + tp_rank: a stage's tensor-parallel ranks form
+their own group, and each hands its (replicated) hidden state to the rank of the same tensor-parallel rank in the
+next stage (vLLM's layout).
+
 `PipelineParallelGroup.single()` is the one stage of size 1: it holds every layer and never communicates.
 """
 
@@ -20,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from pagedllm.distributed.parallel_state import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +53,14 @@ def check_pipeline_parallel_size(size: int, num_layers: int) -> None:
 @dataclass(frozen=True)
 class PipelineParallelGroup:
     rank: int
+    """This stage's index."""
     size: int
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    @property
+    def global_rank(self) -> int:
+        return self.rank * self.tp_size + self.tp_rank
 
     @classmethod
     def single(cls) -> PipelineParallelGroup:
@@ -88,20 +101,20 @@ class PipelineParallelGroup:
     # ---- communication -------------------------------------------------------------------------------
     def send_to_next(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> None:
         """Hand this stage's output, (MLP output, residual stream before it) each [T, hidden], to the next stage."""
-        dist.send(torch.stack([hidden_states, residual]), self.rank + 1)
+        dist.send(torch.stack([hidden_states, residual]), self.global_rank + self.tp_size)
 
     def recv_from_previous(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
                            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The previous stage's (hidden_states, residual), each [num_tokens, hidden_size]."""
         both = torch.empty(2, num_tokens, hidden_size, dtype=dtype, device=device)
-        dist.recv(both, self.rank - 1)
+        dist.recv(both, self.global_rank - self.tp_size)
         return both[0], both[1]
 
     def broadcast_sampled(self, sampled: list[list[int]] | None, num_reqs: int,
                           device: torch.device) -> list[list[int]]:
         """The last stage's sampled token ids (one list per scheduled request) on every stage: the counts, then the
         tokens, as int64 tensors (two broadcasts; the lengths vary with speculative decoding)."""
-        src = self.size - 1
+        src = (self.size - 1) * self.tp_size  # the driver: the last stage's first tensor-parallel rank
         counts = torch.empty(num_reqs, dtype=torch.int64, device=device)
         if self.is_last:
             counts.copy_(torch.tensor([len(t) for t in sampled], dtype=torch.int64))
@@ -126,9 +139,20 @@ def destroy_world() -> None:
         dist.destroy_process_group()
 
 
-def init_world(rank: int, world_size: int, init_method: str, device: torch.device, timeout_s: float = 600.0) -> None:
-    """Join the process group of every rank (all ranks call this); gloo on the CPU, NCCL on CUDA."""
+def init_pipeline(rank: int, tp_size: int, pp_size: int, init_method: str, device: torch.device,
+                  timeout_s: float = 600.0) -> tuple[TensorParallelGroup, PipelineParallelGroup]:
+    """Join the process group of all tp_size x pp_size ranks (every rank calls this; gloo on the CPU, NCCL on
+    CUDA) and, above tensor-parallel size 1, every stage's tensor-parallel group (each rank creates them all, in
+    the same order, as torch.distributed requires). Returns this rank's tensor-parallel group and stage."""
     backend = "nccl" if device.type == "cuda" else "gloo"
+    world_size = tp_size * pp_size
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
-    logger.info("rank %d of %d joined the %s group", rank, world_size, backend)
+    stage, tp_rank = divmod(rank, tp_size)
+    tp = TensorParallelGroup.single()
+    if tp_size > 1:
+        groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)]
+        tp = TensorParallelGroup(tp_rank, tp_size, groups[stage])
+    logger.info("rank %d of %d joined the %s group: stage %d of %d, tensor-parallel rank %d of %d", rank,
+                world_size, backend, stage, pp_size, tp_rank, tp_size)
+    return tp, PipelineParallelGroup(stage, pp_size, tp_size, tp_rank)

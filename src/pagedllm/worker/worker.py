@@ -21,7 +21,7 @@ from pagedllm.distributed.parallel_state import (
     destroy_tensor_parallel_group,
     init_tensor_parallel_group,
 )
-from pagedllm.distributed.pipeline_parallel import PipelineParallelGroup, destroy_world, init_world
+from pagedllm.distributed.pipeline_parallel import PipelineParallelGroup, destroy_world, init_pipeline
 from pagedllm.layers.forward_context import kv_cache_bytes_per_block
 from pagedllm.layers.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedllm.messages import ModelRunnerOutput
@@ -63,9 +63,9 @@ class Worker:
             self.device = torch.device("cuda", self.rank)
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
-        if pc.pipeline_parallel_size > 1:  # config.py refuses it combined with tensor parallelism
-            init_world(self.rank, pc.world_size, self.distributed_init_method or "", self.device)
-            self.pp = PipelineParallelGroup(self.rank, pc.pipeline_parallel_size)
+        if pc.pipeline_parallel_size > 1:
+            self.tp, self.pp = init_pipeline(self.rank, pc.tensor_parallel_size, pc.pipeline_parallel_size,
+                                             self.distributed_init_method or "", self.device)
             return
         self.tp = init_tensor_parallel_group(self.rank, pc.tensor_parallel_size, self.distributed_init_method or "",
                                              self.device)
