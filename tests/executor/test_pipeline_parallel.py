@@ -146,6 +146,22 @@ def test_pipeline_and_tensor_parallel_together(tiny_llama_dir, reference, one_th
 
 
 @pytest.mark.slow
+def test_fp8_kv_cache_scales_calculated_stage_by_stage(tiny_llama_dir, one_thread):
+    """An fp8 KV cache calculates its scales from the calibration text at load: each stage for its layers, the
+    text's hidden state passed along as in a step. Scales, and so tokens and logprobs, bitwise size 1's."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    outputs = []
+    for size in (1, 2):
+        llm = LLM(str(tiny_llama_dir), pipeline_parallel_size=size, kv_cache_dtype="fp8", **POOL)
+        try:
+            outputs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                            for o in llm.generate(PROMPTS, params, use_tqdm=False)])
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.slow
 def test_pipeline_parallel_with_tied_embeddings(tiny_llama_dir, tmp_path, one_thread):
     """Tied LM head (the MQA model of test_executor.py, 2 layers): the last stage loads the embedding table as its
     LM head; greedy tokens equal size 1's."""

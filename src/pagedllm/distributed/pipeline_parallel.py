@@ -134,6 +134,19 @@ class PipelineParallelGroup:
         return out
 
 
+def run_stage(model: torch.nn.Module, pp: PipelineParallelGroup, input_ids: torch.Tensor, positions: torch.Tensor,
+              dtype: torch.dtype) -> torch.Tensor | None:
+    """One forward pass of this stage (inside the forward context): the previous stage's output in, this stage's
+    out to the next. Returns the hidden states [T, hidden] on the last stage, None on the others."""
+    intermediate = None if pp.is_first else pp.recv_from_previous(len(input_ids), model.info.hidden_size, dtype,
+                                                                  input_ids.device)
+    out = model(input_ids, positions, intermediate)
+    if pp.is_last:
+        return out
+    pp.send_to_next(*out)
+    return None
+
+
 def destroy_world() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -11,7 +11,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import SchedulerOutput
-from pagedllm.distributed.pipeline_parallel import PipelineParallelGroup
+from pagedllm.distributed.pipeline_parallel import PipelineParallelGroup, run_stage
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.forward_context import AttentionMetadata, kv_cache_shape, set_forward_context
 from pagedllm.layers.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs, logprobs_to_entries
@@ -205,14 +205,7 @@ class ModelRunner:
         native decode step (models/llama_native_step.py, bitwise the same), else its modules. A pipeline stage
         runs its layers on the previous stage's output and hands its own to the next (None but on the last)."""
         if self.pp.size > 1:
-            pp = self.pp
-            intermediate = None if pp.is_first else pp.recv_from_previous(
-                len(input_ids), self.info.hidden_size, self.dtype, self.device)
-            out = self.model(input_ids, positions, intermediate)
-            if pp.is_last:
-                return out
-            pp.send_to_next(*out)
-            return None
+            return run_stage(self.model, self.pp, input_ids, positions, self.dtype)
         if self.native_step is not None:
             hidden_states = self.native_step.forward(input_ids, positions)
             if hidden_states is not None:

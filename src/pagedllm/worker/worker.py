@@ -113,14 +113,13 @@ class Worker:
 
     def calculate_kv_scales(self) -> None:
         """--calculate-kv-scales: every attention layer's k_scale and v_scale from the fixed calibration text (with
-        tensor parallelism, each rank's from its own KV heads)."""
-        if self.pp.size > 1:
-            raise ValueError("--calculate-kv-scales with --pipeline-parallel-size > 1 is not yet supported.")
+        tensor parallelism, each rank's from its own KV heads; with pipeline parallelism, each stage's layers, all
+        stages at once)."""
         mc = self.config.model_config
         tokenizer = get_tokenizer(mc.tokenizer or resolve_model(mc.model))
         token_ids = tokenizer.encode(CALIBRATION_TEXT.read_text())[: self.max_model_len]
         start = time.perf_counter()
-        scales = calculate_kv_scales(self.model_runner.model, token_ids, self.device, self.dtype)
+        scales = calculate_kv_scales(self.model_runner.model, token_ids, self.device, self.dtype, self.pp)
         logger.info("KV cache scales calculated from %d calibration tokens in %.1f s: k_scale %s, v_scale %s",
                     len(token_ids), time.perf_counter() - start, sorted({k for k, _ in scales}),
                     sorted({v for _, v in scales}))
