@@ -72,11 +72,24 @@ def test_startup_errors(tiny_llama_dir):
     assert EngineConfig.from_kwargs(pipeline_parallel_size=2, tensor_parallel_size=2).parallel_config.world_size == 4
 
 
-def test_each_stage_loads_only_its_layers_quantized_rows_included(tiny_llama_gguf_quantized):
+def test_each_stage_loads_only_its_layers_quantized_rows_included(tiny_llama_gguf_quantized, monkeypatch):
     """The quantized GGUF (kept quantized): stage 0 of 2 holds the embedding and layers 0-1, stage 1 layer 2, the
-    final norm and the LM head; together exactly the weights of the whole model."""
+    final norm and the LM head; together exactly the weights of the whole model. A stage never reads the other
+    stages' tensors from the file."""
     from pagedllm.config import ModelConfig
+    from pagedllm.models import gguf_loader
     from pagedllm.models.loader import load_model
+
+    reads: list[str] = []
+    for fn in ("unpack_tensor", "dequantize_tensor"):
+        real = getattr(gguf_loader, fn)
+        monkeypatch.setattr(gguf_loader, fn, lambda tensor, path, real=real: (reads.append(tensor.name),
+                                                                               real(tensor, path))[1])
+
+    def loaded(pp=None):
+        reads.clear()
+        model = load_model(mc, cpu, torch.float32, pp=pp)
+        return model, list(reads)
 
     def weights(model):
         names = {n for n, p in model.named_parameters() if p is not None}
@@ -85,9 +98,11 @@ def test_each_stage_loads_only_its_layers_quantized_rows_included(tiny_llama_ggu
 
     mc = ModelConfig(model=str(tiny_llama_gguf_quantized))
     cpu = torch.device("cpu")
-    whole = load_model(mc, cpu, torch.float32)
-    first = load_model(mc, cpu, torch.float32, pp=PipelineParallelGroup(0, 2))
-    last = load_model(mc, cpu, torch.float32, pp=PipelineParallelGroup(1, 2))
+    whole, whole_reads = loaded()
+    first, first_reads = loaded(PipelineParallelGroup(0, 2))
+    last, last_reads = loaded(PipelineParallelGroup(1, 2))
+    assert sorted(first_reads + last_reads) == sorted(whole_reads)
+    assert not any(n.startswith("blk.2.") for n in first_reads) and not any(n.startswith("blk.0.") for n in last_reads)
     assert first.num_layers == 2 and last.num_layers == 1
     assert {n.split(".")[2] for n in weights(first) if n.startswith("model.layers.")} == {"0", "1"}
     assert {n.split(".")[2] for n in weights(last) if n.startswith("model.layers.")} == {"2"}

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -93,10 +92,9 @@ class PipelineParallelGroup:
             return self.is_last
         return True
 
-    def stage_tensors(self, tensors: Iterator[tuple[str, Any]], num_layers: int, tie_word_embeddings: bool
-                      ) -> Iterator[tuple[str, Any]]:
-        """The checkpoint's tensors this stage loads (the others are skipped before they are sliced or packed)."""
-        return ((name, t) for name, t in tensors if self.keeps_weight(name, num_layers, tie_word_embeddings))
+    def weight_filter(self, num_layers: int, tie_word_embeddings: bool) -> Callable[[str], bool]:
+        """keeps_weight for this model: the checkpoint readers skip the other tensors before reading them."""
+        return lambda name: self.keeps_weight(name, num_layers, tie_word_embeddings)
 
     # ---- communication -------------------------------------------------------------------------------
     def send_to_next(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> None:

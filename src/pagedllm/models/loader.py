@@ -116,7 +116,10 @@ def _hf_model_info(folder: Path, generation_config: dict[str, Any]) -> ModelInfo
     return info
 
 
-def _safetensors_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_tensors(folder: Path, keep: Callable[[str], bool] | None = None
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the folder's *.safetensors (`keep`: only those whose name it accepts, the others never
+    read)."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         pickled = [p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
@@ -126,7 +129,8 @@ def _safetensors_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if keep is None or keep(name):
+                        yield name, f.get_tensor(name)
         except ModelLoadError:
             raise
         except Exception as e:
@@ -266,6 +270,14 @@ def _packer(model_config: ModelConfig, quantized: bool, source: str) -> Callable
     return pack
 
 
+def _stage_filter(pp: PipelineParallelGroup | None, info: ModelInfo) -> Callable[[str], bool] | None:
+    """Which checkpoint tensors a pipeline stage reads (None: all)."""
+    if pp is None or pp.size == 1:
+        return None
+    check_pipeline_parallel_size(pp.size, info.num_layers)
+    return pp.weight_filter(info.num_layers, info.tie_word_embeddings)
+
+
 def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
                tp: TensorParallelGroup | None = None, pp: PipelineParallelGroup | None = None) -> nn.Module:
     """Build the model on the meta device, load its weights onto `device` in `dtype`; eval mode. With a
@@ -281,19 +293,17 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     if resolved.kind == "gguf":
         reader = open_gguf(resolved.path)
         info = gguf_model_info(reader, resolved.path)
-        tensors: Iterator[tuple[str, Any]] = gguf_tensors(reader, info, resolved.path, quantized=quantized)
+        tensors: Iterator[tuple[str, Any]] = gguf_tensors(reader, info, resolved.path, quantized=quantized,
+                                                          keep=_stage_filter(pp, info))
     else:
         info = _hf_model_info(resolved.path, _generation_config(model_config, resolved))
-        tensors = _safetensors_tensors(resolved.path)
+        tensors = _safetensors_tensors(resolved.path, _stage_filter(pp, info))
         if runs_fp8(model_config, resolved, device, dtype):
             tensors = _fp8_linears(tensors)
     model_cls = get_model_class(info.architecture, source)
     if tp is not None and tp.size > 1:
         check_tensor_parallel_size(tp.size, info.num_heads, info.num_kv_heads, info.intermediate_size)
         tensors = shard_tensors(tensors, model_cls.tensor_parallel_plan, info, tp)
-    if pp is not None and pp.size > 1:
-        check_pipeline_parallel_size(pp.size, info.num_layers)
-        tensors = pp.stage_tensors(tensors, info.num_layers, info.tie_word_embeddings)
     with torch.device("meta"):
         model = model_cls(info, tp, pp)
     with _one_cpu_thread():
