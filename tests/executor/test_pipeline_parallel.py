@@ -128,6 +128,9 @@ def test_pipeline_parallel_is_bitwise_the_in_process_engine(tiny_llama_dir, refe
     llm = LLM(str(tiny_llama_dir), pipeline_parallel_size=size, **POOL)
     pids = _worker_pids(llm)
     specs = llm.llm_engine.engine_core.executor.collective_rpc("kv_cache_spec")
+    blocks = llm.llm_engine.engine_core.executor.collective_rpc("determine_num_blocks")
+    print(f"FIGURE PP={size}: KV bytes per block per stage {[s[0] for s in specs]}, blocks each stage's "
+          f"{POOL['kv_cache_memory'] >> 20} MiB holds {blocks} (pool: the minimum)")
     result = _run(llm)
     assert len(pids) == size
     per_layer = specs[0][0] // (2 if size == 2 else 1)  # stage 0 of 2 holds 2 layers, of 3 one
