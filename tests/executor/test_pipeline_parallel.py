@@ -224,3 +224,29 @@ def test_killed_stage_ends_the_engine(tiny_llama_dir):
     finally:
         executor.shutdown()
     assert not any(pid_alive(pid) for pid in pids)
+
+
+@pytest.mark.slow
+def test_stage_killed_during_a_step_ends_the_engine(tiny_llama_dir):
+    """The middle stage of 3 frozen (SIGSTOP) so that a step is surely in flight, then killed: the stages waiting
+    on it see the closed connection, generate raises ExecutorDeadError within seconds instead of hanging, and
+    shutdown leaves no process."""
+    import threading
+    import time
+
+    from pagedllm.executor.abstract import ExecutorDeadError
+
+    llm = LLM(str(tiny_llama_dir), pipeline_parallel_size=3, **POOL)
+    pids = _worker_pids(llm)
+    try:
+        os.kill(pids[1], signal.SIGSTOP)
+        threading.Timer(1.0, os.kill, (pids[1], signal.SIGKILL)).start()
+        start = time.monotonic()
+        with pytest.raises(ExecutorDeadError):
+            llm.generate(PROMPTS, SamplingParams(max_tokens=64, ignore_eos=True), use_tqdm=False)
+        elapsed = time.monotonic() - start
+        print(f"FIGURE stage killed mid-step: generate raised after {elapsed:.2f} s (killed at 1.0 s)")
+        assert elapsed < 10.0
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert not any(pid_alive(pid) for pid in pids)
