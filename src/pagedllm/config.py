@@ -285,6 +285,11 @@ class ParallelConfig:
     """Ranks that split every layer's weights (attention heads, MLP columns, vocabulary) and all-reduce after the
     row-parallel layers, over torch.distributed (gloo on the CPU, NCCL on CUDA). Each rank gets its share of the
     CPU threads. Must divide the attention heads, and the KV heads or be a multiple of them."""
+    pipeline_parallel_size: int = 1
+    """Stages that each hold a contiguous range of the layers (vLLM's split: as even as possible; the embedding on
+    the first stage, the final norm and LM head on the last) and their KV cache; the hidden state and residual go
+    from stage to stage point to point, the last stage samples. One batch at a time (no batch queue yet).
+    Combined with --tensor-parallel-size the world is tp x pp processes (rank = stage * tp + tp rank)."""
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
     """How the model's workers run: uni (in the engine process; needs tensor-parallel-size 1), mp (one fresh
     process per rank on this machine), ray (not yet supported). Default: uni at size 1, else mp."""
@@ -292,6 +297,8 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}.")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"--pipeline-parallel-size must be at least 1, got {self.pipeline_parallel_size}.")
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"--distributed-executor-backend must be one of {', '.join(EXECUTOR_BACKENDS)}, got "
@@ -301,11 +308,12 @@ class ParallelConfig:
                              "rank on this machine) or uni.")
         if backend == "uni" and self.world_size > 1:
             raise ValueError(f"--distributed-executor-backend uni runs one rank in the engine process; "
-                             f"--tensor-parallel-size {self.tensor_parallel_size} needs mp.")
+                             f"--tensor-parallel-size {self.tensor_parallel_size} --pipeline-parallel-size "
+                             f"{self.pipeline_parallel_size} needs mp.")
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def executor_backend(self) -> str:

@@ -97,9 +97,16 @@ def test_logprobs_see_the_masked_logits(llm, tiny_tokenizer):
     pytest.param(dict(distributed_executor_backend="mp"), marks=pytest.mark.slow),
     # constrained rows get no drafts; the plain row is speculated and keeps its greedy tokens
     dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}),
+    # pipeline stages: the last applies the bitmask and samples; the others append the tokens it broadcasts (one
+    # or several per request with speculation), through chunked prefill and preemption
+    pytest.param(dict(pipeline_parallel_size=2, max_num_batched_tokens=8, max_model_len=256,
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(pipeline_parallel_size=3, num_gpu_blocks_override=6, max_model_len=96), marks=pytest.mark.slow),
 ])
 def test_greedy_output_is_the_same_under_other_engine_settings(tiny_llama_dir, llm, engine_args):
-    """Preemption, chunked prefill, no prefix caching, an mp worker process, n-gram speculation."""
+    """Preemption, chunked prefill, no prefix caching, an mp worker process, n-gram speculation, pipeline
+    parallelism."""
     prompts = [p * 3 for p in PROMPTS]
     params = [_params(0.0, json=SCHEMA, disable_any_whitespace=True), _params(0.0, regex=REGEX),
               _params(0.0, choice=CHOICES), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)]

@@ -61,9 +61,9 @@ class EngineCore:
         self.structured_output_manager = StructuredOutputManager(
             config.structured_outputs_config, self._load_tokenizer, self.vocab_size)
         pc = config.parallel_config
-        logger.info("EngineCore ready in %.1f s: %s, %s executor, tensor-parallel size %d",
-                    time.perf_counter() - start, self.resolved_model.path, pc.executor_backend,
-                    pc.tensor_parallel_size)
+        logger.info("EngineCore ready in %.1f s: %s, %s executor, tensor-parallel size %d, pipeline-parallel "
+                    "size %d", time.perf_counter() - start, self.resolved_model.path, pc.executor_backend,
+                    pc.tensor_parallel_size, pc.pipeline_parallel_size)
 
     @property
     def runner(self):

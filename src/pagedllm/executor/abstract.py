@@ -2,10 +2,11 @@
 
     EngineCore ──▶ Executor ──▶ Worker(s) ──▶ ModelRunner
                    uni: one Worker in this process (executor/uniproc_executor.py)
-                   mp:  one Worker process per tensor-parallel rank (executor/multiproc_executor.py)
+                   mp:  one Worker process per rank (executor/multiproc_executor.py)
 
 Every rank loads its share of the model and of the KV cache; the pool has as many blocks as the smallest rank
-holds; the scheduler output goes to every rank once per step and the sampled tokens come back from rank 0.
+holds; the scheduler output goes to every rank once per step and the sampled tokens come back from the driver rank:
+rank 0, or with pipeline parallelism the last stage (which samples).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput,
                       grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
         """Run one step on every rank (`grammar`: the token bitmask of the rows that sample under a grammar);
-        rank 0's output. Raises ExecutorDeadError when a worker is gone."""
+        the driver rank's output. Raises ExecutorDeadError when a worker is gone."""
 
     def determine_num_blocks(self) -> int:
         """KV blocks every rank can hold: the minimum over ranks."""

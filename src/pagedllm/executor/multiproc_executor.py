@@ -1,10 +1,11 @@
-"""MultiprocExecutor: one worker process per tensor-parallel rank on this machine.
+"""MultiprocExecutor: one worker process per rank (tensor-parallel rank or pipeline stage) on this machine.
 
 Each worker is a fresh interpreter (`python -m pagedllm.executor.worker_proc`; never fork: the engine holds torch
 and threads), given the configuration as JSON on stdin; the pipe stays open, so a worker exits when the engine
 process dies however it dies. The scheduler output is encoded once per step and published to every rank on one
-ZMQ socket; rank 0 answers with the sampled tokens (executor/worker_messages.py). The ranks' tensors move over
-torch.distributed (gloo on the CPU, NCCL on CUDA), never through the executor.
+ZMQ socket; the driver rank (rank 0, or the last pipeline stage) answers with the sampled tokens
+(executor/worker_messages.py). The ranks' tensors move over torch.distributed (gloo on the CPU, NCCL on CUDA),
+never through the executor.
 
 A worker that exits is noticed at once (a thread waits on each pid): the step in progress raises
 ExecutorDeadError, and between steps the failure callback wakes the engine, which then stops (the engine-death
@@ -36,6 +37,7 @@ import zmq
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.distributed.parallel_state import check_tensor_parallel_size
+from pagedllm.distributed.pipeline_parallel import check_pipeline_parallel_size
 from pagedllm.executor.abstract import Executor, ExecutorDeadError
 from pagedllm.executor.worker_messages import (
     ExecuteModel,
@@ -64,7 +66,9 @@ class MultiprocExecutor(Executor):
         pc, mc = config.parallel_config, config.model_config
         self.world_size = pc.world_size
         info = load_model_info(mc)  # metadata only: a size that cannot split the model fails before any process
-        check_tensor_parallel_size(self.world_size, info.num_heads, info.num_kv_heads, info.intermediate_size)
+        check_tensor_parallel_size(pc.tensor_parallel_size, info.num_heads, info.num_kv_heads,
+                                   info.intermediate_size)
+        check_pipeline_parallel_size(pc.pipeline_parallel_size, info.num_layers)
         self.failure_reason: str | None = None
         self.failure_callback: Callable[[str], None] | None = None
         self._closing = False

@@ -1,11 +1,11 @@
 """A worker process of the mp executor: one rank's Worker behind two ZMQ sockets.
 
-    executor ──broadcast (SUB)──▶ busy loop: ExecuteModel ▸ Worker.execute_model ▸ StepResult (rank 0 only)
+    executor ──broadcast (SUB)──▶ busy loop: ExecuteModel ▸ Worker.execute_model ▸ StepResult (driver only)
                                              RpcCall ▸ Worker.<method> ▸ RpcResult (every rank)
     executor ◀──results (PUSH)───
 
-Lifetime: exits on Shutdown, on SIGTERM, when the engine process dies (stdin reaches EOF), or, at tensor-parallel
-size > 1, after a step raised (the other ranks may be stuck in a collective; the executor stops the engine).
+Lifetime: exits on Shutdown, on SIGTERM, when the engine process dies (stdin reaches EOF), or, at world size > 1,
+after a step raised (the other ranks may be stuck in a collective or a receive; the executor stops the engine).
 
 Run as `python -m pagedllm.executor.worker_proc --rank R --broadcast-addr A --result-addr A
 --distributed-init-method tcp://HOST:PORT` with the EngineConfig as one JSON line on stdin; MultiprocExecutor
@@ -93,7 +93,7 @@ def _busy_loop(worker, rank: int, world_size: int, broadcast: zmq.Socket, result
                 if world_size > 1:
                     return 1
                 continue
-            if rank == 0:
+            if output is not None:  # the driver rank's (executor/abstract.py)
                 results.send(encoder.encode(StepResult(rank, output)), copy=False)
         elif isinstance(message, RpcCall):
             try:

@@ -11,7 +11,7 @@ so a truncated or corrupt file fails the load, not a later step.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -182,9 +182,10 @@ def runs_quantized(hf_weight_name: str) -> bool:
                                                                          "lm_head.weight")
 
 
-def gguf_tensors(reader: GGUFFile, info: ModelInfo, path: Path,
-                 quantized: bool = False) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
-    """Yield (Hugging Face name, weight) for every tensor, Q/K rotary permutation undone.
+def gguf_tensors(reader: GGUFFile, info: ModelInfo, path: Path, quantized: bool = False,
+                 keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
+    """Yield (Hugging Face name, weight) for every tensor (`keep`: only those whose name it accepts, the others
+    never read: a pipeline stage's), Q/K rotary permutation undone.
 
     A weight is a float32 array, or with `quantized` a QuantizedWeight where the tensor's type is in
     UNPACKED_TYPES and `runs_quantized(name)`.
@@ -195,6 +196,8 @@ def gguf_tensors(reader: GGUFFile, info: ModelInfo, path: Path,
         name = hf_name(tensor.name)
         if name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} for a llama model")
+        if keep is not None and not keep(name):
+            continue
         if quantized and tensor.tensor_type in UNPACKED_TYPES and runs_quantized(name):
             w: np.ndarray | QuantizedWeight = unpack_tensor(tensor, path)
         else:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.distributed.pipeline_parallel import PipelineParallelGroup
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import PagedAttention
 from pagedllm.layers.embedding import VocabEmbedding
@@ -85,27 +86,46 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, info: ModelInfo, tp: TensorParallelGroup):
+    """With pipeline parallelism: this stage's layers [start, end) (the others are parameterless placeholders, so
+    the parameter names keep the checkpoint's layer numbers); the embedding on the first stage (and the last when
+    the LM head is tied to it), the final norm on the last. Layer i caches in this stage's KV cache i - start."""
+
+    def __init__(self, info: ModelInfo, tp: TensorParallelGroup, pp: PipelineParallelGroup):
         super().__init__()
-        # An explicit _weight skips nn.Embedding's normal_() init: on the meta device that op imports
-        # torch._dynamo (~3-6 s of cold start) for a tensor the loader replaces anyway.
-        vocab_start, vocab_end = tp.padded_split(info.vocab_size)
-        self.embed_tokens = VocabEmbedding(vocab_end - vocab_start, info.hidden_size,
-                                           _weight=torch.empty(vocab_end - vocab_start, info.hidden_size))
-        if tp.size > 1:
-            self.embed_tokens.shard(tp, vocab_start)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(info, i, tp) for i in range(info.num_layers))
-        self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps)
+        self.pp = pp
+        self.start_layer, self.end_layer = pp.layers(info.num_layers)
+        if pp.is_first or (pp.is_last and info.tie_word_embeddings):
+            # An explicit _weight skips nn.Embedding's normal_() init: on the meta device that op imports
+            # torch._dynamo (~3-6 s of cold start) for a tensor the loader replaces anyway.
+            vocab_start, vocab_end = tp.padded_split(info.vocab_size)
+            self.embed_tokens = VocabEmbedding(vocab_end - vocab_start, info.hidden_size,
+                                               _weight=torch.empty(vocab_end - vocab_start, info.hidden_size))
+            if tp.size > 1:
+                self.embed_tokens.shard(tp, vocab_start)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(info, i - self.start_layer, tp) if self.start_layer <= i < self.end_layer
+            else nn.Identity() for i in range(info.num_layers))
+        if pp.is_last:
+            self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(info.head_dim, info.max_position_embeddings, info.rope_theta,
                                           info.rope_scaling, info.rope_freq_factors)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # input_ids, positions: [T] int64 -> hidden_states [T, hidden]
-        hidden_states = self.embed_tokens(input_ids)  # [T, hidden], a new tensor (the norms may write into it)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, positions: [T] int64; `intermediate`: the previous stage's (hidden_states, residual), each
+        [T, hidden] (None on the first stage). Returns hidden_states [T, hidden] on the last stage, else this
+        stage's (hidden_states, residual) for the next."""
+        if intermediate is None:
+            hidden_states = self.embed_tokens(input_ids)  # [T, hidden], a new tensor (the norms may write into it)
+            residual = None
+        else:
+            hidden_states, residual = intermediate
         cos_sin = self.rotary_emb(positions, hidden_states.dtype)  # [T, 2, D / 2]
-        residual = None
-        for layer in self.layers:
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden_states, residual = layer(hidden_states, residual, cos_sin)
+        if not self.pp.is_last:
+            return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -123,18 +143,24 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": "out", "up_proj": "out", "down_proj": "in", "embed_tokens": "vocab", "lm_head": "vocab",
     }
 
-    def __init__(self, info: ModelInfo, tp: TensorParallelGroup | None = None):
+    def __init__(self, info: ModelInfo, tp: TensorParallelGroup | None = None,
+                 pp: PipelineParallelGroup | None = None):
         super().__init__()
         self.info = info
         self.tp = tp = tp or TensorParallelGroup.single()
-        self.model = LlamaModel(info, tp)
-        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads if info.num_layers else info.num_kv_heads
+        self.pp = pp = pp or PipelineParallelGroup.single()
+        self.model = LlamaModel(info, tp, pp)
+        start, end = self.model.start_layer, self.model.end_layer
+        self.num_layers = end - start
+        """Layers this stage runs and caches (all of them at pipeline-parallel size 1)."""
+        self.num_kv_heads = self.model.layers[start].self_attn.num_kv_heads if end > start else info.num_kv_heads
         """KV heads this rank attends with and caches (all of them at tensor-parallel size 1)."""
-        vocab_start, vocab_end = tp.padded_split(info.vocab_size)
-        self.lm_head = Linear(info.hidden_size, vocab_end - vocab_start, bias=False)
+        if pp.is_last:
+            vocab_start, vocab_end = tp.padded_split(info.vocab_size)
+            self.lm_head = Linear(info.hidden_size, vocab_end - vocab_start, bias=False)
 
     def tie_weights(self) -> None:
-        if not self.info.tie_word_embeddings:
+        if not self.info.tie_word_embeddings or not self.pp.is_last:
             return
         embed = self.model.embed_tokens
         if embed.quant_weight is not None:
@@ -146,8 +172,10 @@ class LlamaForCausalLM(nn.Module):
         """Compute the buffers that are not weights (rotary table) on `device`, after loading."""
         self.model.rotary_emb.materialize(device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)  # [T, hidden]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.model(input_ids, positions, intermediate)  # [T, hidden] (a stage before the last: a pair)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # [N, hidden] -> [N, vocab] float32; with tensor parallelism each rank's vocabulary slice, gathered

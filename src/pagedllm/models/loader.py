@@ -19,6 +19,7 @@ from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import TensorParallelGroup, check_tensor_parallel_size
+from pagedllm.distributed.pipeline_parallel import PipelineParallelGroup, check_pipeline_parallel_size
 from pagedllm.kernels import cpu_kernels, quant_q8act
 from pagedllm.layers.int8_activation_weight import Int8ActivationWeight
 from pagedllm.layers.linear import pack_linear_weights
@@ -115,7 +116,10 @@ def _hf_model_info(folder: Path, generation_config: dict[str, Any]) -> ModelInfo
     return info
 
 
-def _safetensors_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_tensors(folder: Path, keep: Callable[[str], bool] | None = None
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the folder's *.safetensors (`keep`: only those whose name it accepts, the others never
+    read)."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         pickled = [p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
@@ -125,7 +129,8 @@ def _safetensors_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if keep is None or keep(name):
+                        yield name, f.get_tensor(name)
         except ModelLoadError:
             raise
         except Exception as e:
@@ -265,10 +270,19 @@ def _packer(model_config: ModelConfig, quantized: bool, source: str) -> Callable
     return pack
 
 
+def _stage_filter(pp: PipelineParallelGroup | None, info: ModelInfo) -> Callable[[str], bool] | None:
+    """Which checkpoint tensors a pipeline stage reads (None: all)."""
+    if pp is None or pp.size == 1:
+        return None
+    check_pipeline_parallel_size(pp.size, info.num_layers)
+    return pp.weight_filter(info.num_layers, info.tie_word_embeddings)
+
+
 def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
-               tp: TensorParallelGroup | None = None) -> nn.Module:
+               tp: TensorParallelGroup | None = None, pp: PipelineParallelGroup | None = None) -> nn.Module:
     """Build the model on the meta device, load its weights onto `device` in `dtype`; eval mode. With a
-    tensor-parallel group of size > 1, only this rank's share of each weight (models/tensor_parallel_weights.py).
+    tensor-parallel group of size > 1, only this rank's share of each weight (models/tensor_parallel_weights.py);
+    with a pipeline stage of several, only its layers' weights (distributed/pipeline_parallel.py).
 
     Returns the model (e.g. LlamaForCausalLM); `model.info` is its ModelInfo.
     """
@@ -279,10 +293,11 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     if resolved.kind == "gguf":
         reader = open_gguf(resolved.path)
         info = gguf_model_info(reader, resolved.path)
-        tensors: Iterator[tuple[str, Any]] = gguf_tensors(reader, info, resolved.path, quantized=quantized)
+        tensors: Iterator[tuple[str, Any]] = gguf_tensors(reader, info, resolved.path, quantized=quantized,
+                                                          keep=_stage_filter(pp, info))
     else:
         info = _hf_model_info(resolved.path, _generation_config(model_config, resolved))
-        tensors = _safetensors_tensors(resolved.path)
+        tensors = _safetensors_tensors(resolved.path, _stage_filter(pp, info))
         if runs_fp8(model_config, resolved, device, dtype):
             tensors = _fp8_linears(tensors)
     model_cls = get_model_class(info.architecture, source)
@@ -290,14 +305,14 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
         check_tensor_parallel_size(tp.size, info.num_heads, info.num_kv_heads, info.intermediate_size)
         tensors = shard_tensors(tensors, model_cls.tensor_parallel_plan, info, tp)
     with torch.device("meta"):
-        model = model_cls(info, tp)
+        model = model_cls(info, tp, pp)
     with _one_cpu_thread():
         state = _fused_state_dict(model, tensors, source, device, dtype, pack)
+    expected = model.state_dict()
     if info.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-        if "model.embed_tokens.weight" in state:
+        if "model.embed_tokens.weight" in state and "lm_head.weight" in expected:  # a pipeline stage may lack it
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:

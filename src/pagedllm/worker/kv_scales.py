@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedllm.distributed.pipeline_parallel import PipelineParallelGroup, run_stage
 from pagedllm.layers.attention import PagedAttention
 from pagedllm.layers.forward_context import AttentionMetadata, kv_cache_shape, set_forward_context
 from pagedllm.layers.kv_cache_dtype import power_of_two_scale
@@ -43,10 +44,11 @@ def attention_layers(model: nn.Module) -> list[PagedAttention]:
 
 
 @torch.inference_mode()
-def calibrate(model: nn.Module, token_ids: list[int], device: torch.device,
-              dtype: torch.dtype) -> list[tuple[float, float, torch.Tensor]]:
+def calibrate(model: nn.Module, token_ids: list[int], device: torch.device, dtype: torch.dtype,
+              pp: PipelineParallelGroup | None = None) -> list[tuple[float, float, torch.Tensor]]:
     """(max |K|, max |V|, queries' second moment H [Hkv, D, D] float64) per attention layer over one prefill of
-    token_ids (K and the queries after rotary, as attention sees them). Resets every layer's scales and rounding."""
+    token_ids (K and the queries after rotary, as attention sees them). Resets every layer's scales and rounding.
+    A pipeline stage (`pp`, every stage at once) runs its layers on the previous stage's output."""
     layers = attention_layers(model)
     moments: list[torch.Tensor] = []
     for a in layers:  # the values as computed (the cache holds the model dtype)
@@ -73,8 +75,12 @@ def calibrate(model: nn.Module, token_ids: list[int], device: torch.device,
         slot_mapping=torch.arange(t, dtype=torch.int64, device=device),
         query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens)
     try:
+        input_ids, positions = torch.tensor(token_ids, dtype=torch.int64, device=device), torch.arange(t, device=device)
         with set_forward_context(metadata, caches):
-            model(torch.tensor(token_ids, dtype=torch.int64, device=device), torch.arange(t, device=device))
+            if pp is not None and pp.size > 1:
+                run_stage(model, pp, input_ids, positions, dtype)
+            else:
+                model(input_ids, positions)
     finally:
         for a in layers:
             del a._attend
@@ -90,11 +96,11 @@ def error_feedback_weights(h: torch.Tensor) -> torch.Tensor:
     return (u / u.diagonal(dim1=-2, dim2=-1)[..., None]).float().contiguous()
 
 
-def calculate_kv_scales(model: nn.Module, token_ids: list[int], device: torch.device,
-                        dtype: torch.dtype) -> list[tuple[float, float]]:
+def calculate_kv_scales(model: nn.Module, token_ids: list[int], device: torch.device, dtype: torch.dtype,
+                        pp: PipelineParallelGroup | None = None) -> list[tuple[float, float]]:
     """Set every attention layer's k_scale, v_scale and K rounding (k_comp) from one prefill of token_ids; returns
-    the scales per layer."""
-    stats = calibrate(model, token_ids, device, dtype)
+    the scales per layer (this stage's layers with `pp`)."""
+    stats = calibrate(model, token_ids, device, dtype, pp)
     scales = [(power_of_two_scale(k, K_SCALE_CONSTANT), power_of_two_scale(v, V_SCALE_CONSTANT)) for k, v, _ in stats]
     for layer, (k_scale, v_scale), (_, _, h) in zip(attention_layers(model), scales, stats, strict=True):
         layer.k_scale, layer.v_scale = k_scale, v_scale

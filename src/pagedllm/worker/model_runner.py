@@ -11,6 +11,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.distributed.pipeline_parallel import PipelineParallelGroup, run_stage
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.forward_context import AttentionMetadata, kv_cache_shape, set_forward_context
 from pagedllm.layers.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs, logprobs_to_entries
@@ -32,7 +33,8 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, model_info, device: torch.device,
                  dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None, *, max_model_len: int,
-                 num_kv_heads: int | None = None, tp_size: int = 1, draft_model: torch.nn.Module | None = None):
+                 num_kv_heads: int | None = None, tp_size: int = 1, pp: PipelineParallelGroup | None = None,
+                 draft_model: torch.nn.Module | None = None):
         self.config = config
         self.model = model
         self.info = model_info
@@ -42,6 +44,9 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.num_kv_heads = num_kv_heads or model_info.num_kv_heads
         """KV heads this rank caches (its tensor-parallel share)."""
+        self.pp = pp or PipelineParallelGroup.single()
+        self.num_layers = getattr(model, "num_layers", model_info.num_layers)
+        """Layers this rank runs and caches (its pipeline stage's)."""
         self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, max_model_len, self.block_size)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
@@ -50,15 +55,16 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.grammar: GrammarOutput | None = None
         """This step's token bitmask (structured outputs), set by execute_model."""
-        # One native call runs every layer: no room for the all-reduces of tensor parallelism.
-        self.native_step = LlamaNativeDecodeStep.build(model) if device.type == "cpu" and tp_size == 1 else None
+        # One native call runs every layer: no room for the all-reduces of tensor parallelism, nor for a stage.
+        native = device.type == "cpu" and tp_size == 1 and self.pp.size == 1
+        self.native_step = LlamaNativeDecodeStep.build(model) if native else None
         self.speculative_config = config.speculative_config
         self.proposer = _make_proposer(config.speculative_config, draft_model, device, dtype, max_model_len,
                                        self.block_size, config.scheduler_config.max_num_batched_tokens)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.info.head_dim)
-        self.kv_caches = [_zeros(shape, self.kv_cache_dtype, self.device) for _ in range(self.info.num_layers)]
+        self.kv_caches = [_zeros(shape, self.kv_cache_dtype, self.device) for _ in range(self.num_layers)]
         if self.device.type == "cpu":
             keep_freed_memory()  # after the pool (its own calloc'd mmaps): step temporaries reuse the heap
             # Fault the pool in from a background thread while the engine idles, K and V of every layer in
@@ -92,6 +98,12 @@ class ModelRunner:
             attn_metadata.verify_reqs = np.flatnonzero(num_drafts)
         with set_forward_context(attn_metadata, self.kv_caches):
             hidden_states = self._forward(input_ids, positions)  # [T, hidden]
+        if hidden_states is None:  # a pipeline stage before the last: it appends the last stage's tokens
+            sampled = self.pp.broadcast_sampled(None, len(req_ids), self.device)
+            for row, tokens in zip(rows.tolist(), sampled, strict=True):
+                for token in tokens:
+                    batch.append_token(row, token)
+            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
         # A request samples when this step's tokens reach the end of the tokens it has.
         seq_lens = batch.num_computed_tokens[rows] + num_sched
@@ -112,6 +124,8 @@ class ModelRunner:
                 batch.append_token(row, token)
                 if entry is not None:
                     logprobs[req_ids[i]] = [entry]
+        if self.pp.size > 1:
+            self.pp.broadcast_sampled(sampled_token_ids, len(req_ids), self.device)
         prompt_logprobs = self._prompt_logprobs(req_ids, rows, num_sched, attn_metadata, hidden_states)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs,
@@ -189,9 +203,12 @@ class ModelRunner:
             proposals[i] = d
         return proposals
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The model's hidden states for this step: one native call for a step of decodes where the model has a
-        native decode step (models/llama_native_step.py, bitwise the same), else its modules."""
+        native decode step (models/llama_native_step.py, bitwise the same), else its modules. A pipeline stage
+        runs its layers on the previous stage's output and hands its own to the next (None but on the last)."""
+        if self.pp.size > 1:
+            return run_stage(self.model, self.pp, input_ids, positions, self.dtype)
         if self.native_step is not None:
             hidden_states = self.native_step.forward(input_ids, positions)
             if hidden_states is not None:

@@ -1,8 +1,9 @@
 """Worker: one rank's model, KV cache and ModelRunner, driven by an executor (executor/).
 
 The uni executor holds one Worker in the engine process; the mp executor runs one per process
-(executor/worker_proc.py). Every rank loads only its tensor-parallel share of the weights and allocates its share
-of the KV cache; only the driver rank (0) returns the sampled tokens.
+(executor/worker_proc.py). Every rank loads only its tensor-parallel share of the weights, or its pipeline
+stage's layers, and allocates its share of the KV cache; only the driver rank (the last stage's first
+tensor-parallel rank: 0 without pipeline parallelism) returns the sampled tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pagedllm.distributed.parallel_state import (
     destroy_tensor_parallel_group,
     init_tensor_parallel_group,
 )
+from pagedllm.distributed.pipeline_parallel import PipelineParallelGroup, destroy_world, init_pipeline
 from pagedllm.layers.forward_context import kv_cache_bytes_per_block
 from pagedllm.layers.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedllm.messages import ModelRunnerOutput
@@ -40,7 +42,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
 class Worker:
     """Args:
         config: the engine's configuration (every rank gets the same).
-        rank: this worker's tensor-parallel rank.
+        rank: this worker's rank (pipeline stage rank // tensor-parallel size, tensor-parallel rank the rest)
         distributed_init_method: torch.distributed's rendezvous (e.g. tcp://127.0.0.1:PORT); None at size 1.
     """
 
@@ -49,19 +51,27 @@ class Worker:
         self.rank = rank
         self.distributed_init_method = distributed_init_method
         self.tp = TensorParallelGroup.single()
+        self.pp = PipelineParallelGroup.single()
+        pc = config.parallel_config
+        self.is_driver = rank == pc.world_size - pc.tensor_parallel_size
+        """Whether this rank returns the step's output: the last stage's first tensor-parallel rank."""
         self.model_runner: ModelRunner | None = None
         self.draft_model: torch.nn.Module | None = None
         self.draft_scratch_bytes = 0
         """Bytes of the draft model's scratch KV cache (draft_model method), taken from the KV budget."""
 
     def init_device(self) -> None:
-        """Resolve the device and dtype; join the tensor-parallel group (all ranks at once)."""
+        """Resolve the device and dtype; join the tensor-parallel group or the pipeline (all ranks at once)."""
         mc, pc = self.config.model_config, self.config.parallel_config
         self.device = resolve_device(mc.device)
         if self.device.type == "cuda" and pc.world_size > 1:
             self.device = torch.device("cuda", self.rank)
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
+        if pc.pipeline_parallel_size > 1:
+            self.tp, self.pp = init_pipeline(self.rank, pc.tensor_parallel_size, pc.pipeline_parallel_size,
+                                             self.distributed_init_method or "", self.device)
+            return
         self.tp = init_tensor_parallel_group(self.rank, pc.tensor_parallel_size, self.distributed_init_method or "",
                                              self.device)
 
@@ -69,14 +79,14 @@ class Worker:
         """Load this rank's share of the weights and build the runner (before the KV cache exists)."""
         mc, cc = self.config.model_config, self.config.cache_config
         torch.manual_seed(mc.seed)
-        model = load_model(mc, self.device, self.dtype, self.tp)
+        model = load_model(mc, self.device, self.dtype, self.tp, self.pp)
         self.model_info: ModelInfo = model.info
         self.max_model_len = resolve_max_model_len(mc.max_model_len, model.info.max_position_embeddings)
         self.kv_cache_dtype = resolve_kv_cache_dtype(cc.kv_cache_dtype, self.dtype, self.device)
         self.draft_model = self._load_draft_model()
         self.model_runner = ModelRunner(self.config, model, model.info, self.device, self.dtype, self.kv_cache_dtype,
                                         max_model_len=self.max_model_len, num_kv_heads=model.num_kv_heads,
-                                        tp_size=self.tp.size, draft_model=self.draft_model)
+                                        tp_size=self.tp.size, pp=self.pp, draft_model=self.draft_model)
 
     def _load_draft_model(self) -> torch.nn.Module | None:
         """The draft_model method's model, through the same loader and dtype as the target; None for other methods.
@@ -87,8 +97,9 @@ class Worker:
         spec, mc = self.config.speculative_config, self.config.model_config
         if spec is None or spec.method != "draft_model":
             return None
-        if self.tp.size > 1:
-            raise ValueError("speculative method 'draft_model' runs only at --tensor-parallel-size 1.")
+        if self.tp.size > 1 or self.pp.size > 1:
+            raise ValueError("speculative method 'draft_model' runs only at --tensor-parallel-size 1 and "
+                             "--pipeline-parallel-size 1.")
         target_vocab = get_tokenizer(mc.tokenizer or resolve_model(mc.model)).get_vocab()
         draft_vocab = get_tokenizer(resolve_model(spec.model)).get_vocab()
         if draft_vocab != target_vocab:
@@ -127,7 +138,7 @@ class Worker:
         """(bytes one KV block takes on this rank, the pool's storage dtype), for the start-up log."""
         cc = self.config.cache_config
         per_block = kv_cache_bytes_per_block(cc.block_size, self.model_runner.num_kv_heads, self.model_info.head_dim,
-                                             self.kv_cache_dtype, self.model_info.num_layers)
+                                             self.kv_cache_dtype, self.model_runner.num_layers)
         return per_block, str(self.kv_cache_dtype).removeprefix("torch.")
 
     def _kv_cache_budget(self) -> int:
@@ -143,12 +154,13 @@ class Worker:
 
     def calculate_kv_scales(self) -> None:
         """--calculate-kv-scales: every attention layer's k_scale and v_scale from the fixed calibration text (with
-        tensor parallelism, each rank's from its own KV heads)."""
+        tensor parallelism, each rank's from its own KV heads; with pipeline parallelism, each stage's layers, all
+        stages at once)."""
         mc = self.config.model_config
         tokenizer = get_tokenizer(mc.tokenizer or resolve_model(mc.model))
         token_ids = tokenizer.encode(CALIBRATION_TEXT.read_text())[: self.max_model_len]
         start = time.perf_counter()
-        scales = calculate_kv_scales(self.model_runner.model, token_ids, self.device, self.dtype)
+        scales = calculate_kv_scales(self.model_runner.model, token_ids, self.device, self.dtype, self.pp)
         logger.info("KV cache scales calculated from %d calibration tokens in %.1f s: k_scale %s, v_scale %s",
                     len(token_ids), time.perf_counter() - start, sorted({k for k, _ in scales}),
                     sorted({v for _, v in scales}))
@@ -169,7 +181,7 @@ class Worker:
         prefault = runner.kv_prefault
         with prefault.busy() if prefault is not None else contextlib.nullcontext():
             output = runner.execute_model(scheduler_output, grammar)
-        return output if self.rank == 0 else None
+        return output if self.is_driver else None
 
     def check_health(self) -> None:
         """Raises if this worker cannot run steps (nothing to check in-process today)."""
@@ -181,6 +193,8 @@ class Worker:
                 runner.kv_prefault.stop()
             runner.kv_caches.clear()
         destroy_tensor_parallel_group(self.tp)
+        if self.pp.size > 1:
+            destroy_world()
 
 
 def resolve_max_model_len(requested: int | None, model_max: int) -> int:

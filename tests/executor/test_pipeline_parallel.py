@@ -1,0 +1,252 @@
+"""Pipeline parallelism on the tiny random Llama (3 layers): the layer split, what each stage loads, the start-up
+errors, and greedy tokens and logprobs at pipeline-parallel size 2 and 3 (mp: one process per stage, gloo, 1
+thread each) bitwise equal to the in-process engine: a stage runs the same ops on the same inputs, so the
+summation order does not change. Combined with tensor parallelism (tp 2 x pp 2). A killed stage ends the engine
+as a killed tensor-parallel rank does."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.pipeline_parallel import PipelineParallelGroup, pipeline_layer_range
+from server_process import pid_alive
+
+PROMPTS = ["The quick brown fox jumps over", "Hello world! How are you", "Paged attention stores the KV cache",
+           "Numbers like 12345 and 2024 appear", "user assistant system: write a short poem"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=24, ignore_eos=True)
+POOL = {"kv_cache_memory": 8 << 20}
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """1 thread in this process, so in the reference and in every stage (the executor gives each rank its share
+    of this process's threads): the matmuls' blocking is the same everywhere."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _run(llm: LLM) -> dict:
+    try:
+        greedy = [o for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        return {"tokens": [o.outputs[0].token_ids for o in greedy], "logprobs": [o.outputs[0].logprobs for o in greedy],
+                "prompt_logprobs": [o.prompt_logprobs for o in greedy],
+                "sampled": [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SEEDED, use_tqdm=False)]}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir, one_thread):
+    return _run(LLM(str(tiny_llama_dir), **POOL))
+
+
+def test_layer_split_is_vllms():
+    """As even as possible; the extra layers on the stages before the last, from the second-to-last backwards."""
+    def split(n, size):
+        return [pipeline_layer_range(n, r, size) for r in range(size)]
+
+    assert split(3, 2) == [(0, 2), (2, 3)]
+    assert split(3, 3) == [(0, 1), (1, 2), (2, 3)]
+    assert split(10, 4) == [(0, 2), (2, 5), (5, 8), (8, 10)]
+    assert split(30, 4) == [(0, 7), (7, 15), (15, 23), (23, 30)]
+    assert split(32, 4) == [(0, 8), (8, 16), (16, 24), (24, 32)]
+
+
+def test_startup_errors(tiny_llama_dir):
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 4 is larger than the model's 3 layers"):
+        LLM(str(tiny_llama_dir), pipeline_parallel_size=4, **POOL)
+    with pytest.raises(ValueError, match="needs mp"):
+        EngineConfig.from_kwargs(distributed_executor_backend="uni", pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="at least 1"):
+        EngineConfig.from_kwargs(pipeline_parallel_size=0)
+    assert EngineConfig.from_kwargs(pipeline_parallel_size=2).parallel_config.executor_backend == "mp"
+    assert EngineConfig.from_kwargs(pipeline_parallel_size=2, tensor_parallel_size=2).parallel_config.world_size == 4
+
+
+def test_each_stage_loads_only_its_layers_quantized_rows_included(tiny_llama_gguf_quantized, monkeypatch):
+    """The quantized GGUF (kept quantized): stage 0 of 2 holds the embedding and layers 0-1, stage 1 layer 2, the
+    final norm and the LM head; together exactly the weights of the whole model. A stage never reads the other
+    stages' tensors from the file."""
+    from pagedllm.config import ModelConfig
+    from pagedllm.models import gguf_loader
+    from pagedllm.models.loader import load_model
+
+    reads: list[str] = []
+    for fn in ("unpack_tensor", "dequantize_tensor"):
+        real = getattr(gguf_loader, fn)
+        monkeypatch.setattr(gguf_loader, fn, lambda tensor, path, real=real: (reads.append(tensor.name),
+                                                                               real(tensor, path))[1])
+
+    def loaded(pp=None):
+        reads.clear()
+        model = load_model(mc, cpu, torch.float32, pp=pp)
+        return model, list(reads)
+
+    def weights(model):
+        names = {n for n, p in model.named_parameters() if p is not None}
+        names |= {n for n, m in model.named_modules() if getattr(m, "quant_weight", None) is not None}
+        return names
+
+    mc = ModelConfig(model=str(tiny_llama_gguf_quantized))
+    cpu = torch.device("cpu")
+    whole, whole_reads = loaded()
+    first, first_reads = loaded(PipelineParallelGroup(0, 2))
+    last, last_reads = loaded(PipelineParallelGroup(1, 2))
+    assert sorted(first_reads + last_reads) == sorted(whole_reads)
+    assert not any(n.startswith("blk.2.") for n in first_reads) and not any(n.startswith("blk.0.") for n in last_reads)
+    assert first.num_layers == 2 and last.num_layers == 1
+    assert {n.split(".")[2] for n in weights(first) if n.startswith("model.layers.")} == {"0", "1"}
+    assert {n.split(".")[2] for n in weights(last) if n.startswith("model.layers.")} == {"2"}
+    assert any("embed_tokens" in n for n in weights(first)) and not any("embed_tokens" in n for n in weights(last))
+    assert not any(n.startswith(("lm_head", "model.norm")) for n in weights(first))
+    assert any(n.startswith("lm_head") for n in weights(last))
+    assert any(n.startswith("model.norm") for n in weights(last))
+    assert any(getattr(m, "quant_weight", None) is not None for m in first.model.layers[0].modules()), \
+        "the stage's linears stay quantized"
+    assert weights(first) | weights(last) == weights(whole)
+    assert not weights(first) & weights(last)
+
+
+def _worker_pids(llm: LLM) -> list[int]:
+    return [p.pid for p in llm.llm_engine.engine_core.executor.procs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [2, 3])
+def test_pipeline_parallel_is_bitwise_the_in_process_engine(tiny_llama_dir, reference, one_thread, size):
+    """Greedy tokens, sample logprobs, prompt logprobs and seeded samples all equal the float bits of size 1; each
+    stage's KV cache holds its layers only; no process is left after shutdown."""
+    llm = LLM(str(tiny_llama_dir), pipeline_parallel_size=size, **POOL)
+    pids = _worker_pids(llm)
+    specs = llm.llm_engine.engine_core.executor.collective_rpc("kv_cache_spec")
+    blocks = llm.llm_engine.engine_core.executor.collective_rpc("determine_num_blocks")
+    print(f"FIGURE PP={size}: KV bytes per block per stage {[s[0] for s in specs]}, blocks each stage's "
+          f"{POOL['kv_cache_memory'] >> 20} MiB holds {blocks} (pool: the minimum)")
+    result = _run(llm)
+    assert len(pids) == size
+    per_layer = specs[0][0] // (2 if size == 2 else 1)  # stage 0 of 2 holds 2 layers, of 3 one
+    assert [s[0] for s in specs] == ([2 * per_layer, per_layer] if size == 2 else [per_layer] * 3)
+    assert result["tokens"] == reference["tokens"]
+    assert result["logprobs"] == reference["logprobs"]
+    assert result["prompt_logprobs"] == reference["prompt_logprobs"]
+    assert result["sampled"] == reference["sampled"]
+    print(f"FIGURE PP={size} vs PP=1 tiny Llama: {len(PROMPTS)} prompts x {GREEDY.max_tokens} tokens, logprobs and "
+          "prompt logprobs bitwise equal")
+    assert not any(pid_alive(pid) for pid in pids)
+
+
+@pytest.mark.slow
+def test_pipeline_and_tensor_parallel_together(tiny_llama_dir, reference, one_thread):
+    """tp 2 x pp 2 = 4 processes: each stage's two ranks split its layers and all-reduce in their own group, and
+    each hands its hidden state to its peer in the next stage. Greedy tokens and seeded samples equal size 1's; the
+    logprobs differ only by the all-reduce's summation order."""
+    llm = LLM(str(tiny_llama_dir), pipeline_parallel_size=2, tensor_parallel_size=2, **POOL)
+    pids = _worker_pids(llm)
+    result = _run(llm)
+    assert len(pids) == 4
+    assert result["tokens"] == reference["tokens"]
+    assert result["sampled"] == reference["sampled"]
+    deltas = [abs(a.logprob - b.logprob) for x, y in zip(result["logprobs"], reference["logprobs"], strict=True)
+              for step_a, step_b in zip(x, y, strict=True)
+              for a, b in zip(step_a.values(), step_b.values(), strict=False)]
+    print(f"FIGURE TP=2 x PP=2 vs size 1 tiny Llama: tokens identical, max |delta logprob| {max(deltas):.2e}")
+    assert max(deltas) < 1e-4
+    assert not any(pid_alive(pid) for pid in pids)
+
+
+@pytest.mark.slow
+def test_fp8_kv_cache_scales_calculated_stage_by_stage(tiny_llama_dir, one_thread):
+    """An fp8 KV cache calculates its scales from the calibration text at load: each stage for its layers, the
+    text's hidden state passed along as in a step. Scales, and so tokens and logprobs, bitwise size 1's."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    outputs = []
+    for size in (1, 2):
+        llm = LLM(str(tiny_llama_dir), pipeline_parallel_size=size, kv_cache_dtype="fp8", **POOL)
+        try:
+            outputs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                            for o in llm.generate(PROMPTS, params, use_tqdm=False)])
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_with_tied_embeddings(tiny_llama_dir, tmp_path, one_thread):
+    """Tied LM head (the MQA model of test_executor.py, 2 layers): the last stage loads the embedding table as its
+    LM head; greedy tokens equal size 1's."""
+    from test_executor import _mqa_llama
+
+    folder = _mqa_llama(tiny_llama_dir, tmp_path / "tied")
+    prompts = [[5, 17, 42, 100, 7], [300, 301, 2, 9]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    outputs = []
+    for size in (1, 2):
+        llm = LLM(str(folder), pipeline_parallel_size=size, **POOL)
+        try:
+            outputs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                            for o in llm.generate(prompts, params, use_tqdm=False)])
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.slow
+def test_killed_stage_ends_the_engine(tiny_llama_dir):
+    """The middle stage of 3 killed while the engine idles: the failure callback fires, the next step raises
+    ExecutorDeadError instead of waiting (the other stages would block in a receive), no process is left."""
+    import threading
+
+    from pagedllm.core.scheduler_output import SchedulerOutput
+    from pagedllm.executor.abstract import ExecutorDeadError
+    from pagedllm.executor.multiproc_executor import MultiprocExecutor
+
+    executor = MultiprocExecutor(EngineConfig.from_kwargs(model=str(tiny_llama_dir), pipeline_parallel_size=3, **POOL))
+    pids = [p.pid for p in executor.procs]
+    try:
+        reasons: list[str] = []
+        called = threading.Event()
+        executor.register_failure_callback(lambda reason: (reasons.append(reason), called.set()))
+        executor.initialize_kv_cache(executor.determine_num_blocks())
+        os.kill(pids[1], signal.SIGKILL)
+        assert called.wait(5.0), "no failure callback within 5 s"
+        assert "worker 1" in reasons[0] and "exit code -9" in reasons[0]
+        with pytest.raises(ExecutorDeadError):
+            executor.execute_model(SchedulerOutput.empty())
+    finally:
+        executor.shutdown()
+    assert not any(pid_alive(pid) for pid in pids)
+
+
+@pytest.mark.slow
+def test_stage_killed_during_a_step_ends_the_engine(tiny_llama_dir):
+    """The middle stage of 3 frozen (SIGSTOP) so that a step is surely in flight, then killed: the stages waiting
+    on it see the closed connection, generate raises ExecutorDeadError within seconds instead of hanging, and
+    shutdown leaves no process."""
+    import threading
+    import time
+
+    from pagedllm.executor.abstract import ExecutorDeadError
+
+    llm = LLM(str(tiny_llama_dir), pipeline_parallel_size=3, **POOL)
+    pids = _worker_pids(llm)
+    try:
+        os.kill(pids[1], signal.SIGSTOP)
+        threading.Timer(1.0, os.kill, (pids[1], signal.SIGKILL)).start()
+        start = time.monotonic()
+        with pytest.raises(ExecutorDeadError):
+            llm.generate(PROMPTS, SamplingParams(max_tokens=64, ignore_eos=True), use_tqdm=False)
+        elapsed = time.monotonic() - start
+        print(f"FIGURE stage killed mid-step: generate raised after {elapsed:.2f} s (killed at 1.0 s)")
+        assert elapsed < 10.0
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert not any(pid_alive(pid) for pid in pids)
