@@ -44,13 +44,13 @@ class ChatCompletionRequest(SamplingFields):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_calls: list[ToolCall] = Field(default_factory=list, exclude_if=lambda calls: not calls)  # absent, as in vLLM
 
 
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
-    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list, exclude_if=lambda calls: not calls)
 
 
 class TopLogprob(OpenAIBaseModel):
