@@ -40,7 +40,7 @@
 # same-client ratio; it computes vLLM's metrics by vLLM's definitions (tests/bench). Prompts: random token ids
 # with seed C*1000 + N*10 + RUN, so every engine of a run gets the same prompts (peers.sh bench draws its seed).
 #
-# Environment: RUNS (2), QUICK (0), STEPS (serve,offline,prefix), ENGINES, CLIENT, OUT (benchmarks/results;
+# Environment: RUNS (2), FIRST_RUN (1: the runs are FIRST_RUN..RUNS, seeds and engine order as in a full sweep), QUICK (0), STEPS (serve,offline,prefix), ENGINES, CLIENT, OUT (benchmarks/results;
 # QUICK: /tmp/pagedllm-compare-quick), RESULTS_MD (benchmarks/RESULTS.md; QUICK or another OUT: $OUT/RESULTS.md),
 # PAGEDLLM_PORT (8001), INPUT_LEN (256) and OUTPUT_LEN (128; the serving and offline workloads, CLIENT=vllm: only
 # 256/128), PREFIX_OUTPUT_LEN (128), OFFLINE_N, PREFIX_N, PREFIX_ENGINE (the first pagedllm engine), WORKLOADS ("C:N ..."),
@@ -53,6 +53,7 @@ cd "$ROOT"
 PEERS=${PEERS_SH:-$ROOT/../shared/bench/peers.sh}
 export PEERS_DIR=${PEERS_DIR:-/tmp/pagedllm-peers}
 RUNS=${RUNS:-2}
+FIRST_RUN=${FIRST_RUN:-1}  # a later sitting adds run FIRST_RUN..RUNS to an earlier one (their runs.jsonl appended)
 QUICK=${QUICK:-0}
 STEPS=${STEPS:-serve,offline,prefix}
 PORT=${PAGEDLLM_PORT:-8001}
@@ -372,19 +373,19 @@ if [ "$MEASURE" = 1 ]; then
     engines="$ENGINES" cpu="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')" \
     nproc="$(nproc)" load="$(loadavg)"
   say "sweep: RUNS=$RUNS QUICK=$QUICK steps=$STEPS engines=$ENGINES client=$CLIENT commit ${COMMIT:0:10} (+$DIRTY modified files under src/) -> $OUT"
-  for run in $(seq "$RUNS"); do
+  for run in $(seq "$FIRST_RUN" "$RUNS"); do
     [[ ",$STEPS," == *,serve,* ]] || break
     for e in $(order "$run"); do
       case $e in pagedllm*) serve_pagedllm "$e" "$run" ;; *) "serve_$e" "$run" ;; esac
     done
   done
-  for run in $(seq "$RUNS"); do
+  for run in $(seq "$FIRST_RUN" "$RUNS"); do
     [[ ",$STEPS," == *,offline,* ]] || break
     for e in $(order "$run"); do
       case $e in pagedllm*) offline_pagedllm "$e" "$run" ;; vllm) offline_vllm "$run" ;; esac
     done
   done
-  for run in $(seq "$RUNS"); do
+  for run in $(seq "$FIRST_RUN" "$RUNS"); do
     [[ ",$STEPS," == *,prefix,* && -n "$PREFIX_ENGINE" ]] || break
     if (( run % 2 )); then prefix_run "$run" on; prefix_run "$run" off; else prefix_run "$run" off; prefix_run "$run" on; fi
   done
