@@ -38,9 +38,11 @@ class LLM:
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; returns one RequestOutput per prompt, in input order.
 
-        Prompts may be strings, token-id lists, or {"prompt_token_ids": [...]} dicts.
+        Prompts may be strings, token-id lists, or {"prompt_token_ids": [...]} / {"prompt": "..."} dicts, which
+        may also carry a "cache_salt" (vLLM's TokensPrompt / TextPrompt): prefix-cache hits only between requests
+        with the same salt.
         """
-        prompts = _as_prompt_list(prompts)
+        prompts, salts = _as_prompt_list(prompts)
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
@@ -53,7 +55,7 @@ class LLM:
                 request_id = str(next(self._counter))
                 self.llm_engine.add_request(request_id, prompt, params,
                                             priority=priority[i] if priority is not None else 0,
-                                            output_kind="final_only")
+                                            output_kind="final_only", cache_salt=salts[i])
                 request_ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(request_ids)
@@ -96,14 +98,18 @@ class LLM:
         return [finished[r] for r in request_ids]
 
 
-def _as_prompt_list(prompts) -> list[str | list[int]]:
+def _as_prompt_list(prompts) -> tuple[list[str | list[int]], list[str | None]]:
+    """The prompts as strings or token-id lists, and each one's cache salt (None unless a dict gives one)."""
     if isinstance(prompts, str) or isinstance(prompts, dict):
         prompts = [prompts]
     elif prompts and isinstance(prompts[0], int):
         prompts = [prompts]
-    result = []
+    result, salts = [], []
     for p in prompts:
+        salt = None
         if isinstance(p, dict):
+            salt = p.get("cache_salt")
             p = p["prompt_token_ids"] if "prompt_token_ids" in p else p["prompt"]
         result.append(p if isinstance(p, str) else list(p))
-    return result
+        salts.append(salt)
+    return result, salts
