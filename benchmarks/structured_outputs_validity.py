@@ -141,14 +141,14 @@ def measure_cost(tokenizer, vocab_size: int, repeats: int = 3) -> dict[str, floa
             grammar = grammar_of(S(json={**schema, "title": f"{name}-{round_index}"}, disable_any_whitespace=True))
             start = time.thread_time()
             template = backend.compile(grammar)
-            backend.fill_bitmask([(template, 0)], bitmask)  # the first mask finishes the lazy part of a compile
+            backend.fill_bitmask([(template, 0, ())], bitmask)  # the first mask finishes the lazy part of a compile
             cold.append(time.thread_time() - start)
             start = time.thread_time()
             matcher = template.deep_copy()
             cached.append(time.thread_time() - start)
             for _ in range(200):  # a random walk through allowed tokens: every step's mask is a real one
                 start = time.thread_time()
-                backend.fill_bitmask([(matcher, 0)], bitmask)
+                backend.fill_bitmask([(matcher, 0, ())], bitmask)
                 fill.append(time.thread_time() - start)
                 allowed = np.flatnonzero(np.unpackbits(bitmask[0].view(np.uint8), bitorder="little"))
                 token = int(rng.choice(allowed))

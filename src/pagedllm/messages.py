@@ -34,6 +34,8 @@ class SpecDecodingStats(msgspec.Struct, kw_only=True):
     num_drafts: int = 0
     """Requests that had drafts verified (one per request per step)."""
     num_draft_tokens: int = 0
+    """Drafts verified. A constrained request's drafts count after the cut at the first token its grammar refuses
+    (the cut ones are never scheduled), as vLLM counts them."""
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = []
     """[num_spec_tokens]: drafts accepted at each position of a draft run."""

@@ -1,25 +1,35 @@
-"""Requests whose grammar compiles (WAITING_FOR_FSM) wait without holding up the requests behind them, and each
-accepted token advances their matcher."""
+"""Requests whose grammar compiles (WAITING_FOR_FSM) wait without holding up the requests behind them, each
+accepted token advances their matcher, and their drafts are cut where the grammar refuses them."""
 
 from __future__ import annotations
 
+from pagedllm.config import SpeculativeConfig
 from pagedllm.core.request import RequestStatus
+from pagedllm.messages import ModelRunnerOutput
 
 from .utils import assert_all_free, create_requests, create_scheduler, step
 
 
 class FakeGrammar:
-    """A StructuredOutputRequest stand-in: ready when the test says so; records the tokens it accepts."""
+    """A StructuredOutputRequest stand-in: ready when the test says so; records the tokens it accepts and the
+    drafts it validates (it refuses the tokens in `refused`)."""
 
     def __init__(self):
         self.ready = False
         self.accepted: list[int] = []
+        self.refused: set[int] = set()
+        self.validated: list[tuple[list[int], list[int]]] = []
+        """(tokens accepted so far, drafts) per validate_tokens call."""
 
     def is_ready(self) -> bool:
         return self.ready
 
     def accept_tokens(self, token_ids: list[int]) -> None:
         self.accepted.extend(token_ids)
+
+    def validate_tokens(self, token_ids: list[int]) -> list[int]:
+        self.validated.append((list(self.accepted), list(token_ids)))
+        return token_ids[:next((i for i, t in enumerate(token_ids) if t in self.refused), len(token_ids))]
 
 
 def _constrained(request) -> FakeGrammar:
@@ -77,3 +87,29 @@ def test_preemption_keeps_the_matcher_in_step():
     for request, grammar in zip(requests, grammars, strict=True):
         assert grammar.accepted == request.output_token_ids and len(grammar.accepted) == 10
     assert_all_free(scheduler)
+
+
+def test_drafts_are_cut_where_the_grammar_refuses_them_and_only_verified_ones_count():
+    """The proposer's drafts are validated after the step's tokens were accepted, cut before the first refused one
+    (vLLM's update_draft_token_ids); the cut ones are neither scheduled nor counted in the spec-decode counters."""
+    scheduler = create_scheduler(speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    (request,) = create_requests(1, max_tokens=16, ignore_eos=True)
+    grammar = _constrained(request)
+    grammar.ready = True
+    grammar.refused = {13}
+    scheduler.add_request(request)
+
+    def update(output, sampled, drafts):
+        runner_output = ModelRunnerOutput(req_ids=["0"], sampled_token_ids=[sampled], spec_token_ids=[drafts])
+        scheduler.update_from_output(output, runner_output)
+
+    update(scheduler.schedule(), [7], [11, 12, 13, 14])  # the prefill samples 7; 13 is refused
+    assert grammar.validated == [([7], [11, 12, 13, 14])]
+    assert request.spec_token_ids == [11, 12]
+    output = scheduler.schedule()
+    assert output.scheduled_spec_decode_tokens == {"0": [11, 12]} and output.num_scheduled_tokens == {"0": 3}
+    update(output, [11, 12, 20], [13, 5])  # both drafts accepted, then 20; the next drafts are all cut
+    assert grammar.accepted == [7, 11, 12, 20] and request.spec_token_ids == []
+    assert scheduler.schedule().scheduled_spec_decode_tokens == {}
+    stats = scheduler.spec_decoding_totals
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 2, 2)

@@ -28,9 +28,9 @@ def test_greedy_accepts_until_the_first_mismatch_then_emits_the_target():
 
 def test_unsupported_options_run_without_speculation():
     assert can_speculate(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=3))
+    assert can_speculate(SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"])))
     for bad in (dict(presence_penalty=0.5), dict(frequency_penalty=0.5), dict(repetition_penalty=1.2),
-                dict(min_tokens=3), dict(logit_bias={1: 2.0}), dict(logprobs=1), dict(prompt_logprobs=0),
-                dict(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))):
+                dict(min_tokens=3), dict(logit_bias={1: 2.0}), dict(logprobs=1), dict(prompt_logprobs=0)):
         assert not can_speculate(SamplingParams(**bad))
 
 

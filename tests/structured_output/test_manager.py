@@ -3,6 +3,7 @@ test tokenizer and no model."""
 
 from __future__ import annotations
 
+import llguidance.numpy
 import numpy as np
 import pytest
 import torch
@@ -66,6 +67,33 @@ def test_bitmask_rows_are_the_constrained_rows_that_sample(manager, tiny_tokeniz
     assert all("yes".startswith(tiny_tokenizer.decode([t])) for t in _allowed(grammar.bitmask[1]))
 
 
+def test_verify_rows_follow_the_drafts_and_the_matcher_comes_back(manager, tiny_tokenizer):
+    """With drafts d_0..d_{k-1} scheduled, a constrained request's rows are its masks after each draft prefix (the
+    verify step's rows), up to the first draft the grammar refuses; the matcher ends where it started."""
+    so = _ready(manager, S(regex="ab-[0-9]{3}"))
+    drafts = [tiny_tokenizer.convert_tokens_to_ids(c) for c in "ab-z1"]  # "z" is refused after "ab-"
+    assert so.validate_tokens(drafts) == drafts[:3]
+    other = _ready(manager, S(choice=["yes"]))
+    requests = {"r": _Req(so, 10, 10 + len(drafts)), "other": _Req(other, 5, 5)}
+    out = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=None,
+                          num_scheduled_tokens={"r": 1 + len(drafts), "other": 1}, total_num_scheduled_tokens=7,
+                          finished_req_ids=set(), preempted_req_ids=set(), scheduled_spec_decode_tokens={"r": drafts})
+    grammar = manager.grammar_bitmask(requests, out)
+    assert grammar.req_id_to_row == {"r": 0, "other": 1 + len(drafts)} and len(grammar.bitmask) == 2 + len(drafts)
+    reference = so.matcher.deep_copy()
+    expected = np.zeros((4, grammar.bitmask.shape[1]), dtype=np.int32)
+    for j in range(4):  # the masks at the start, after "a", "ab" and "ab-"
+        llguidance.numpy.fill_next_token_bitmask(reference, expected, j)
+        if j < 3:
+            assert reference.consume_token(drafts[j])
+    assert np.array_equal(grammar.bitmask[:4], expected)
+    assert drafts[3] not in _allowed(grammar.bitmask[3])  # the verify step rejects "z" at its own row
+    assert len({grammar.bitmask[j].tobytes() for j in range(4)}) == 4
+    so.accept_tokens(drafts[:3])  # the matcher was back at the start: "ab-" is accepted from there
+    assert not so.matcher.is_error()
+    assert so.validate_tokens(drafts[3:]) == []
+
+
 def test_a_dead_end_allows_eos(manager, tiny_tokenizer):
     so = _ready(manager, S(choice=["yes"]))
     yes = tiny_tokenizer.encode("yes")
@@ -92,6 +120,15 @@ def test_masked_rows_get_minus_inf_and_other_rows_stay_bitwise_unchanged():
     assert torch.equal(logits[1, finite], before[1, finite])
 
 
+def test_verify_rows_of_a_request_are_masked_with_its_consecutive_mask_rows():
+    logits = torch.zeros(4, 40)
+    bitmask = np.array([[1 << 5, 0], [1 << 6, 0], [1 << 7, 0]], dtype=np.int32)
+    # "a": one unconstrained row; "b": 2 verify rows with mask rows 1, 2; "c": one row with mask row 0
+    apply_grammar_bitmask(logits, bitmask, {"b": 1, "c": 0}, ["a", "b", "c"], [1, 2, 1])
+    finite = [torch.isfinite(row).nonzero().flatten().tolist() for row in logits]
+    assert finite == [list(range(40)), [6], [7], [5]]
+
+
 def test_a_failed_compile_leaves_only_eos(manager, tiny_tokenizer):
     from concurrent.futures import Future
 
@@ -106,3 +143,4 @@ def test_a_failed_compile_leaves_only_eos(manager, tiny_tokenizer):
                           total_num_scheduled_tokens=1, finished_req_ids=set(), preempted_req_ids=set())
     row = manager.grammar_bitmask({"r": _Req(so, 5, 5)}, out).bitmask[0]
     assert _allowed(row).tolist() == [tiny_tokenizer.eos_token_id]  # never an all-zero row
+    assert so.validate_tokens([5, 6]) == []  # and no drafts

@@ -110,11 +110,13 @@ class Request:
         """Whether an EngineCoreOutput went out (first_scheduled_time rides on the first one)."""
         self.max_tokens = sampling_params.max_tokens
         self.spec_token_ids: list[int] = []
-        """Draft tokens the proposer guessed after the last step, verified (in part) by the next one."""
+        """Draft tokens the proposer guessed after the last step (under a grammar, only the prefix it allows),
+        verified (in part) by the next one."""
         self._stop_token_ids = frozenset(sampling_params.stop_token_ids)
         self.structured_output_request = None
         """structured_output.StructuredOutputRequest when the output must match a grammar (set by the engine core,
-        which puts the request in WAITING_FOR_FSM): `is_ready()`, `accept_tokens(token_ids)`."""
+        which puts the request in WAITING_FOR_FSM): `is_ready()`, `accept_tokens(token_ids)`,
+        `validate_tokens(draft_token_ids)`."""
         append_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
 
     @classmethod

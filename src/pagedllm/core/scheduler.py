@@ -363,8 +363,6 @@ class Scheduler:
                 num_computed_tokens = request.num_computed_tokens = start + 1 + num_accepted
                 self._spec_stats.observe(len(drafts), num_accepted)
                 self.spec_decoding_totals.observe(len(drafts), num_accepted)
-            if proposals is not None and index is not None:
-                request.spec_token_ids = proposals[index]
             finished = False
             if not new_token_ids or num_computed_tokens < len(request.all_token_ids):
                 new_token_ids = []  # a prefill chunk that did not reach the end samples nothing
@@ -378,6 +376,13 @@ class Scheduler:
             else:
                 new_token_ids = self._append_and_check_stop(request, new_token_ids)
                 finished = request.status is not running_status
+            if proposals is not None and index is not None:
+                # The next step's drafts. Under a grammar they are cut at the first token it refuses after the
+                # tokens just accepted (vLLM's update_draft_token_ids): the cut ones are never verified nor counted.
+                next_drafts = proposals[index]
+                if next_drafts and request.structured_output_request is not None and not finished:
+                    next_drafts = request.structured_output_request.validate_tokens(next_drafts)
+                request.spec_token_ids = next_drafts
             if num_computed_tokens // block_size != start // block_size:
                 cache_blocks(request, num_computed_tokens)  # this step filled at least one block
             new_prompt_logprobs = prompt_logprobs.get(req_id) if prompt_logprobs else None

@@ -3,6 +3,8 @@ token bitmask, all done by the library (vLLM's `backend_guidance.py`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import llguidance
 import llguidance.hf
 import llguidance.numpy
@@ -32,10 +34,28 @@ class GuidanceBackend:
         """[num_rows, ceil(vocab / 32)] int32, every token allowed."""
         return llguidance.numpy.allocate_token_bitmask(num_rows, self.vocab_size)
 
-    def fill_bitmask(self, matchers: list[tuple[llguidance.LLMatcher, int]], bitmask: np.ndarray) -> None:
-        """Row i of `bitmask` := the tokens matcher (m, i) allows next (bit t of word t // 32 set: token t is
-        allowed). One row after the other, on the calling thread: a row takes ~25 us of CPU on SmolLM2's
-        vocabulary, and llguidance's parallel executor keeps worker threads that compete with the model's on a
-        small CPU."""
-        for matcher, row in matchers:
-            llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, row)
+    def fill_bitmask(self, matchers: list[tuple[llguidance.LLMatcher, int, Sequence[int]]], bitmask: np.ndarray
+                     ) -> None:
+        """Row i of `bitmask` := the tokens matcher (m, i, drafts) allows next (bit t of word t // 32 set: token t
+        is allowed); with drafts d_0..d_{k-1} (speculative decoding), row i + 1 + j := the tokens it allows after
+        d_0..d_j, the verify step's row for the token after d_j. The drafts are consumed one by one and rolled back,
+        so every matcher ends where it started. Rows after a draft the grammar refuses, or after the grammar has
+        stopped (only EOS may follow, and EOS ends the request), are left as they are: the verify step never
+        emits tokens from them (a refused draft is rejected at its own row, which forbids it).
+
+        One row after the other, on the calling thread: a row takes ~25 us of CPU on SmolLM2's vocabulary, and
+        llguidance's parallel executor keeps worker threads that compete with the model's on a small CPU."""
+        fill = llguidance.numpy.fill_next_token_bitmask
+        for matcher, row, drafts in matchers:
+            fill(matcher, bitmask, row)
+            if not drafts:
+                continue
+            num_consumed = 0
+            for token in drafts[:matcher.validate_tokens(list(drafts))]:
+                if matcher.is_stopped():  # a stopped matcher does not record what it is given: nothing to roll back
+                    break
+                matcher.consume_token(token)
+                num_consumed += 1
+                fill(matcher, bitmask, row + num_consumed)
+            if num_consumed:
+                matcher.rollback(num_consumed)

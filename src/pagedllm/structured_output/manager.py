@@ -33,7 +33,8 @@ COMPILE_CACHE_SIZE = 256
 
 @dataclass
 class GrammarOutput:
-    """A step's masks: row `req_id_to_row[r]` of `bitmask` ([rows, ceil(V / 32)] int32) is request r's."""
+    """A step's masks: row `req_id_to_row[r]` of `bitmask` ([rows, ceil(V / 32)] int32) is request r's mask for its
+    next token; when r verifies k drafts this step, rows +1..+k are its masks after each draft prefix."""
 
     req_id_to_row: dict[str, int]
     bitmask: np.ndarray
@@ -114,25 +115,31 @@ class StructuredOutputManager:
         """The masks of this step's rows that sample under a grammar (None: no such row).
 
         A request samples when the step's tokens reach the end of its tokens (scheduled num_computed_tokens,
-        which already counts this step, is its num_tokens). A row that would allow nothing gets EOS, so the
-        request can always end.
+        which already counts this step, is at least its num_tokens). Its first row is the mask for its next token;
+        with k drafts scheduled, k rows follow: the masks after each draft prefix (the verify step's rows, vLLM's
+        layout), so every token the verify step emits, the bonus token included, is one the grammar allows after
+        the tokens before it. A row that would allow nothing gets EOS, so the request can always end.
         """
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         rows: dict[str, int] = {}
-        matchers = []
+        live = []  # (matcher, first row, drafts)
+        num_rows = 0
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
             so_request = request.structured_output_request if request is not None else None
             if so_request is None or request.num_computed_tokens < len(request.all_token_ids):
                 continue
-            rows[req_id] = len(rows)
-            matchers.append(so_request.matcher)
+            drafts = spec_tokens.get(req_id, ()) if spec_tokens else ()
+            rows[req_id] = num_rows
+            if so_request.matcher is not None:
+                live.append((so_request.matcher, num_rows, drafts))
+            num_rows += 1 + len(drafts)
         if not rows:
             return None
         backend = self._backend
         if backend is None:  # every compile failed before the backend existed
             return None
-        bitmask = self._rows(backend, len(rows))
-        live = [(m, i) for i, m in enumerate(matchers) if m is not None]
+        bitmask = self._rows(backend, num_rows)
         bitmask.fill(0)
         if live:
             backend.fill_bitmask(live, bitmask)

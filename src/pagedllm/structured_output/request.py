@@ -1,5 +1,6 @@
 """One request's structured output: its grammar, compiled off the busy loop, and the matcher that follows its
-tokens (vLLM's `StructuredOutputRequest`). The scheduler sees only `is_ready()` and `accept_tokens()`."""
+tokens (vLLM's `StructuredOutputRequest`). The scheduler sees only `is_ready()`, `accept_tokens()` and
+`validate_tokens()`."""
 
 from __future__ import annotations
 
@@ -40,3 +41,12 @@ class StructuredOutputRequest:
         after min_tokens masked EOS) puts it in its error state, whose mask allows only EOS."""
         if self.matcher is not None and not self.matcher.is_stopped():
             self.matcher.consume_tokens(token_ids)
+
+    def validate_tokens(self, token_ids: list[int]) -> list[int]:
+        """The longest prefix of `token_ids` (a request's draft tokens) the grammar allows after the tokens accepted
+        so far; the matcher does not move. Drafts are cut there before they are scheduled, as vLLM's scheduler cuts
+        them: a draft the grammar refuses would be rejected by the verify step anyway. A failed compile, or a
+        grammar that has stopped (only EOS may follow), allows no drafts."""
+        if self.matcher is None or not token_ids or self.matcher.is_stopped():
+            return []
+        return token_ids[:self.matcher.validate_tokens(token_ids)]

@@ -153,7 +153,8 @@ class ModelRunner:
                        rows: np.ndarray, sampling: np.ndarray, num_drafts: np.ndarray, spec: dict[str, list[int]],
                        sampled_token_ids: list[list[int]], logprobs: dict[str, list[LogprobsEntry]]) -> None:
         """Sample a step that verifies drafts: logits at every verify row, then the rejection sampler for requests
-        with drafts and the plain sampler for the others (whose logits are computed in the same call).
+        with drafts and the plain sampler for the others (whose logits are computed in the same call). A constrained
+        request's verify rows are masked first, each with the grammar's state after the drafts before it.
 
         Example: sampling requests with drafts [0, 2] ending at rows 5 and 9 -> logits rows [4, 7, 8, 9]."""
         batch = self.input_batch
@@ -175,9 +176,13 @@ class ModelRunner:
         if len(verify):
             states = [batch.states[r] for r in sample_rows[verify].tolist()]
             sel = np.concatenate([np.arange(first[j], first[j + 1]) for j in verify.tolist()])
-            results = rejection_sample(logits[torch.from_numpy(sel).to(self.device)], counts[verify].tolist(),
-                                       [spec[s.req_id] for s in states], [s.sampling_params for s in states],
-                                       [s.generator for s in states])
+            verify_logits = logits[torch.from_numpy(sel).to(self.device)]
+            num_rows = counts[verify].tolist()
+            if self.grammar is not None:  # row j of a constrained request: the grammar after its drafts before j
+                apply_grammar_bitmask(verify_logits, self.grammar.bitmask, self.grammar.req_id_to_row,
+                                      [s.req_id for s in states], num_rows)
+            results = rejection_sample(verify_logits, num_rows, [spec[s.req_id] for s in states],
+                                       [s.sampling_params for s in states], [s.generator for s in states])
             for j, tokens in zip(verify.tolist(), results, strict=True):
                 sampled_token_ids[int(sampling[j])] = tokens
         for j in range(len(sampling)):

@@ -17,19 +17,27 @@ _BYTE_TO_BIAS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], 
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, bitmask: np.ndarray, req_id_to_row: dict[str, int],
-                          req_ids: list[str]) -> None:
+                          req_ids: list[str], num_rows: list[int] | None = None) -> None:
     """Set to -inf, in place, every token the grammar forbids in the rows of constrained requests.
 
     Args:
-        logits: [N, V] float, row i is req_ids[i]'s.
-        bitmask: [M, W] int32; bit t % 32 of word t // 32 of row req_id_to_row[r] set: request r may sample
-            token t. Tokens at or past 32 * W are forbidden.
-        req_id_to_row: constrained request -> its bitmask row.
-        req_ids: the request of each logits row.
+        logits: [N, V] float; request req_ids[i] owns num_rows[i] consecutive rows (one each by default).
+        bitmask: [M, W] int32; bit t % 32 of word t // 32 of row req_id_to_row[r] + j set: request r may sample
+            token t at its row j. Tokens at or past 32 * W are forbidden.
+        req_id_to_row: constrained request -> its first bitmask row.
+        req_ids: the request of each (group of) logits rows.
+        num_rows: logits rows per request (a request verifying k drafts has k + 1).
 
     Rows of requests without a grammar are not touched (bitwise unchanged).
     """
-    pairs = [(i, req_id_to_row[r]) for i, r in enumerate(req_ids) if r in req_id_to_row]
+    pairs = []  # (logits row, mask row)
+    offset = 0
+    for i, req_id in enumerate(req_ids):
+        n = 1 if num_rows is None else num_rows[i]
+        first = req_id_to_row.get(req_id)
+        if first is not None:
+            pairs.extend((offset + j, first + j) for j in range(n))
+        offset += n
     if not pairs:
         return
     logit_rows, mask_rows = zip(*pairs, strict=True)

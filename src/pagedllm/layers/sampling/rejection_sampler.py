@@ -25,11 +25,11 @@ _GREEDY_EPS = 1e-5
 
 def can_speculate(params: SamplingParams) -> bool:
     """Whether the verifier keeps this request's distribution exactly. Penalties, min_tokens, logit_bias and
-    logprobs (sample or prompt) are not applied to the verify rows, and drafts are not checked against a
-    structured-output grammar, so such requests run without drafts."""
+    logprobs (sample or prompt) are not applied to the verify rows, so such requests run without drafts. A
+    structured-output grammar is: its mask is applied to each verify row (structured_output/manager.py)."""
     return (params.repetition_penalty == 1.0 and not params.presence_penalty and not params.frequency_penalty
             and not params.min_tokens and not params.logit_bias and params.logprobs is None
-            and params.prompt_logprobs is None and params.structured_outputs is None)
+            and params.prompt_logprobs is None)
 
 
 def rejection_sample(logits: torch.Tensor, num_rows: list[int], draft_token_ids: list[list[int]],
