@@ -17,15 +17,6 @@ from pagedllm import LLM, SamplingParams
 GREEDY_16 = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
-def _llm(model, draft=None, **kwargs):
-    kwargs.setdefault("dtype", "float32")
-    kwargs.setdefault("max_model_len", 256)
-    kwargs.setdefault("num_gpu_blocks_override", 256)
-    if draft is not None:
-        kwargs["speculative_config"] = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
-    return LLM(str(model), **kwargs)
-
-
 def _tokens(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
@@ -58,13 +49,13 @@ def shallow_draft(tiny_llama_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama_dir):
+def reference(make_llm, tiny_llama_dir):
     rng = random.Random(7)
     prompts = []
     for i in range(6):
         motif = [rng.randrange(384) for _ in range(rng.randrange(3, 8))]
         prompts.append(motif * 4 if i % 2 else [rng.randrange(384) for _ in range(rng.randrange(5, 40))])
-    plain = _llm(tiny_llama_dir)
+    plain = make_llm(tiny_llama_dir)
     return prompts, _tokens(plain.generate(prompts, GREEDY_16, use_tqdm=False))
 
 
@@ -73,9 +64,9 @@ def reference(tiny_llama_dir):
     {"max_model_len": 64},  # a scratch cache of 4 blocks: drafted in small groups
     {"max_num_batched_tokens": 16},  # contexts over 16 tokens: the draft prefills them in chunks
 ], ids=["default", "small-scratch", "chunked"])
-def test_draft_equal_to_target_accepts_every_greedy_draft(tiny_llama_dir, reference, engine_args):
+def test_draft_equal_to_target_accepts_every_greedy_draft(make_llm, tiny_llama_dir, reference, engine_args):
     prompts, expected = reference
-    llm = _llm(tiny_llama_dir, draft=tiny_llama_dir, **engine_args)
+    llm = make_llm(tiny_llama_dir, draft=tiny_llama_dir, **engine_args)
     assert _tokens(llm.generate(prompts, GREEDY_16, use_tqdm=False)) == expected
     stats = _stats(llm)
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
@@ -84,9 +75,10 @@ def test_draft_equal_to_target_accepts_every_greedy_draft(tiny_llama_dir, refere
 
 @pytest.mark.parametrize("engine_args", [{}, {"num_gpu_blocks_override": 12, "max_model_len": 96}],
                          ids=["default", "preempted"])
-def test_different_draft_keeps_greedy_output_bit_identical(tiny_llama_dir, shallow_draft, reference, engine_args):
+def test_different_draft_keeps_greedy_output_bit_identical(make_llm, tiny_llama_dir, shallow_draft, reference,
+                                                           engine_args):
     prompts, expected = reference
-    llm = _llm(tiny_llama_dir, draft=shallow_draft, **engine_args)
+    llm = make_llm(tiny_llama_dir, draft=shallow_draft, **engine_args)
     assert _tokens(llm.generate(prompts, GREEDY_16, use_tqdm=False)) == expected
     stats = _stats(llm)
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
@@ -99,21 +91,21 @@ def test_different_draft_keeps_greedy_output_bit_identical(tiny_llama_dir, shall
     _assert_all_free(llm)
 
 
-def test_fp8_kv_cache_with_a_draft(tiny_llama_dir, shallow_draft, reference):
+def test_fp8_kv_cache_with_a_draft(make_llm, tiny_llama_dir, shallow_draft, reference):
     """--kv-cache-dtype fp8: the target's pool is fp8, the draft's scratch cache stays float32; greedy output equals
     the fp8 run without speculation."""
     prompts, _ = reference
-    plain = _tokens(_llm(tiny_llama_dir, kv_cache_dtype="fp8").generate(prompts, GREEDY_16, use_tqdm=False))
-    llm = _llm(tiny_llama_dir, draft=shallow_draft, kv_cache_dtype="fp8")
+    plain = _tokens(make_llm(tiny_llama_dir, kv_cache_dtype="fp8").generate(prompts, GREEDY_16, use_tqdm=False))
+    llm = make_llm(tiny_llama_dir, draft=shallow_draft, kv_cache_dtype="fp8")
     assert _tokens(llm.generate(prompts, GREEDY_16, use_tqdm=False)) == plain
     assert llm.llm_engine.engine_core.executor.driver_worker.model_runner.proposer.kv_caches[0].dtype == \
         torch.float32
     assert _stats(llm).num_accepted_tokens > 0
 
 
-def test_abort_and_seeded_sampling_with_a_draft(tiny_llama_dir, shallow_draft, reference):
+def test_abort_and_seeded_sampling_with_a_draft(make_llm, tiny_llama_dir, shallow_draft, reference):
     prompts, expected = reference
-    llm = _llm(tiny_llama_dir, draft=shallow_draft)
+    llm = make_llm(tiny_llama_dir, draft=shallow_draft)
     engine = llm.llm_engine
     engine.add_request("gone", prompts[0], GREEDY_16)
     engine.add_request("kept", prompts[1], GREEDY_16, output_kind="final_only")
@@ -135,17 +127,17 @@ def test_abort_and_seeded_sampling_with_a_draft(tiny_llama_dir, shallow_draft, r
     _assert_all_free(llm)
 
 
-def test_the_drafts_scratch_kv_comes_out_of_the_pool_budget(tiny_llama_dir):
+def test_the_drafts_scratch_kv_comes_out_of_the_pool_budget(make_llm, tiny_llama_dir):
     """The draft (here the target itself) recomputes its KV in a scratch cache of max_model_len tokens (16 blocks
     of the target's size at max_model_len 256): the pool has 16 blocks fewer than without a draft."""
     def total_blocks(draft):
-        llm = _llm(tiny_llama_dir, draft=draft, num_gpu_blocks_override=None, kv_cache_memory=4 << 20)
+        llm = make_llm(tiny_llama_dir, draft=draft, num_gpu_blocks_override=None, kv_cache_memory=4 << 20)
         return llm.llm_engine.engine_core.scheduler.num_total_blocks
 
     assert total_blocks(None) - total_blocks(tiny_llama_dir) == 256 // 16
 
 
-def test_draft_with_another_tokenizer_is_a_startup_error(tiny_llama_dir, shallow_draft, tmp_path):
+def test_draft_with_another_tokenizer_is_a_startup_error(make_llm, tiny_llama_dir, shallow_draft, tmp_path):
     folder = tmp_path / "other-tokenizer-draft"
     shutil.copytree(shallow_draft, folder)
     tokenizer = json.loads((folder / "tokenizer.json").read_text())
@@ -155,13 +147,13 @@ def test_draft_with_another_tokenizer_is_a_startup_error(tiny_llama_dir, shallow
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
     with pytest.raises(ValueError, match="draft model .*other-tokenizer-draft.* does not share the target model "
                                          ".*tiny-llama.*tokenizer"):
-        _llm(tiny_llama_dir, draft=folder)
+        make_llm(tiny_llama_dir, draft=folder)
 
 
-def test_gguf_target_with_a_hugging_face_draft(tiny_llama_gguf, shallow_draft, reference):
+def test_gguf_target_with_a_hugging_face_draft(make_llm, tiny_llama_gguf, shallow_draft, reference):
     """The tokenizer check compares vocabularies, not files: a GGUF target (tokenizer from its metadata) takes a
     Hugging Face draft with the same tokenizer."""
     prompts, expected = reference
-    llm = _llm(tiny_llama_gguf, draft=shallow_draft)
+    llm = make_llm(tiny_llama_gguf, draft=shallow_draft)
     assert _tokens(llm.generate(prompts, GREEDY_16, use_tqdm=False)) == expected
     assert _stats(llm).num_accepted_tokens > 0

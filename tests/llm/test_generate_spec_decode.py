@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.sampling_params import StructuredOutputsParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
@@ -20,13 +19,6 @@ GREEDY_24 = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 def _tokens(outputs):
     return [o.outputs[0].token_ids for o in outputs]
-
-
-def _llm(model, **kwargs):
-    kwargs.setdefault("dtype", "float32")
-    kwargs.setdefault("max_model_len", 512)
-    kwargs.setdefault("num_gpu_blocks_override", 512)
-    return LLM(str(model), **kwargs)
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -51,8 +43,8 @@ def _assert_all_free(llm: LLM) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir)
+def reference(make_llm, tiny_llama_dir):
+    llm = make_llm(tiny_llama_dir)
     prompts = _prompts(llm.llm_engine.engine_core.vocab_size)
     return prompts, [_tokens(llm.generate([p], GREEDY_24, use_tqdm=False))[0] for p in prompts], llm
 
@@ -65,9 +57,9 @@ def reference(tiny_llama_dir):
     (SUFFIX, {}),
     (SUFFIX, {"num_gpu_blocks_override": 24, "max_model_len": 128}),
 ], ids=["default", "no-prefix-caching", "chunked", "preempted", "suffix", "suffix-preempted"])
-def test_greedy_output_is_bit_identical_with_speculation(tiny_llama_dir, reference, spec, engine_args):
+def test_greedy_output_is_bit_identical_with_speculation(make_llm, tiny_llama_dir, reference, spec, engine_args):
     prompts, expected, _ = reference
-    llm = _llm(tiny_llama_dir, speculative_config=spec, **engine_args)
+    llm = make_llm(tiny_llama_dir, speculative_config=spec, **engine_args)
     assert _tokens(llm.generate(prompts, GREEDY_24, use_tqdm=False)) == expected  # batched
     if not engine_args:
         assert [_tokens(llm.generate([p], GREEDY_24, use_tqdm=False))[0] for p in prompts] == expected  # alone
@@ -79,9 +71,9 @@ def test_greedy_output_is_bit_identical_with_speculation(tiny_llama_dir, referen
     _assert_all_free(llm)
 
 
-def test_stop_inside_an_accepted_run_n_siblings_and_seeds(tiny_llama_dir, reference):
+def test_stop_inside_an_accepted_run_n_siblings_and_seeds(make_llm, tiny_llama_dir, reference):
     prompts, expected, plain = reference
-    llm = _llm(tiny_llama_dir, speculative_config=NGRAM)
+    llm = make_llm(tiny_llama_dir, speculative_config=NGRAM)
     # a stop token that greedy decoding reaches after a few tokens: output ends there, as without speculation
     i = next(i for i, e in enumerate(expected) if len(set(e[3:])) < len(e[3:]))
     stop_token = expected[i][5]
@@ -116,7 +108,7 @@ def test_stop_inside_an_accepted_run_n_siblings_and_seeds(tiny_llama_dir, refere
     _assert_all_free(llm)
 
 
-def test_suffix_decoding_learns_a_repeated_output_across_requests(tiny_llama_dir, reference):
+def test_suffix_decoding_learns_a_repeated_output_across_requests(make_llm, tiny_llama_dir, reference):
     """A loop that asks for the same structured output again and again (an agent's tool call): from the second
     request on, the global tree of past outputs drafts it, so nearly every draft is accepted; without the global
     tree (max_cached_requests 0) only the request's own repeats are drafted."""
@@ -125,7 +117,7 @@ def test_suffix_decoding_learns_a_repeated_output_across_requests(tiny_llama_dir
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     results = {}
     for cached in (0, 100):
-        llm = _llm(tiny_llama_dir, speculative_config=dict(SUFFIX, suffix_decoding_max_cached_requests=cached))
+        llm = make_llm(tiny_llama_dir, speculative_config=dict(SUFFIX, suffix_decoding_max_cached_requests=cached))
         outputs = [_tokens(llm.generate([prompt], params, use_tqdm=False))[0] for _ in range(3)]
         assert outputs == [expected[0]] * 3
         stats = _spec_stats(llm)
@@ -137,19 +129,17 @@ def test_suffix_decoding_learns_a_repeated_output_across_requests(tiny_llama_dir
 
 
 def _generate_salted(llm: LLM, prompt: list[int], params: SamplingParams, salt: str | None):
-    request_id = f"salted-{salt}-{random.random()}"
-    llm.llm_engine.add_request(request_id, prompt, params, cache_salt=salt, output_kind="final_only")
-    (output,) = llm._run_engine([request_id], use_tqdm=False)
+    (output,) = llm.generate({"prompt_token_ids": prompt, "cache_salt": salt}, params, use_tqdm=False)
     return output.outputs[0].token_ids, output.num_cached_tokens
 
 
-def test_cache_salts_and_options_without_speculation(tiny_llama_dir, reference):
+def test_cache_salts_and_options_without_speculation(make_llm, tiny_llama_dir, reference):
     """Speculation with cache salts: the same prompt under different salts gives the speculation-off output and
     never hits another salt's blocks. Requests whose options the verifier does not support (penalties,
-    min_tokens, logit_bias, logprobs, structured outputs) get no drafts and the plain output."""
+    min_tokens, logit_bias, logprobs) get no drafts and the plain output."""
     prompts, expected, plain = reference
     i = next(i for i, p in enumerate(prompts) if len(p) >= 40)
-    llm = _llm(tiny_llama_dir, speculative_config=SUFFIX)
+    llm = make_llm(tiny_llama_dir, speculative_config=SUFFIX)
     assert _generate_salted(llm, prompts[i], GREEDY_24, "alice") == (expected[i], 0)
     assert _generate_salted(llm, prompts[i], GREEDY_24, "bob") == (expected[i], 0)  # no cross-salt hit
     assert _generate_salted(llm, prompts[i], GREEDY_24, None) == (expected[i], 0)
@@ -160,8 +150,7 @@ def test_cache_salts_and_options_without_speculation(tiny_llama_dir, reference):
 
     drafts_before = _spec_stats(llm).num_draft_tokens
     options = [dict(presence_penalty=0.5), dict(frequency_penalty=0.5), dict(repetition_penalty=1.3),
-               dict(min_tokens=4), dict(logit_bias={5: 3.0}), dict(logprobs=2), dict(prompt_logprobs=1),
-               dict(structured_outputs=StructuredOutputsParams(regex="[a-z]+"))]
+               dict(min_tokens=4), dict(logit_bias={5: 3.0}), dict(logprobs=2), dict(prompt_logprobs=1)]
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, **o) for o in options]
     with_spec = llm.generate([prompts[1]] * len(params), params, use_tqdm=False)
     without = plain.generate([prompts[1]] * len(params), params, use_tqdm=False)
@@ -170,11 +159,11 @@ def test_cache_salts_and_options_without_speculation(tiny_llama_dir, reference):
     _assert_all_free(llm)
 
 
-def test_disable_by_batch_size_end_to_end(tiny_llama_dir, reference):
+def test_disable_by_batch_size_end_to_end(make_llm, tiny_llama_dir, reference):
     """Two requests decoding together reach disable_by_batch_size 2: no drafts at all; one alone gets drafts."""
     prompts, expected, _ = reference
     repeating = [i for i, p in enumerate(prompts) if i % 3][:2]  # prompts that repeat themselves: drafts exist
-    llm = _llm(tiny_llama_dir, speculative_config=dict(NGRAM, disable_by_batch_size=2))
+    llm = make_llm(tiny_llama_dir, speculative_config=dict(NGRAM, disable_by_batch_size=2))
     assert _tokens(llm.generate([prompts[i] for i in repeating], GREEDY_24, use_tqdm=False)) == \
         [expected[i] for i in repeating]
     assert _spec_stats(llm).num_draft_tokens == 0
