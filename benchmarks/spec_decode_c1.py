@@ -2,6 +2,10 @@
 process, alternating (off, on, off, on, ...) so that a busy machine hurts both alike; with the acceptance figures.
 
     python benchmarks/spec_decode_c1.py --dataset-name copy-heavy --num-prompts 8 --output-len 128 --rounds 2
+
+`--dataset-name json-schema`: chat requests held to one JSON schema (structured outputs: an array of at least 40
+{name, age, city} objects, `structured_outputs_throughput.py`'s), whose keys repeat in every output: the drafts
+are checked against the grammar and the verify rows masked by it.
 """
 
 from __future__ import annotations
@@ -12,14 +16,17 @@ import random
 import statistics
 import time
 
+from structured_outputs_throughput import SCHEMA
+
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.copy_heavy import sample_copy_heavy
 from pagedllm.bench.throughput import random_token_prompts
+from pagedllm.sampling_params import StructuredOutputsParams
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--dataset-name", default="copy-heavy", choices=("copy-heavy", "random"))
+    parser.add_argument("--dataset-name", default="copy-heavy", choices=("copy-heavy", "random", "json-schema"))
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
@@ -33,11 +40,18 @@ def main() -> None:
     if args.dataset_name == "copy-heavy":
         prompts = [tokenizer.encode(s.prompt, add_special_tokens=False)
                    for s in sample_copy_heavy(tokenizer, args.num_prompts, args.output_len)]
+    elif args.dataset_name == "json-schema":
+        chats = [[{"role": "user", "content": f"List {40 + i} people as JSON."}] for i in range(args.num_prompts)]
+        prompts = [tokenizer.encode(tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+                                    add_special_tokens=False) for c in chats]
     else:
         prompts = random_token_prompts(random.Random(0), args.num_prompts, 256, len(tokenizer))
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=args.ignore_eos)
+    structured = StructuredOutputsParams(json=SCHEMA) if args.dataset_name == "json-schema" else None
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=args.ignore_eos,
+                            structured_outputs=structured)
     for llm in llms.values():  # warm-up
-        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=structured),
+                     use_tqdm=False)
     rates: dict[str, list[float]] = {"off": [], "on": []}
     outputs = {}
     for _ in range(args.rounds):
