@@ -364,7 +364,7 @@ variants_json() {  # {"pagedllm": "FLAGS", "pagedllm-fast": "FLAGS"} of the page
 
 if [ "$MEASURE" = 1 ]; then
   COMMIT=$(git rev-parse HEAD); DIRTY=$(git status --porcelain --untracked-files=no -- src | wc -l)
-  record step=sweep date="$(date -Is)" commit="$COMMIT" dirty_src_files="$DIRTY" runs="$RUNS" quick="$QUICK" \
+  record step=sweep date="$(date -Is)" commit="$COMMIT" dirty_src_files="$DIRTY" runs="$RUNS" first_run="$FIRST_RUN" quick="$QUICK" \
     workloads="$WORKLOADS" offline_prompts="$OFFLINE_N" prefix_prompts="$PREFIX_N" steps="$STEPS" \
     pagedllm_args="${PAGEDLLM_ARGS[*]}" pagedllm_serve_args="${PAGEDLLM_SERVE_ARGS[*]}" \
     pagedllm_variants="$(variants_json)" prefix_engine="$PREFIX_ENGINE" client="$CLIENT" \

@@ -105,10 +105,11 @@ def load_range(records):
 # ----------------------------------------------------------------------------------------------- collection
 def collect(results: Path) -> dict:
     records = [json.loads(line) for line in (results / "runs.jsonl").read_text().splitlines() if line.strip()]
-    sweep = next((r for r in records if r["step"] == "sweep"), {})
-    sweep_end = next((r for r in records if r["step"] == "sweep_end"), {})
-    data: dict = {"sweep": sweep, "sweep_end": sweep_end, "serve": {}, "server": {}, "offline": {},
-                  "prefix": {}, "failures": []}
+    sweeps = [r for r in records if r["step"] == "sweep"]
+    ends = [r for r in records if r["step"] == "sweep_end"]
+    sweep, sweep_end = (sweeps or [{}])[0], (ends or [{}])[0]
+    data: dict = {"sweep": sweep, "sweep_end": sweep_end, "sittings": sweeps, "sitting_ends": ends, "serve": {},
+                  "server": {}, "offline": {}, "prefix": {}, "failures": []}
     for r in records:
         if r.get("failed"):
             data["failures"].append(r)
@@ -233,6 +234,20 @@ def last_started(data: dict) -> str:
     return max(starts, default="?")
 
 
+def sittings_sentence(data: dict) -> str:
+    """Runs added by later sittings (compare_vllm.sh's FIRST_RUN): when and on which commit each was measured."""
+    parts = []
+    for i, sw in enumerate(data["sittings"]):
+        end = data["sitting_ends"][i].get("date", "?") if i < len(data["sitting_ends"]) else "?"
+        first = int(sw.get("first_run", 1))
+        runs = f"run {first}" if first == int(sw.get("runs", first)) else f"runs {first}-{sw.get('runs')}"
+        parts.append(f"{runs} {sw.get('date', '?')[:16].replace('T', ' ')} to {end[11:16]} on commit "
+                     f"`{sw.get('commit', '?')[:10]}`"
+                     + (f" (+{sw['dirty_src_files']} uncommitted file(s) under src/)" if sw.get("dirty_src_files")
+                        else ""))
+    return f"Measured in {len(parts)} sittings: " + "; ".join(parts)
+
+
 def n_runs(data: dict) -> str:
     """The runs actually present (a sweep cut short has fewer than RUNS)."""
     counts = sorted({len({r["run"] for r in v}) for v in data["serve"].values()}) or [0]
@@ -311,8 +326,9 @@ def build(data: dict, results: Path, note: str | None = None) -> tuple[str, dict
     else:
         engines_text = engine_sentence(data, engines) + " " + client_sentence(data, engines)
     lines.append(
-        f"Measured {date[:16].replace('T', ' ')} to {end[11:16]} on commit "
-        f"`{commit[:10]}`" + (f" (+{dirty} uncommitted file(s) under src/)" if dirty else "")
+        (f"Measured {date[:16].replace('T', ' ')} to {end[11:16]} on commit "
+         f"`{commit[:10]}`" + (f" (+{dirty} uncommitted file(s) under src/)" if dirty else "")
+         if len(data.get("sittings", [])) <= 1 else sittings_sentence(data))
         + f", {sweep.get('cpu', '?')}, {sweep.get('nproc', '?')} cores, "
         f"{n_runs(data)} run(s) per engine and workload, "
         + ("alternating the engines" if len(engines) <= 2 else "rotating the engines' order run by run")

@@ -142,7 +142,9 @@ def test_stalled_stream_closed_by_its_client_is_aborted(servers):
         lengths = after.get("length", 0) - before.get("length", 0)
         aborts = after.get("abort", 0) - before.get("abort", 0)
         assert lengths + aborts == 16, (lengths, aborts)
-        assert lengths <= finished + 1, (finished, lengths, aborts)  # at most one finishing as the client closed
+        # at most one running group (4 requests started together, so they finish in the same step) finishing
+        # between the sample above and the server seeing the close; an unaborted close runs all 16 to the end
+        assert lengths <= finished + 4, (finished, lengths, aborts)
         pending_at_close.append(16 - finished)
     assert sum(pending_at_close) >= 6 * 8, pending_at_close  # the closes did interrupt work
     assert server.kv()["total_ref_cnt"] == 0

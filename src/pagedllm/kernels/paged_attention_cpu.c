@@ -25,10 +25,11 @@
  *
  * One OpenMP task per sequence: it reads each context token's K row once for all query heads, keeps the
  * scores in a scratch buffer, takes the softmax per head, then reads each V row once. Sums run in a fixed
- * order, so the result does not depend on the thread count or on the other sequences in the batch. In the bf16 and
- * fp8 formats (head_dim 64), a KV head's rows are converted to fp32 once, KV_CHUNK tokens at a time, for all the query
- * heads that share it (with software prefetch), and the fp32 loops run on them: the same sums as over an fp32 cache
- * holding the dequantized values, bit for bit, at a third of the conversions (SmolLM2: 3 query heads per KV head).
+ * order, so the result does not depend on the thread count or on the other sequences in the batch. At head_dim 64, a
+ * KV head's rows are taken KV_CHUNK tokens at a time, with software prefetch, for all the query heads that share it:
+ * bf16 and fp8 rows converted to fp32 once into an L1 buffer, fp32 rows read where they are (the prefetch brings
+ * them to L1), and the fp32 loops run on them: the same sums as over an fp32 cache holding the dequantized values,
+ * bit for bit, at a third of the conversions and cache misses (SmolLM2: 3 query heads per KV head).
  */
 #include <math.h>
 #include <stdint.h>
@@ -93,9 +94,13 @@ ALWAYS_INLINE void convert_rows64(const uint8_t *const *rows, int64_t offset, in
     const int64_t es8 = 8 * kv_elem_size(fmt);
     for (int64_t t = 0; t < n; t++) {
         if (t + KV_PREFETCH < avail)
-            for (int64_t b = 0; b < es8 * 8; b += 64) /* the head's row: 64 B in fp8, 128 B in bf16 */
+            for (int64_t b = 0; b < es8 * 8; b += 64) /* the head's row: 64 B in fp8, 128 B in bf16, 256 B in fp32 */
                 _mm_prefetch((const char *)(rows[t + KV_PREFETCH] + offset + b), _MM_HINT_T0);
         const uint8_t *src = rows[t] + offset;
+        if (fmt == KV_F32) { /* already fp32: the group's heads read the row where it is, now in L1 */
+            ptrs[t] = src;
+            continue;
+        }
         float *dst = buf + t * 64;
         for (int j = 0; j < 8; j++) _mm256_storeu_ps(dst + 8 * j, kv_load8(src + es8 * j, fmt));
         ptrs[t] = (const uint8_t *)dst;
@@ -198,7 +203,7 @@ ALWAYS_INLINE int attend_seq(float *qs, const float *cos_sin, const int64_t *slo
     scale *= k_scale; /* q . (c * k_scale) * scale == q . c * (scale * k_scale): both factors powers of two or 1 */
     const int64_t n = len > 0 ? len : 1;
 #if defined(KV_SIMD)
-    const int convert = head_dim == 64 && fmt != KV_F32; /* convert each row once for the group (convert_rows64) */
+    const int convert = head_dim == 64; /* convert (fp32: prefetch) each row once for the group (convert_rows64) */
 #else
     const int convert = 0;
 #endif
@@ -226,9 +231,6 @@ ALWAYS_INLINE int attend_seq(float *qs, const float *cos_sin, const int64_t *slo
                 for (int64_t h = kh * group; h < (kh + 1) * group; h++)
                     qk_head64(qs + h * 64, conv_rows, 0, m, scale, scores + h * len + t0, KV_F32);
             }
-    } else if (head_dim == 64) {
-        for (int64_t h = 0; h < num_heads; h++) /* scores[h][t] = scale * q_h . k_t */
-            qk_head64(qs + h * head_dim, k_rows, (h / group) * head_dim * es, len, scale, scores + h * len, fmt);
     } else
 #endif
         for (int64_t t = 0; t < len; t++)
