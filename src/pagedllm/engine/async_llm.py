@@ -239,8 +239,9 @@ class AsyncLLM:
             self.scheduler_stats = outputs.scheduler_stats
         stats = self.stats_tracker.update(outputs)
         processed = self.output_processor.process_outputs(outputs)
-        for engine_id in processed.reqs_to_abort:
+        for engine_id in processed.reqs_to_abort:  # finished here by a stop string: over for the frontend too
             self.stats_tracker.finish(engine_id, "stop", stats)
+            self._engine_to_request.pop(engine_id, None)
         self._send_abort(processed.reqs_to_abort)
         for request in processed.reqs_to_add:
             self._send_add(request)
