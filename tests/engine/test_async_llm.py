@@ -111,7 +111,8 @@ def test_a_request_ended_by_a_stop_string_is_not_counted_as_unfinished(tokenizer
         await engine.run_until_idle()
         assert (await consumer)[-1].outputs[0].finish_reason == "stop"
         await asyncio.sleep(0.6)  # idle past the watchdog's 0.2 s
-        assert not llm.is_dead and llm.estimated_num_waiting() == 0
+        assert not llm.is_dead and llm.router.num_unfinished(0) == 0
+        assert llm.estimated_num_waiting() == 0
 
     _run(scenario, tokenizer, watchdog_timeout_s=0.2)
 
