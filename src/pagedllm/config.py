@@ -290,6 +290,11 @@ class ParallelConfig:
     the first stage, the final norm and LM head on the last) and their KV cache; the hidden state and residual go
     from stage to stage point to point, the last stage samples. One batch at a time (no batch queue yet).
     Combined with --tensor-parallel-size the world is tp x pp processes (rank = stage * tp + tp rank)."""
+    data_parallel_size: int = 1
+    """Replicas of the whole engine behind one API server (`pagedllm serve` only): each its own engine-core
+    process with its own executor, KV cache (--kv-cache-memory each) and share of the CPU threads. The API server
+    sends each request to the replica that holds the longest cached prefix of it, else to the least loaded
+    (engine/dp_router.py); metrics carry an `engine` label per replica."""
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
     """How the model's workers run: uni (in the engine process; needs tensor-parallel-size 1), mp (one fresh
     process per rank on this machine), ray (not yet supported). Default: uni at size 1, else mp."""
@@ -299,6 +304,8 @@ class ParallelConfig:
             raise ValueError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}.")
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"--pipeline-parallel-size must be at least 1, got {self.pipeline_parallel_size}.")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be at least 1, got {self.data_parallel_size}.")
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"--distributed-executor-backend must be one of {', '.join(EXECUTOR_BACKENDS)}, got "
@@ -331,6 +338,11 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     SECTIONS = ("model_config", "cache_config", "scheduler_config", "parallel_config")
+
+    def __post_init__(self) -> None:
+        if self.parallel_config.data_parallel_size > 1 and self.model_config.device == "cuda":
+            raise ValueError("--data-parallel-size above 1 is not supported with --device cuda yet (the replicas "
+                             "would share one GPU); it runs on the CPU.")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -78,6 +78,9 @@ class MockEngineCore:
             self.dead_reason = reason
             self.on_death(reason)
 
+    def request_stop(self) -> None:
+        pass
+
     def shutdown(self) -> None:
         pass
 

@@ -23,10 +23,11 @@ def tokenizer(tiny_tokenizer):
     return tiny_tokenizer
 
 
-def _run(scenario, tokenizer, **engine_kwargs):
+def _run(scenario, tokenizer, watchdog_timeout_s: float | None = None, **engine_kwargs):
     async def main():
         engine = MockEngineCore(LIMITS, **engine_kwargs)
-        llm = AsyncLLM(engine, tokenizer, "mock", log_stats=False, max_buffered_outputs=8)  # type: ignore[arg-type]
+        llm = AsyncLLM(engine, tokenizer, "mock", log_stats=False, max_buffered_outputs=8,  # type: ignore[arg-type]
+                       watchdog_timeout_s=watchdog_timeout_s)
         try:
             await scenario(engine, llm)
         finally:
@@ -97,6 +98,23 @@ def test_stop_string_aborts_the_engine_request(tokenizer):
         assert engine.aborted == ["r"]  # the frontend found the stop string: the engine must stop too
 
     _run(scenario, tokenizer)
+
+
+def test_a_request_ended_by_a_stop_string_is_not_counted_as_unfinished(tokenizer):
+    """It stayed counted as an unfinished engine request: admission saw a phantom waiting request, and the hang
+    watchdog declared the idle engine hung once the timeout passed with no step."""
+    async def scenario(engine, llm):
+        full = tokenizer.decode([43, 44, 45, 46])
+        stop = full[len(tokenizer.decode([43])) - 1:][:2]
+        params = SamplingParams(max_tokens=50, ignore_eos=True, stop=[stop])
+        consumer = asyncio.ensure_future(_collect(llm.add_request("r", PROMPT, params, None, "cumulative")))
+        await engine.run_until_idle()
+        assert (await consumer)[-1].outputs[0].finish_reason == "stop"
+        await asyncio.sleep(0.6)  # idle past the watchdog's 0.2 s
+        assert not llm.is_dead and llm.router.num_unfinished(0) == 0
+        assert llm.estimated_num_waiting() == 0
+
+    _run(scenario, tokenizer, watchdog_timeout_s=0.2)
 
 
 def test_a_full_queue_fails_the_request(tokenizer):

@@ -102,3 +102,23 @@ def test_blank_key_from_environment_names_the_variable(monkeypatch):
     monkeypatch.setenv("VLLM_API_KEY", " ")
     with pytest.raises(ValueError, match="VLLM_API_KEY contains a blank key"):
         configs_from_args(_parser().parse_args([]))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--data-parallel-size", "0"], "--data-parallel-size must be at least 1, got 0"),
+    (["--data-parallel-size", "2", "--device", "cuda"], "--data-parallel-size above 1 is not supported with "
+                                                        "--device cuda"),
+])
+def test_data_parallel_flags_are_checked_at_startup(flags, message):
+    with pytest.raises(ValueError, match=message):
+        configs_from_args(_parser().parse_args(flags))
+    assert configs_from_args(_parser().parse_args(["--data-parallel-size", "2"]))[0].parallel_config \
+        .data_parallel_size == 2
+
+
+def test_the_offline_llm_refuses_data_parallelism():
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match="data_parallel_size above 1 needs `pagedllm serve`"):
+        LLMEngine(EngineConfig.from_kwargs(data_parallel_size=2))

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +36,34 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.02) -> bool:
             return True
         time.sleep(interval_s)
     return bool(predicate())
+
+
+def stream_until_error(client: openai.OpenAI, request: dict, started: threading.Barrier | None, results: list,
+                       lock: threading.Lock) -> None:
+    """Stream `request` (completions.create arguments) to its end; append (outcome, time.monotonic()) to
+    `results`: "completed" or the openai.APIError that ended it. With `started`, wait at that barrier after
+    the first chunk (so a fault comes while every stream is open)."""
+    try:
+        stream = client.completions.create(**request, stream=True)
+        iterator = iter(stream)
+        next(iterator)
+        if started is not None:
+            started.wait(timeout=60)
+        for _ in iterator:
+            pass
+        outcome = "completed"
+    except openai.APIError as e:
+        outcome = e
+    with lock:
+        results.append((outcome, time.monotonic()))
+
+
+def unavailable(server: Server) -> bool:
+    """/health answers 503, or the API server is already gone (it may exit after its engine died)."""
+    try:
+        return server.http.get("/health").status_code == 503
+    except httpx.ConnectError:
+        return server.proc.poll() is not None
 
 
 def rss_bytes(pid: int) -> int:

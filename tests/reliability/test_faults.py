@@ -8,10 +8,9 @@ import signal
 import threading
 import time
 
-import httpx
 import openai
 import pytest
-from reliability_utils import MODEL_NAME, pid_alive, port_bindable, wait_for
+from reliability_utils import MODEL_NAME, pid_alive, port_bindable, stream_until_error, unavailable, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -36,22 +35,6 @@ def servers(launcher) -> dict:
     }
 
 
-def _stream_until_error(client: openai.OpenAI, started: threading.Barrier | None, results: list, lock: threading.Lock):
-    try:
-        stream = client.completions.create(**LONG, stream=True)
-        iterator = iter(stream)
-        next(iterator)
-        if started is not None:
-            started.wait(timeout=60)
-        for _ in iterator:
-            pass
-        outcome = "completed"
-    except openai.APIError as e:
-        outcome = e
-    with lock:
-        results.append((outcome, time.monotonic()))
-
-
 def test_engine_kill_with_32_streams(servers):
     server = servers["kill"].wait_ready()
     engine_pid = server.engine_pid()
@@ -59,19 +42,14 @@ def test_engine_kill_with_32_streams(servers):
     results: list = []
     lock = threading.Lock()
     started = threading.Barrier(33)
-    threads = [threading.Thread(target=_stream_until_error, args=(client, started, results, lock)) for _ in range(32)]
+    threads = [threading.Thread(target=stream_until_error, args=(client, LONG, started, results, lock))
+               for _ in range(32)]
     for t in threads:
         t.start()
     started.wait(timeout=60)
     killed_at = time.monotonic()
     os.kill(engine_pid, signal.SIGKILL)
-    def unavailable() -> bool:  # /health 503, or the API server already gone (the issue allows it to exit)
-        try:
-            return server.http.get("/health").status_code == 503
-        except httpx.ConnectError:
-            return server.proc.poll() is not None
-
-    unhealthy = wait_for(unavailable, 2.0)
+    unhealthy = wait_for(lambda: unavailable(server), 2.0)
     health_s = time.monotonic() - killed_at
     for t in threads:
         t.join(timeout=10)
@@ -111,7 +89,7 @@ def test_exception_in_forward_fails_in_flight_requests_only(servers):
     client = server.client(timeout=60.0)
     results: list = []
     lock = threading.Lock()
-    threads = [threading.Thread(target=_stream_until_error, args=(client, None, results, lock)) for _ in range(6)]
+    threads = [threading.Thread(target=stream_until_error, args=(client, LONG, None, results, lock)) for _ in range(6)]
     non_stream: list = []
 
     def full():
@@ -147,7 +125,7 @@ def test_hang_in_engine_loop_fails_requests_and_health(servers):
     client = server.client(timeout=60.0)
     results: list = []
     lock = threading.Lock()
-    threads = [threading.Thread(target=_stream_until_error, args=(client, None, results, lock)) for _ in range(4)]
+    threads = [threading.Thread(target=stream_until_error, args=(client, LONG, None, results, lock)) for _ in range(4)]
     for t in threads:
         t.start()
     start = time.monotonic()

@@ -9,10 +9,9 @@ import signal
 import threading
 import time
 
-import httpx
 import openai
 import pytest
-from reliability_utils import MODEL_NAME, pid_alive, wait_for
+from reliability_utils import MODEL_NAME, pid_alive, stream_until_error, unavailable, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -43,21 +42,6 @@ def _workers(engine_pid: int) -> list[int]:
     return sorted(pids)
 
 
-def _stream(client: openai.OpenAI, started: threading.Barrier, results: list, lock: threading.Lock) -> None:
-    try:
-        stream = client.completions.create(**LONG, stream=True)
-        iterator = iter(stream)
-        next(iterator)
-        started.wait(timeout=60)
-        for _ in iterator:
-            pass
-        outcome = "completed"
-    except openai.APIError as e:
-        outcome = e
-    with lock:
-        results.append((outcome, time.monotonic()))
-
-
 def test_worker_kill_under_streams_ends_them_and_leaves_no_process(servers):
     server = servers["worker-kill"].wait_ready()
     engine_pid = server.engine_pid()
@@ -67,20 +51,15 @@ def test_worker_kill_under_streams_ends_them_and_leaves_no_process(servers):
     results: list = []
     lock = threading.Lock()
     started = threading.Barrier(5)
-    threads = [threading.Thread(target=_stream, args=(client, started, results, lock)) for _ in range(4)]
+    threads = [threading.Thread(target=stream_until_error, args=(client, LONG, started, results, lock))
+               for _ in range(4)]
     for t in threads:
         t.start()
     started.wait(timeout=60)
     killed_at = time.monotonic()
     os.kill(workers[1], signal.SIGKILL)
 
-    def unavailable() -> bool:  # /health 503, or the API server already gone
-        try:
-            return server.http.get("/health").status_code == 503
-        except httpx.ConnectError:
-            return server.proc.poll() is not None
-
-    unhealthy = wait_for(unavailable, 2.0)
+    unhealthy = wait_for(lambda: unavailable(server), 2.0)
     health_s = time.monotonic() - killed_at
     for t in threads:
         t.join(timeout=10)

@@ -21,16 +21,18 @@ prompts) needs 16 places. `check_admission` estimates the waiting queue as the e
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from pagedllm.core.scheduler import QueueFullError
 from pagedllm.engine.core_client import EngineCoreClient, EngineDeadError
+from pagedllm.engine.dp_router import DPRouter
 from pagedllm.engine.input_processor import InputProcessor, InvalidRequestError
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
-from pagedllm.messages import EngineCoreRequest, FromEngine, Outputs, Rejected, SchedulerStats, UtilityResult
+from pagedllm.messages import EngineCoreRequest, FromEngine, Outputs, Ready, Rejected, SchedulerStats, UtilityResult
 from pagedllm.metrics.loggers import IterationStats, LoggingStatLogger, RequestStatsTracker
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 from pagedllm.outputs import RequestOutput
@@ -48,40 +50,65 @@ class RequestAbortedError(RuntimeError):
 
 
 class AsyncLLM:
-    def __init__(self, client: EngineCoreClient, tokenizer, model_name: str,
+    def __init__(self, clients: EngineCoreClient | Sequence[EngineCoreClient], tokenizer, model_name: str,
                  max_num_queued_reqs: int | None = None, log_stats: bool = True,
                  watchdog_timeout_s: float | None = None, max_buffered_outputs: int = 4096):
-        self.client = client
+        self.clients = list(clients) if isinstance(clients, list | tuple) else [clients]
+        """One engine-core client per data-parallel replica (rank = index)."""
+        self.client = self.clients[0]
+        self.ready: Ready = self.client.ready
+        """Replica 0's READY; every replica loads the same model with the same configuration."""
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_num_queued_reqs = max_num_queued_reqs
         self.max_buffered_outputs = max_buffered_outputs
-        self.input_processor = InputProcessor(client.ready.limits)
+        ready = self.ready
+        num_replicas = len(self.clients)
+        self.router = DPRouter(num_replicas, ready.block_size, ready.num_blocks,
+                               prefix_caching=ready.cache_config_info.get("enable_prefix_caching") != "False")
+        self.input_processor = InputProcessor(ready.limits)
         self.output_processor = OutputProcessor(tokenizer)
         self.stats_tracker = RequestStatsTracker()
-        self.prometheus = PrometheusStatLogger(model_name, cache_config_info=client.ready.cache_config_info)
-        self.log_logger = LoggingStatLogger() if log_stats else None
-        self.scheduler_stats = SchedulerStats(num_total_blocks=client.ready.num_blocks,
-                                              num_free_blocks=client.ready.num_blocks)
+        self.prometheus = PrometheusStatLogger(model_name, cache_config_info=ready.cache_config_info,
+                                               num_engines=num_replicas)
+        self.log_loggers = [LoggingStatLogger(prefix=f"Engine {i:03d}: " if num_replicas > 1 else "")
+                            for i in range(num_replicas)] if log_stats else []
+        self.scheduler_stats = [SchedulerStats(num_total_blocks=ready.num_blocks, num_free_blocks=ready.num_blocks)
+                                for _ in range(num_replicas)]
+        """Each replica's latest scheduler stats."""
         self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._engine_to_request: dict[str, str] = {}
         """Every engine request (child) sent or about to be sent and not finished there -> its request id."""
-        self.last_progress_time = time.monotonic()
+        self.last_progress_time = [time.monotonic()] * num_replicas
+        """Per replica: when it last finished a step (or got work while idle)."""
         self.on_death: Callable[[str], None] = lambda reason: None
+        """Called once every replica is dead."""
         self._pending_sends: set[asyncio.Future] = set()
-        client.on_message = self._on_message
-        client.on_death = self._on_death
+        for replica, client in enumerate(self.clients):
+            client.on_message = functools.partial(self._on_message, replica)
+            client.on_death = functools.partial(self._on_death, replica)
+            if client.is_dead:  # died while the other replicas were starting
+                self.router.mark_dead(replica)
         self._log_task = asyncio.create_task(self._log_loop()) if log_stats else None
         self.watchdog_timeout_s = watchdog_timeout_s
         self._watchdog_task = asyncio.create_task(self._watchdog_loop()) if watchdog_timeout_s else None
 
     @property
     def max_model_len(self) -> int:
-        return self.client.ready.max_model_len
+        return self.ready.max_model_len
 
     @property
     def is_dead(self) -> bool:
-        return self.client.is_dead
+        """Every replica is dead: nothing can be served."""
+        return all(client.is_dead for client in self.clients)
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the dead replicas died (None while all are alive); prefixed with each one's rank when data-parallel."""
+        if len(self.clients) == 1:
+            return self.client.dead_reason
+        reasons = [f"engine {i}: {c.dead_reason}" for i, c in enumerate(self.clients) if c.is_dead]
+        return "; ".join(reasons) or None
 
     @property
     def num_open_requests(self) -> int:
@@ -90,7 +117,8 @@ class AsyncLLM:
     # ---- admission and requests ---------------------------------------------------------------------
 
     def estimated_num_waiting(self) -> int:
-        return max(0, len(self._engine_to_request) - self.scheduler_stats.num_running_reqs)
+        return sum(max(0, self.router.num_unfinished(replica) - stats.num_running_reqs)
+                   for replica, stats in enumerate(self.scheduler_stats))
 
     def check_admission(self, num_seqs: int = 1) -> None:
         """Admit a request of num_seqs engine requests (n times its number of prompts) or raise.
@@ -101,7 +129,7 @@ class AsyncLLM:
             EngineDeadError: the engine is gone.
         """
         if self.is_dead:
-            raise EngineDeadError(self.client.dead_reason)
+            raise EngineDeadError(self.dead_reason)
         cap = self.max_num_queued_reqs
         if cap is None:
             return
@@ -125,14 +153,16 @@ class AsyncLLM:
             InvalidRequestError: bad prompt or parameters. EngineDeadError: the engine is gone.
         """
         if self.is_dead:
-            raise EngineDeadError(self.client.dead_reason)
+            raise EngineDeadError(self.dead_reason)
         if request_id in self.queues:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use.", param="request_id")
         arrival_time = time.time()
         requests = fan_out(self.input_processor, self.output_processor, request_id, prompt_token_ids, params, prompt,
                            output_kind, arrival_time, priority, cache_salt)
-        if not self._engine_to_request:  # the engine was idle: the watchdog counts from now
-            self.last_progress_time = time.monotonic()
+        first = requests[0]  # the prompt exactly as the engine will hash it
+        replica = self.router.route([r.request_id for r in requests], first.prompt_token_ids, first.cache_salt)
+        if self.router.num_unfinished(replica) == len(requests):  # it was idle: the watchdog counts from now
+            self.last_progress_time[replica] = time.monotonic()
         for request in requests:
             self._engine_to_request[request.request_id] = request_id
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -187,66 +217,86 @@ class AsyncLLM:
             self.finish_aborted(request_id)
 
     def _abort_in_engine(self, engine_ids: list[str]) -> None:
-        """Count the engine requests as aborted (metrics) and abort them in the engine core."""
-        stats = IterationStats()
+        """Count the engine requests as aborted (metrics) and abort them in their replicas' engine cores."""
+        by_replica: dict[int, list[str]] = {}
         for engine_id in engine_ids:
-            self._engine_to_request.pop(engine_id, None)
-            self.stats_tracker.finish(engine_id, "abort", stats)
-        self._record(None, stats)
-        self._send_abort(engine_ids)
+            replica = self._forget(engine_id)
+            if replica is not None:
+                by_replica.setdefault(replica, []).append(engine_id)
+        for replica, ids in by_replica.items():
+            stats = IterationStats()
+            for engine_id in ids:
+                self.stats_tracker.finish(engine_id, "abort", stats)
+            self._record(replica, None, stats)
+            self._send_abort(replica, ids)
+
+    def _forget(self, engine_id: str) -> int | None:
+        """An engine request is over (finished, rejected, aborted, failed to send): drop it from the frontend's
+        counts. Returns its replica (None if it was already forgotten)."""
+        self._engine_to_request.pop(engine_id, None)
+        return self.router.release(engine_id)
 
     # ---- sends that never wait (safe in finally blocks of cancelled tasks) ---------------------------
 
     def _send_add(self, request: EngineCoreRequest) -> None:
+        replica = self.router.replica_of(request.request_id)
+        if replica is None:  # aborted before it could be sent
+            return
         self.stats_tracker.add(request.request_id, request.arrival_time, len(request.prompt_token_ids))
-        self._track(self.client.add_request(request), request.request_id)
+        self._track(self.clients[replica].add_request(request), replica, request.request_id)
 
-    def _send_abort(self, engine_ids: list[str]) -> None:
-        if engine_ids and not self.is_dead:
-            self._track(self.client.abort_requests(engine_ids))
+    def _send_abort(self, replica: int, engine_ids: list[str]) -> None:
+        if engine_ids and not self.clients[replica].is_dead:
+            self._track(self.clients[replica].abort_requests(engine_ids), replica)
 
-    def _track(self, coro, engine_id: str | None = None) -> None:
+    def _track(self, coro, replica: int, engine_id: str | None = None) -> None:
         task = asyncio.ensure_future(coro)
         self._pending_sends.add(task)
-        task.add_done_callback(lambda t: self._send_done(t, engine_id))
+        task.add_done_callback(lambda t: self._send_done(t, replica, engine_id))
 
-    def _send_done(self, task: asyncio.Future, engine_id: str | None) -> None:
+    def _send_done(self, task: asyncio.Future, replica: int, engine_id: str | None) -> None:
         """A failed send of a request fails that request (its consumer would otherwise wait forever)."""
         self._pending_sends.discard(task)
-        if task.cancelled() or task.exception() is None or self.is_dead:
+        if task.cancelled() or task.exception() is None or self.clients[replica].is_dead:
             return
         logger.error("could not send to the engine core: %r", task.exception())
-        request_id = self._engine_to_request.pop(engine_id, None) if engine_id is not None else None
+        request_id = self._engine_to_request.get(engine_id) if engine_id is not None else None
         if request_id is not None:
+            self._forget(engine_id)
             self.stats_tracker.finish(engine_id, "error")
             self.abort(request_id, RequestFailedError("The request could not be sent to the engine."))
 
     # ---- engine messages ------------------------------------------------------------------------------
 
-    def _on_message(self, message: FromEngine) -> None:
+    def _on_message(self, replica: int, message: FromEngine) -> None:
         if isinstance(message, Outputs):
-            self._on_outputs(message)
+            self._on_outputs(replica, message)
         elif isinstance(message, Rejected):
             self._on_rejected(message)
         elif isinstance(message, UtilityResult) and message.stats is not None:
-            self.scheduler_stats = message.stats
-            self._record(message.stats, None)
+            self._set_scheduler_stats(replica, message.stats)
+            self._record(replica, message.stats, None)
 
-    def _on_outputs(self, message: Outputs) -> None:
+    def _set_scheduler_stats(self, replica: int, stats: SchedulerStats) -> None:
+        self.scheduler_stats[replica] = stats
+        self.router.set_running(replica, stats.num_running_reqs)
+
+    def _on_outputs(self, replica: int, message: Outputs) -> None:
         outputs = message.outputs
-        self.last_progress_time = time.monotonic()
+        self.last_progress_time[replica] = time.monotonic()
         if outputs.scheduler_stats is not None:
-            self.scheduler_stats = outputs.scheduler_stats
+            self._set_scheduler_stats(replica, outputs.scheduler_stats)
         stats = self.stats_tracker.update(outputs)
         processed = self.output_processor.process_outputs(outputs)
-        for engine_id in processed.reqs_to_abort:
+        for engine_id in processed.reqs_to_abort:  # finished here by a stop string: over for the frontend too
             self.stats_tracker.finish(engine_id, "stop", stats)
-        self._send_abort(processed.reqs_to_abort)
+            self._forget(engine_id)
+        self._send_abort(replica, processed.reqs_to_abort)
         for request in processed.reqs_to_add:
             self._send_add(request)
         for output in outputs.outputs:
             if output.finished:
-                self._engine_to_request.pop(output.request_id, None)
+                self._forget(output.request_id)
         for request_output in processed.request_outputs:
             queue = self.queues.get(request_output.request_id)
             if queue is None:
@@ -255,7 +305,7 @@ class AsyncLLM:
                 self._abort_stalled(request_output.request_id)
             else:
                 queue.put_nowait(request_output)
-        self._record(outputs.scheduler_stats, stats)
+        self._record(replica, outputs.scheduler_stats, stats)
 
     def _abort_stalled(self, request_id: str) -> None:
         """The consumer has not taken its outputs (its client stopped reading): abort the request."""
@@ -265,7 +315,8 @@ class AsyncLLM:
             f"The request was aborted: its client did not read {self.max_buffered_outputs} waiting outputs."))
 
     def _on_rejected(self, message: Rejected) -> None:
-        request_id = self._engine_to_request.pop(message.request_id, None)
+        request_id = self._engine_to_request.get(message.request_id)
+        self._forget(message.request_id)
         self.stats_tracker.finish(message.request_id, "abort")
         if request_id is None:
             return
@@ -276,20 +327,32 @@ class AsyncLLM:
             error = InvalidRequestError(message.message)
         self.abort(request_id, error)
 
-    def _on_death(self, reason: str) -> None:
-        for queue in self.queues.values():
-            queue.put_nowait(EngineDeadError(reason))
-        self.on_death(reason)
+    def _on_death(self, replica: int, reason: str) -> None:
+        """A replica died: its requests' streams end with EngineDeadError; the server stops (on_death) only when
+        no replica is left."""
+        self.router.mark_dead(replica)
+        doomed = {request_id for engine_id, request_id in self._engine_to_request.items()
+                  if self.router.replica_of(engine_id) == replica}
+        for request_id, queue in self.queues.items():
+            if request_id in doomed:
+                queue.put_nowait(EngineDeadError(reason))
+        if self.is_dead:
+            self.on_death(reason)
+        else:
+            alive = sum(not c.is_dead for c in self.clients)
+            logger.error("engine %d is dead; %d of %d data-parallel replicas keep serving (/health answers 503)",
+                         replica, alive, len(self.clients))
 
-    def _record(self, scheduler_stats: SchedulerStats | None, stats: IterationStats | None) -> None:
-        self.prometheus.record(scheduler_stats, stats)
-        if self.log_logger is not None:
-            self.log_logger.record(scheduler_stats, stats)
+    def _record(self, replica: int, scheduler_stats: SchedulerStats | None, stats: IterationStats | None) -> None:
+        self.prometheus.record(scheduler_stats, stats, engine=replica)
+        if self.log_loggers:
+            self.log_loggers[replica].record(scheduler_stats, stats)
 
     async def _log_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.log_logger.interval_s)
-            self.log_logger.log()
+            await asyncio.sleep(self.log_loggers[0].interval_s)
+            for log_logger in self.log_loggers:
+                log_logger.log()
 
     async def _watchdog_loop(self) -> None:
         """A hung engine core (unfinished requests in it, no step finished for watchdog_timeout_s) is treated
@@ -298,33 +361,47 @@ class AsyncLLM:
         timeout_s = self.watchdog_timeout_s
         while not self.is_dead:
             await asyncio.sleep(min(0.5, timeout_s / 4))
-            stalled_s = time.monotonic() - self.last_progress_time
-            if self._engine_to_request and stalled_s > timeout_s:
-                self.client.mark_dead(f"engine core hung: no step finished for {stalled_s:.1f} s while it held "
-                                      f"{len(self._engine_to_request)} unfinished requests")
+            for replica, client in enumerate(self.clients):
+                stalled_s = time.monotonic() - self.last_progress_time[replica]
+                unfinished = self.router.num_unfinished(replica)
+                if unfinished and stalled_s > timeout_s and not client.is_dead:
+                    client.mark_dead(f"engine core hung: no step finished for {stalled_s:.1f} s while it held "
+                                     f"{unfinished} unfinished requests")
 
     # ---- health -----------------------------------------------------------------------------------------
 
     async def check_health(self, timeout_s: float) -> None:
-        """Raise if the engine is dead, its process does not answer within timeout_s (stopped, or its IO
+        """Raise if any replica is dead, its process does not answer within timeout_s (stopped, or its IO
         threads stuck), or it has been in one step for longer than the watchdog timeout. A long step alone
         (a long prefill chunk) is not a failure: the engine core's input thread answers during it."""
-        if self.is_dead:
-            raise EngineDeadError(self.client.dead_reason)
+        if any(client.is_dead for client in self.clients):
+            raise EngineDeadError(self.dead_reason)
+        await asyncio.gather(*(self._ping(replica, timeout_s) for replica in range(len(self.clients))))
+
+    async def _ping(self, replica: int, timeout_s: float) -> None:
+        name = "the engine core" if len(self.clients) == 1 else f"engine core {replica}"
         try:
-            result = await self.client.call_utility("ping", timeout_s)
+            result = await self.clients[replica].call_utility("ping", timeout_s)
         except TimeoutError:  # asyncio's carries no message: /health answered just "TimeoutError"
-            raise TimeoutError(f"the engine core did not answer a health check within {timeout_s:g} s "
+            raise TimeoutError(f"{name} did not answer a health check within {timeout_s:g} s "
                                "(stopped, or its IO threads stuck)") from None
         hang_s = self.watchdog_timeout_s
         if hang_s and result.step_running_s > hang_s:
-            raise TimeoutError(f"the engine core has been in one step for {result.step_running_s:.0f} s")
+            raise TimeoutError(f"{name} has been in one step for {result.step_running_s:.0f} s")
 
-    async def debug_stats(self, timeout_s: float = 5.0) -> SchedulerStats | None:
-        return (await self.client.call_utility("stats", timeout_s)).stats
+    async def debug_stats(self, timeout_s: float = 5.0) -> list[SchedulerStats | None]:
+        """Each replica's scheduler stats, asked now (None for a dead replica)."""
+        async def ask(client: EngineCoreClient) -> SchedulerStats | None:
+            return None if client.is_dead else (await client.call_utility("stats", timeout_s)).stats
+
+        return list(await asyncio.gather(*(ask(client) for client in self.clients)))
 
     def shutdown(self) -> None:
         for task in (self._log_task, self._watchdog_task):
             if task is not None:
                 task.cancel()
-        self.client.shutdown()
+        if len(self.clients) > 1:
+            for client in self.clients:
+                client.request_stop()
+        for client in self.clients:
+            client.shutdown()

@@ -6,6 +6,9 @@ hands it the configuration as JSON on stdin and waits for READY, or raises `Engi
 engine's own message. The stdin pipe stays open: when this process dies, the engine sees EOF and exits.
 
 Engine death is noticed at once: a thread waits on the child's pid and calls `on_death` on the loop.
+
+`start_engine_cores(config, n)` starts the n replicas of data parallelism at once, each with its share of the
+CPU threads; if one fails, the others are stopped.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -54,8 +58,10 @@ class EngineCoreClient:
     """Sends requests, aborts and utility calls; delivers engine messages to `on_message`."""
 
     def __init__(self, proc: subprocess.Popen, ctx: zmq.asyncio.Context, input_socket: zmq.asyncio.Socket,
-                 output_socket: zmq.asyncio.Socket, socket_dir: str, ready: Ready):
+                 output_socket: zmq.asyncio.Socket, socket_dir: str, ready: Ready, engine_index: int | None = None):
         self.proc = proc
+        self.engine_index = engine_index
+        """The data-parallel rank (None: the only engine core)."""
         self.ctx = ctx
         self.input_socket = input_socket
         self.output_socket = output_socket
@@ -76,17 +82,19 @@ class EngineCoreClient:
     # ---- start -------------------------------------------------------------------------------------------
 
     @classmethod
-    async def start(cls, config, startup_timeout_s: float = 600.0, log_level: str = "INFO") -> EngineCoreClient:
+    async def start(cls, config, startup_timeout_s: float = 600.0, log_level: str = "INFO",
+                    engine_index: int | None = None, env: dict[str, str] | None = None) -> EngineCoreClient:
         socket_dir = tempfile.mkdtemp(prefix="pagedllm-")  # mode 0700, only this user can connect
         ctx = zmq.asyncio.Context()
         proc = None
+        index_args = [] if engine_index is None else ["--engine-index", str(engine_index)]
         try:
             input_socket = _bind(ctx, zmq.PUSH, f"ipc://{socket_dir}/input")
             output_socket = _bind(ctx, zmq.PULL, f"ipc://{socket_dir}/output")
             proc = subprocess.Popen(
                 [sys.executable, "-m", "pagedllm.engine.core_proc", "--input-addr", f"ipc://{socket_dir}/input",
-                 "--output-addr", f"ipc://{socket_dir}/output", "--log-level", log_level],
-                stdin=subprocess.PIPE, close_fds=True)
+                 "--output-addr", f"ipc://{socket_dir}/output", "--log-level", log_level, *index_args],
+                stdin=subprocess.PIPE, close_fds=True, env=env)
             proc.stdin.write(msgspec.json.encode(config) + b"\n")
             proc.stdin.flush()
             ready = await _wait_ready(proc, output_socket, startup_timeout_s)
@@ -96,9 +104,10 @@ class EngineCoreClient:
             ctx.destroy(linger=0)
             shutil.rmtree(socket_dir, ignore_errors=True)
             raise
-        logger.info("engine core ready (pid %d): %d KV blocks of %d tokens, max_model_len %d",
+        name = "engine core" if engine_index is None else f"engine core {engine_index}"
+        logger.info("%s ready (pid %d): %d KV blocks of %d tokens, max_model_len %d", name,
                     ready.pid, ready.num_blocks, ready.block_size, ready.max_model_len)
-        return cls(proc, ctx, input_socket, output_socket, socket_dir, ready)
+        return cls(proc, ctx, input_socket, output_socket, socket_dir, ready, engine_index)
 
     # ---- requests ----------------------------------------------------------------------------------------
 
@@ -178,6 +187,13 @@ class EngineCoreClient:
 
     # ---- stop --------------------------------------------------------------------------------------------
 
+    def request_stop(self) -> None:
+        """SIGTERM the engine core now without waiting (data parallelism: every replica stops at once, then
+        `shutdown` waits for each)."""
+        self._closing = True
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
     def shutdown(self) -> None:
         """Stop the engine core (SIGTERM, then SIGKILL), close the sockets, remove the socket directory."""
         self._closing = True
@@ -185,6 +201,31 @@ class EngineCoreClient:
         _stop_process(self.proc, timeout_s=5.0)
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+async def start_engine_cores(config, num: int, startup_timeout_s: float = 600.0) -> list[EngineCoreClient]:
+    """Start `num` engine cores of `config` at once (num > 1: data-parallel replicas, ranks 0..num-1, each with
+    OMP_NUM_THREADS set to its share of this process's CPUs or of OMP_NUM_THREADS). Raises EngineStartupError
+    (naming the replica) after stopping the others when one cannot start."""
+    if num == 1:
+        return [await EngineCoreClient.start(config, startup_timeout_s)]
+    available = int(os.environ.get("OMP_NUM_THREADS") or 0) or len(os.sched_getaffinity(0))
+    threads = max(1, available // num)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    results = await asyncio.gather(*(EngineCoreClient.start(config, startup_timeout_s, engine_index=i, env=env)
+                                     for i in range(num)), return_exceptions=True)
+    clients = [r for r in results if isinstance(r, EngineCoreClient)]
+    failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+    if failed:
+        for client in clients:
+            client.shutdown()
+        index, error = failed[0]
+        if isinstance(error, EngineStartupError):
+            raise EngineStartupError(f"engine core {index}: {error}") from error
+        raise error
+    logger.info("data parallel size %d: %s, %d threads each", num,
+                ", ".join(f"engine {c.engine_index} pid {c.ready.pid}" for c in clients), threads)
+    return clients
 
 
 def _bind(ctx: zmq.asyncio.Context, kind: int, addr: str) -> zmq.asyncio.Socket:

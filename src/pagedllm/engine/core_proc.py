@@ -280,8 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-addr", required=True)
     parser.add_argument("--output-addr", required=True)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--engine-index", type=int, default=None, help="data-parallel rank (log prefix only)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(levelname)s %(asctime)s [engine] %(message)s",
+    name = "engine" if args.engine_index is None else f"engine {args.engine_index}"
+    logging.basicConfig(level=args.log_level, format=f"%(levelname)s %(asctime)s [{name}] %(message)s",
                         datefmt="%m-%d %H:%M:%S")
     config_line = sys.stdin.buffer.readline()
     try:

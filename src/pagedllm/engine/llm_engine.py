@@ -18,6 +18,9 @@ from pagedllm.tokenizer import get_tokenizer
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        if config.parallel_config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size above 1 needs `pagedllm serve` (N engine cores behind one API "
+                             "server); the offline LLM runs one engine core. Use data_parallel_size=1.")
         self.config = config
         self.engine_core = EngineCore(config)
         self.tokenizer = get_tokenizer(config.model_config.tokenizer or self.engine_core.resolved_model)

@@ -106,8 +106,10 @@ def _finished(times: _RequestTimes, finish_reason: str, now: float) -> FinishedR
 class LoggingStatLogger:
     """Accumulates stats and logs one summary line per interval (and one more once it goes idle)."""
 
-    def __init__(self, interval_s: float = LOG_INTERVAL_S) -> None:
+    def __init__(self, interval_s: float = LOG_INTERVAL_S, prefix: str = "") -> None:
         self.interval_s = interval_s
+        self.prefix = prefix
+        """Put before each line: vLLM's "Engine 000: " per data-parallel replica; empty with one engine."""
         self.scheduler_stats = SchedulerStats()
         self._reset(time.monotonic())
         self._was_active = False
@@ -145,9 +147,9 @@ class LoggingStatLogger:
                       or s.num_waiting_reqs)
         if active or self._was_active:
             hit_rate = self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
-            logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            logger.info("%sAvg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                         "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
-                        "Prefix cache hit rate: %.1f%%%s",
+                        "Prefix cache hit rate: %.1f%%%s", self.prefix,
                         self.num_prompt_tokens / elapsed, self.num_generation_tokens / elapsed,
                         s.num_running_reqs, s.num_waiting_reqs, s.kv_cache_usage * 100, hit_rate * 100,
                         self._grammar_part())

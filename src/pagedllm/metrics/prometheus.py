@@ -23,43 +23,103 @@ _ITERATION_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1
 
 
 class PrometheusStatLogger:
-    """Owns the metrics; `record` applies one step's stats, `render` is the /metrics body."""
+    """Owns the metrics; `record` applies one step's stats of one engine, `render` is the /metrics body.
+
+    With num_engines > 1 (data parallelism) every engine series carries vLLM's `engine="<rank>"` label beside
+    `model_name`: gauges and counters per replica, so `sum by (model_name)` gives the server's totals as before.
+    With one engine the labels are `model_name` only, as they were. vllm:admission_rejections is the API
+    server's own (a request refused before it reaches any replica): no engine label."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
-                 cache_config_info: dict[str, str] | None = None):
+                 cache_config_info: dict[str, str] | None = None, num_engines: int = 1):
         self.registry = registry or CollectorRegistry()
         if cache_config_info:  # vLLM's info gauge: constant 1, the cache configuration in its labels
             Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", sorted(cache_config_info),
                   registry=self.registry).labels(**cache_config_info).set(1)
-        label = {"model_name": model_name}
-        names = ["model_name"]
+        self.model_name = model_name
+        self.admission_rejections = Counter("vllm:admission_rejections",
+                                            "Requests rejected because the waiting queue was full.",
+                                            ["model_name"], registry=self.registry).labels(model_name=model_name)
+        self.label_names = ["model_name", "engine"] if num_engines > 1 else ["model_name"]
+        self.families = _Families(self.registry, self.label_names)
+        self.engines = [_EngineSeries(self.families, self._labels(i)) for i in range(num_engines)]
+        self.spec_decode: _SpecDecodeCounters | None = None  # made on the first step that reports speculation
 
+    def _labels(self, engine: int) -> dict[str, str]:
+        return {"model_name": self.model_name, "engine": str(engine)} if "engine" in self.label_names else {
+            "model_name": self.model_name}
+
+    def _record_spec_decode(self, stats: SpecDecodingStats, engine: int) -> None:
+        if self.spec_decode is None:
+            self.spec_decode = _SpecDecodeCounters(self.registry, self.label_names)
+        self.spec_decode.record(self._labels(engine), stats)
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
+               engine: int = 0) -> None:
+        series = self.engines[engine]
+        if scheduler_stats is not None:
+            series.num_requests_running.set(scheduler_stats.num_running_reqs)
+            series.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
+            series.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
+            series.num_free_blocks.set(scheduler_stats.num_free_blocks)
+            series.num_total_blocks.set(scheduler_stats.num_total_blocks)
+            series.prefix_cache_queries.inc(scheduler_stats.prefix_cache_queries_delta)
+            series.prefix_cache_hits.inc(scheduler_stats.prefix_cache_hits_delta)
+            series.num_preemptions.inc(scheduler_stats.num_preemptions_delta)
+            if scheduler_stats.spec_decoding_stats is not None:
+                self._record_spec_decode(scheduler_stats.spec_decoding_stats, engine)
+        if iteration_stats is None:
+            return
+        s = iteration_stats
+        series.prompt_tokens.inc(s.num_prompt_tokens)
+        series.generation_tokens.inc(s.num_generation_tokens)
+        if s.num_prompt_tokens or s.num_generation_tokens:
+            series.iteration_tokens.observe(s.num_prompt_tokens + s.num_generation_tokens)
+        for ttft in s.time_to_first_tokens:
+            series.time_to_first_token.observe(ttft)
+        for itl in s.inter_token_latencies:
+            series.inter_token_latency.observe(itl)
+        for finished in s.finished_requests:
+            series.request_success[finished.finish_reason].inc()
+            series.e2e_request_latency.observe(finished.e2e_latency)
+            series.request_queue_time.observe(finished.queue_time)
+            series.request_prefill_time.observe(finished.prefill_time)
+            series.request_decode_time.observe(finished.decode_time)
+            series.request_prompt_tokens.observe(finished.num_prompt_tokens)
+            series.request_generation_tokens.observe(finished.num_generation_tokens)
+
+    def record_admission_rejection(self) -> None:
+        self.admission_rejections.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Families:
+    """Every per-engine metric family, made once per registry with the label names of the engine series."""
+
+    def __init__(self, registry: CollectorRegistry, names: list[str]):
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, names, registry=self.registry).labels(**label)
+            return Gauge(name, doc, names, registry=registry)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, names, registry=self.registry).labels(**label)
+            return Counter(name, doc, names, registry=registry)
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(name, doc, names, buckets=buckets, registry=self.registry).labels(**label)
+            return Histogram(name, doc, names, buckets=buckets, registry=registry)
 
         self.num_requests_running = gauge("vllm:num_requests_running", "Requests in model execution batches.")
         self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be processed.")
         self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.num_free_blocks = gauge("pagedllm:kv_cache_free_blocks", "Free KV-cache blocks.")
         self.num_total_blocks = gauge("pagedllm:kv_cache_total_blocks", "KV-cache blocks in the pool.")
-        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
-                                            "Prefix-cache queries, in tokens.")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.")
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.")
         self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        self.admission_rejections = counter("vllm:admission_rejections",
-                                            "Requests rejected because the waiting queue was full.")
-        request_success = Counter("vllm:request_success", "Count of finished requests by finish reason.",
-                                  ["model_name", "finished_reason"], registry=self.registry)
-        self.request_success = {reason: request_success.labels(model_name=model_name, finished_reason=reason)
-                                for reason in FINISH_REASONS}
+        self.request_success = Counter("vllm:request_success", "Count of finished requests by finish reason.",
+                                       [*names, "finished_reason"], registry=registry)
         self.time_to_first_token = histogram("vllm:time_to_first_token_seconds",
                                              "Histogram of time to first token in seconds.", _LATENCY_BUCKETS)
         self.inter_token_latency = histogram("vllm:inter_token_latency_seconds",
@@ -79,70 +139,35 @@ class PrometheusStatLogger:
                                                    "Number of generation tokens processed.", _TOKEN_BUCKETS)
         self.iteration_tokens = histogram("vllm:iteration_tokens_total",
                                           "Histogram of tokens per engine step.", _ITERATION_BUCKETS)
-        self.model_name = model_name
-        self.spec_decode: _SpecDecodeCounters | None = None  # made on the first step that reports speculation
 
-    def _record_spec_decode(self, stats: SpecDecodingStats) -> None:
-        if self.spec_decode is None:
-            self.spec_decode = _SpecDecodeCounters(self.registry, self.model_name, stats.num_spec_tokens)
-        self.spec_decode.record(stats)
 
-    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
-        if scheduler_stats is not None:
-            self.num_requests_running.set(scheduler_stats.num_running_reqs)
-            self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
-            self.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
-            self.num_free_blocks.set(scheduler_stats.num_free_blocks)
-            self.num_total_blocks.set(scheduler_stats.num_total_blocks)
-            self.prefix_cache_queries.inc(scheduler_stats.prefix_cache_queries_delta)
-            self.prefix_cache_hits.inc(scheduler_stats.prefix_cache_hits_delta)
-            self.num_preemptions.inc(scheduler_stats.num_preemptions_delta)
-            if scheduler_stats.spec_decoding_stats is not None:
-                self._record_spec_decode(scheduler_stats.spec_decoding_stats)
-        if iteration_stats is None:
-            return
-        s = iteration_stats
-        self.prompt_tokens.inc(s.num_prompt_tokens)
-        self.generation_tokens.inc(s.num_generation_tokens)
-        if s.num_prompt_tokens or s.num_generation_tokens:
-            self.iteration_tokens.observe(s.num_prompt_tokens + s.num_generation_tokens)
-        for ttft in s.time_to_first_tokens:
-            self.time_to_first_token.observe(ttft)
-        for itl in s.inter_token_latencies:
-            self.inter_token_latency.observe(itl)
-        for finished in s.finished_requests:
-            self.request_success[finished.finish_reason].inc()
-            self.e2e_request_latency.observe(finished.e2e_latency)
-            self.request_queue_time.observe(finished.queue_time)
-            self.request_prefill_time.observe(finished.prefill_time)
-            self.request_decode_time.observe(finished.decode_time)
-            self.request_prompt_tokens.observe(finished.num_prompt_tokens)
-            self.request_generation_tokens.observe(finished.num_generation_tokens)
+class _EngineSeries:
+    """One engine's series of every family (its label values bound once, not per step)."""
 
-    def record_admission_rejection(self) -> None:
-        self.admission_rejections.inc()
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def __init__(self, families: _Families, labels: dict[str, str]):
+        for name, family in vars(families).items():
+            if name != "request_success":
+                setattr(self, name, family.labels(**labels))
+        self.request_success = {reason: families.request_success.labels(**labels, finished_reason=reason)
+                                for reason in FINISH_REASONS}
 
 
 class _SpecDecodeCounters:
     """vLLM's speculative decoding counters (only when speculation is configured, as in vLLM)."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, num_spec_tokens: int):
+    def __init__(self, registry: CollectorRegistry, names: list[str]):
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, ["model_name"], registry=registry).labels(model_name=model_name)
+            return Counter(name, doc, names, registry=registry)
 
         self.num_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
         self.num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
-        per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
-                          "Accepted tokens per draft position.", ["model_name", "position"], registry=registry)
-        self.per_pos = [per_pos.labels(model_name=model_name, position=str(i)) for i in range(num_spec_tokens)]
+        self.per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                               "Accepted tokens per draft position.", [*names, "position"], registry=registry)
 
-    def record(self, stats: SpecDecodingStats) -> None:
-        self.num_drafts.inc(stats.num_drafts)
-        self.num_draft_tokens.inc(stats.num_draft_tokens)
-        self.num_accepted_tokens.inc(stats.num_accepted_tokens)
-        for counter, accepted in zip(self.per_pos, stats.num_accepted_tokens_per_pos, strict=False):
-            counter.inc(accepted)
+    def record(self, labels: dict[str, str], stats: SpecDecodingStats) -> None:
+        self.num_drafts.labels(**labels).inc(stats.num_drafts)
+        self.num_draft_tokens.labels(**labels).inc(stats.num_draft_tokens)
+        self.num_accepted_tokens.labels(**labels).inc(stats.num_accepted_tokens)
+        for position, accepted in enumerate(stats.num_accepted_tokens_per_pos):
+            self.per_pos.labels(**labels, position=str(position)).inc(accepted)

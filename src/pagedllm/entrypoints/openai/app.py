@@ -120,7 +120,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models", responses={200: {"model": ModelList}, **error_responses(401, 503)})
     async def show_models():
-        cards = [ModelCard(id=name, root=engine.client.ready.model_name, max_model_len=engine.max_model_len)
+        cards = [ModelCard(id=name, root=engine.ready.model_name, max_model_len=engine.max_model_len)
                  for name in state.served_model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
@@ -193,11 +193,21 @@ def _add_debug_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/debug/kv_cache")
     async def debug_kv_cache():
         try:
-            stats = await engine.debug_stats()
+            replicas = await engine.debug_stats()
         except TimeoutError:  # a long step is under way: ask again later
             return JSONResponse({"error": "the engine core did not answer in time"}, status_code=503)
-        return JSONResponse({} if stats is None else {
-            "num_free_blocks": stats.num_free_blocks, "num_total_blocks": stats.num_total_blocks,
-            "total_ref_cnt": stats.total_ref_cnt,
-            "num_running_reqs": stats.num_running_reqs, "num_waiting_reqs": stats.num_waiting_reqs,
-            "num_open_requests": engine.num_open_requests, "engine_pid": engine.client.ready.pid})
+        alive = [(client, stats) for client, stats in zip(engine.clients, replicas, strict=True)
+                 if stats is not None]
+        if not alive:
+            return JSONResponse({})
+        body = {key: sum(getattr(stats, key) for _, stats in alive)
+                for key in ("num_free_blocks", "num_total_blocks", "total_ref_cnt", "num_running_reqs",
+                            "num_waiting_reqs")}
+        body |= {"num_open_requests": engine.num_open_requests, "engine_pid": engine.client.ready.pid}
+        if len(engine.clients) > 1:  # data parallelism: the sums above, and each replica (null once dead)
+            body["engines"] = [None if stats is None else {
+                "engine_pid": client.ready.pid, "num_free_blocks": stats.num_free_blocks,
+                "num_total_blocks": stats.num_total_blocks, "num_running_reqs": stats.num_running_reqs,
+                "num_waiting_reqs": stats.num_waiting_reqs} for client, stats in zip(engine.clients, replicas,
+                                                                                       strict=True)]
+        return JSONResponse(body)

@@ -88,7 +88,7 @@ class GuardMiddleware:
         if self.state.draining:
             return errors.unavailable("The server is shutting down.", "shutting_down", retry_after_s=5)
         if self.state.engine.is_dead:
-            return errors.unavailable(f"The engine is not available: {self.state.engine.client.dead_reason}",
+            return errors.unavailable(f"The engine is not available: {self.state.engine.dead_reason}",
                                       "engine_dead")
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > config.max_request_bytes:

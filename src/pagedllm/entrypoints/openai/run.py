@@ -11,7 +11,7 @@ import uvicorn
 
 from pagedllm.config import EngineConfig, ServerConfig
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.engine.core_client import EngineCoreClient, EngineStartupError
+from pagedllm.engine.core_client import EngineStartupError, start_engine_cores
 from pagedllm.entrypoints.openai.app import build_app
 from pagedllm.entrypoints.openai.chat_template import load_chat_template
 from pagedllm.entrypoints.openai.connection_limits import (
@@ -49,10 +49,14 @@ async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:
     tokenizer_task = asyncio.ensure_future(asyncio.to_thread(get_tokenizer, mc.tokenizer or mc.model))
     # The API server admits or refuses whole requests against --max-num-queued-reqs (AsyncLLM.check_admission):
     # the engine core must not refuse one child of an admitted request (n > 1, a list of prompts).
-    core_config = dataclasses.replace(engine_config, scheduler_config=dataclasses.replace(
-        engine_config.scheduler_config, max_num_queued_reqs=None))
+    # Data parallelism: N engine cores of the same configuration, each one whole replica.
+    num_replicas = engine_config.parallel_config.data_parallel_size
+    core_config = dataclasses.replace(
+        engine_config,
+        scheduler_config=dataclasses.replace(engine_config.scheduler_config, max_num_queued_reqs=None),
+        parallel_config=dataclasses.replace(engine_config.parallel_config, data_parallel_size=1))
     try:
-        client = await EngineCoreClient.start(core_config, sc.engine_startup_timeout)
+        clients = await start_engine_cores(core_config, num_replicas, sc.engine_startup_timeout)
     except EngineStartupError as e:
         logger.error("The engine core failed to start: %s", e)
         tokenizer_task.cancel()
@@ -61,12 +65,13 @@ async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:
         tokenizer = await tokenizer_task
     except Exception as e:
         logger.error("Cannot load the tokenizer: %s", e)
-        client.shutdown()
+        for client in clients:
+            client.shutdown()
         return 1
     if chat_template is not None:
         tokenizer.chat_template = chat_template
-    names = [mc.served_model_name or client.ready.model_name]
-    engine = AsyncLLM(client, tokenizer, names[0], engine_config.scheduler_config.max_num_queued_reqs,
+    names = [mc.served_model_name or clients[0].ready.model_name]
+    engine = AsyncLLM(clients, tokenizer, names[0], engine_config.scheduler_config.max_num_queued_reqs,
                       log_stats=not sc.disable_log_stats, watchdog_timeout_s=sc.engine_hang_timeout or None,
                       max_buffered_outputs=sc.max_buffered_outputs)
     state = ServerState(engine, sc, names)

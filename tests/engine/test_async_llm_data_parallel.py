@@ -1,0 +1,95 @@
+"""AsyncLLM over two mock engine cores (data parallelism, no process): requests follow their cached prefix or
+go to the less loaded replica, n > 1 children and aborts reach their request's replica, a replica's death ends
+only its own streams, and the metrics carry an `engine` label per replica."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from mock_engine_core import MockEngineCore
+
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.core_client import EngineDeadError
+from pagedllm.messages import ModelLimits
+from pagedllm.sampling_params import SamplingParams
+
+LIMITS = ModelLimits(vocab_size=384, max_model_len=128, eos_token_id=2)
+PREFIX = list(range(100, 148))  # 3 blocks of 16
+OTHER = list(range(200, 248))
+LONG = SamplingParams(max_tokens=60, ignore_eos=True)
+
+
+def _run(scenario, tokenizer):
+    async def main():
+        engines = [MockEngineCore(LIMITS), MockEngineCore(LIMITS)]
+        llm = AsyncLLM(engines, tokenizer, "mock", log_stats=False)  # type: ignore[arg-type]
+        try:
+            await scenario(engines, llm)
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())
+
+
+async def _collect(stream):
+    return [output async for output in stream]
+
+
+def test_prefix_then_load_decide_and_children_and_aborts_follow_the_replica(tiny_tokenizer):
+    async def scenario(engines, llm):
+        llm.add_request("a", PREFIX + [1], LONG, None, "delta")  # idle replicas: rank 0
+        llm.add_request("b", OTHER + [1], LONG, None, "delta")  # no cached prefix: the less loaded, 1
+        llm.add_request("c", PREFIX + [2], LONG, None, "delta")  # its prefix is on 0
+        await asyncio.sleep(0)
+        assert engines[0].added == ["a", "c"] and engines[1].added == ["b"]
+        llm.abort("c")  # as a client's disconnect does
+        await asyncio.sleep(0)
+        assert engines[0].aborted == ["c"] and engines[1].aborted == []
+        params = SamplingParams(n=3, seed=1, max_tokens=2, ignore_eos=True)
+        d = asyncio.ensure_future(_collect(llm.add_request("d", OTHER + [2], params, None, "cumulative")))
+        await asyncio.sleep(0)
+        assert engines[1].added == ["b", "0_d"]  # its prefix is on 1
+        await asyncio.gather(*(engine.step() for engine in engines))  # child 0 computed the prompt: 1 and 2 go
+        await asyncio.sleep(0)
+        assert engines[1].added == ["b", "0_d", "1_d", "2_d"] and engines[0].added == ["a", "c"]
+        for _ in range(2):
+            await engines[1].step()
+        assert (await d)[-1].finished
+        for request_id in ("a", "b"):
+            llm.abort(request_id)
+        await asyncio.sleep(0)
+        assert llm.router.loads() == [0, 0] and engines[0].running == {} and engines[1].running == {}
+        text = llm.prometheus.render().decode()
+        assert 'vllm:generation_tokens_total{engine="1",model_name="mock"} 9.0' in text  # b's 3, d's 3 x 2
+        assert 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="mock"} 2.0' in text
+        assert 'vllm:num_requests_running{engine="0",model_name="mock"}' in text
+
+    _run(scenario, tiny_tokenizer)
+
+
+def test_a_dead_replica_ends_its_streams_and_the_other_keeps_serving(tiny_tokenizer):
+    async def scenario(engines, llm):
+        deaths: list[str] = []
+        llm.on_death = deaths.append
+        a = llm.add_request("a", PREFIX + [1], LONG, None, "delta")
+        b = llm.add_request("b", OTHER + [1], LONG, None, "delta")
+        await asyncio.gather(*(engine.step() for engine in engines))
+        assert len((await a.__anext__()).outputs[0].token_ids) == 1
+        assert len((await b.__anext__()).outputs[0].token_ids) == 1
+        engines[1].die()
+        with pytest.raises(EngineDeadError, match="exit code -9"):
+            await b.__anext__()
+        assert not llm.is_dead and deaths == [] and llm.dead_reason.startswith("engine 1: ")
+        with pytest.raises(EngineDeadError, match="engine 1"):
+            await llm.check_health(1.0)  # /health answers 503 while a replica is dead
+        c = llm.add_request("c", OTHER + [2], SamplingParams(max_tokens=3, ignore_eos=True), None, "delta")
+        consumers = [asyncio.ensure_future(_collect(stream)) for stream in (a, c)]
+        await engines[0].run_until_idle()
+        outputs = await asyncio.gather(*consumers)
+        assert [o[-1].outputs[0].finish_reason for o in outputs] == ["length", "length"]
+        assert engines[0].added == ["a", "c"] and engines[1].added == ["b"]
+        engines[0].die()
+        assert llm.is_dead and len(deaths) == 1
+
+    _run(scenario, tiny_tokenizer)
