@@ -18,6 +18,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from pagedllm.kv_events_config import KVEventsConfig
 from pagedllm.server_config import ServerConfig, parse_api_keys  # noqa: F401 (defined here before)
 
 GiB = 1 << 30
@@ -336,6 +337,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    kv_events_config: KVEventsConfig | None = None
 
     SECTIONS = ("model_config", "cache_config", "scheduler_config", "parallel_config")
 
@@ -349,7 +351,8 @@ class EngineConfig:
         """Build from flat engine arguments (`max_num_seqs=...`); unknown names raise ValueError."""
         parts: dict[str, Any] = {"speculative_config": SpeculativeConfig.parse(kwargs.pop("speculative_config", None)),
                                  "structured_outputs_config": StructuredOutputsConfig.parse(
-                                     kwargs.pop("structured_outputs_config", None))}
+                                     kwargs.pop("structured_outputs_config", None)),
+                                 "kv_events_config": _kv_events_config(kwargs.pop("kv_events_config", None))}
         for section, section_cls in zip(cls.SECTIONS, (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig),
                                         strict=True):
             names = {f.name for f in fields(section_cls)}
@@ -428,6 +431,13 @@ def add_engine_flags(group, skip: frozenset[str] | set[str] = frozenset(), suppr
         group.add_argument("--structured-outputs-config", dest=prefix + "structured_outputs_config", metavar="JSON",
                            default=argparse.SUPPRESS if suppress_defaults else None,
                            help="vLLM's JSON, e.g. '{\"backend\": \"guidance\"}'; backends: auto, guidance.")
+    if "kv_events_config" not in seen:
+        group.add_argument("--kv-events-config", dest=prefix + "kv_events_config", metavar="JSON",
+                           default=argparse.SUPPRESS if suppress_defaults else None,
+                           help="vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+                                "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv\"}': publish the prefix "
+                                "cache's BlockStored/BlockRemoved/AllBlocksCleared events on ZMQ. Keys: "
+                                + ", ".join(f.name for f in fields(KVEventsConfig)) + ". Default: off.")
 
 
 def _json_object_flag(value: str | dict | None, cls: type, flag: str, example: str) -> dict[str, Any]:
@@ -446,6 +456,14 @@ def _json_object_flag(value: str | dict | None, cls: type, flag: str, example: s
     if unknown:
         raise ValueError(f"unknown {flag} keys: {', '.join(unknown)}; known: {', '.join(sorted(known))}.")
     return value
+
+
+def _kv_events_config(value: str | dict | KVEventsConfig | None) -> KVEventsConfig | None:
+    """From the flag's JSON text, an LLM(kv_events_config={...}) dict, or None (events off)."""
+    if value is None or isinstance(value, KVEventsConfig):
+        return value
+    return KVEventsConfig(**_json_object_flag(value, KVEventsConfig, "--kv-events-config",
+                                              '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'))
 
 
 def engine_kwargs_from_args(args: argparse.Namespace, prefix: str = "engine_") -> dict[str, Any]:

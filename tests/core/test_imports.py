@@ -6,7 +6,8 @@ under `if TYPE_CHECKING:` count too: a deferred import still couples the two mod
 
 The layers, bottom first (a top-level module or sub-package is named by its first name under `pagedllm`):
 
-    values       sampling_params, messages, outputs, config, server_config, log_escape, math_utils   (no torch)
+    values       sampling_params, messages, outputs, config, server_config, kv_events_config, log_escape,
+                 math_utils   (no torch)
     core         core (pure Python, no torch), kernels (native code)
     model        layers, models, tokenizer, spec_decode, distributed (the tensor-parallel group)
     worker       worker
@@ -35,7 +36,8 @@ import pagedllm
 SRC = Path(pagedllm.__file__).parent
 
 LAYERS = [
-    {"sampling_params", "messages", "outputs", "config", "server_config", "log_escape", "math_utils"},
+    {"sampling_params", "messages", "outputs", "config", "server_config", "kv_events_config", "log_escape",
+     "math_utils"},
     {"core", "kernels"},
     {"layers", "models", "tokenizer", "spec_decode", "distributed", "structured_output"},
     {"worker"},
@@ -54,6 +56,7 @@ TORCH_FREE_MODULES = [
     "pagedllm.core.request",
     "pagedllm.core.block_hash",
     "pagedllm.core.block_pool",
+    "pagedllm.core.kv_events",
     "pagedllm.core.kv_cache_manager",
     "pagedllm.core.request_queue",
     "pagedllm.core.scheduler_output",

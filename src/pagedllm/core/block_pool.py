@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from pagedllm.core.block_hash import BlockHash
+from pagedllm.core.kv_events import KVEventQueue
 
 
 class KVCacheBlock:
@@ -98,9 +99,11 @@ class BlockPool:
     Args:
         num_blocks: blocks in the pool (ids 0 .. num_blocks-1, none reserved).
         enable_caching: keep full blocks findable by hash after they are freed.
+        kv_events: where to record what enters and leaves the prefix cache (core/kv_events.py); None (the
+            default): nothing is recorded.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_caching: bool = True, kv_events: KVEventQueue | None = None):
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got num_blocks={num_blocks}.")
         self.num_blocks = num_blocks
@@ -108,6 +111,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.kv_events = kv_events
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The cached block with this hash, or None. Does not change ref counts."""
@@ -140,6 +144,8 @@ class BlockPool:
 
     def _evict(self, block: KVCacheBlock) -> None:
         del self.cached_block_hash_to_block[block.block_hash]  # type: ignore[arg-type]
+        if self.kv_events is not None:
+            self.kv_events.record_removed(block.block_hash)  # type: ignore[arg-type]
         block.block_hash = None
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -156,16 +162,20 @@ class BlockPool:
                 append(block)
 
     def cache_full_blocks(
-        self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash], start: int, end: int
+        self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash], start: int, end: int,
+        token_ids: Sequence[int] = (), cache_salt: str | None = None,
     ) -> None:
         """Register blocks[start:end] (full, KV computed) under block_hashes[start:end].
 
         A block whose hash is already cached by another block (two requests computed the same prefix
         at once) stays uncached: the map keeps one block per hash, and this copy is reused normally.
+        token_ids (the request's tokens) and cache_salt are read only to record KV events.
         """
         if not self.enable_caching:
             return
         table = self.cached_block_hash_to_block
+        events = self.kv_events
+        registered: list[int] | None = None if events is None else []  # for KV events only
         for i in range(start, end):
             block = blocks[i]
             if block.block_hash is not None:
@@ -174,6 +184,10 @@ class BlockPool:
             if block_hash not in table:
                 block.block_hash = block_hash
                 table[block_hash] = block
+                if registered is not None:
+                    registered.append(i)
+        if registered:
+            events.record_stored(block_hashes, registered, token_ids, cache_salt)  # type: ignore[union-attr]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash if no block is in use. Returns whether it did."""
@@ -182,6 +196,8 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.kv_events is not None:
+            self.kv_events.record_cleared()
         return True
 
     def get_num_free_blocks(self) -> int:

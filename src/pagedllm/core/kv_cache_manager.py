@@ -8,6 +8,7 @@ changes go through BlockPool.
 from __future__ import annotations
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.kv_events import KVCacheEvent, KVEventQueue, int_block_hashes_from_env
 from pagedllm.core.request import Request
 from pagedllm.math_utils import cdiv
 
@@ -26,13 +27,15 @@ class KVCacheManager:
         enable_caching: prefix caching on/off.
         max_model_len: longest prompt + output; one request never needs more than
             cdiv(max_model_len, block_size) blocks.
+        enable_kv_cache_events: record what enters and leaves the prefix cache (core/kv_events.py) for
+            take_events(); off: nothing is recorded.
 
     Raises ValueError when the pool cannot hold one request of max_model_len tokens (the one place this is
     checked: the engine core builds its scheduler, and so this, before it allocates the KV cache).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 max_model_len: int = 8192):
+                 max_model_len: int = 8192, enable_kv_cache_events: bool = False):
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}.")
         blocks_per_request = cdiv(max_model_len, block_size)
@@ -44,7 +47,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        kv_events = KVEventQueue(block_size, int_block_hashes_from_env()) if enable_kv_cache_events else None
+        self.block_pool = BlockPool(num_blocks, enable_caching, kv_events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         """req_id -> how many leading blocks of its table are registered in the prefix cache."""
@@ -157,7 +161,7 @@ class KVCacheManager:
         if num_cached is None or num_full <= num_cached:
             return
         self.block_pool.cache_full_blocks(self.req_to_blocks[req_id], request.block_hashes, num_cached,
-                                          num_full)
+                                          num_full, request.all_token_ids, request.cache_salt)
         self.num_cached_blocks[req_id] = num_full
 
     def free(self, request: Request) -> None:
@@ -178,3 +182,8 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; only possible when no request holds blocks. Returns success."""
         return self.block_pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV-cache events recorded since the last call ([] when events are off)."""
+        kv_events = self.block_pool.kv_events
+        return [] if kv_events is None else kv_events.take()

@@ -47,13 +47,16 @@ class Scheduler:
         speculative_config: speculative decoding (None: off). The runner proposes drafts; the scheduler
             gives them room in the step (trimmed to the budget, max_tokens and max_model_len) and rolls
             num_computed_tokens back over the rejected ones.
+        enable_kv_cache_events: record prefix-cache events (core/kv_events.py) for
+            kv_cache_manager.take_events(); off by default.
 
     Raises ValueError when one request of max_model_len tokens cannot fit the pool (KVCacheManager) or,
     without chunked prefill, a step.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int, speculative_config: SpeculativeConfig | None = None):
+                 max_model_len: int, speculative_config: SpeculativeConfig | None = None,
+                 enable_kv_cache_events: bool = False):
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -68,7 +71,8 @@ class Scheduler:
                 f"without chunked prefill, --max-num-batched-tokens ({self.max_num_batched_tokens}) "
                 f"must be at least --max-model-len ({self.max_model_len}) so every prompt fits a step.")
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size,
-                                               cache_config.enable_prefix_caching, self.max_model_len)
+                                               cache_config.enable_prefix_caching, self.max_model_len,
+                                               enable_kv_cache_events)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.scheduling_policy)
         self.running: list[Request] = []

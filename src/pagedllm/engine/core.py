@@ -11,8 +11,10 @@ import logging
 import time
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_events import KVEventBatch
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.kv_event_publisher import create_kv_event_publisher
 from pagedllm.executor.abstract import ExecutorDeadError
 from pagedllm.executor.factory import create_executor
 from pagedllm.messages import (
@@ -39,7 +41,9 @@ class EngineCore:
     size in blocks, tokens and MiB is logged).
     """
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, data_parallel_rank: int = 0):
+        """data_parallel_rank: this replica's rank under --data-parallel-size (its KV events carry it and go
+        out on the endpoint's port + rank, vLLM's layout)."""
         self.config = config
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         start = time.perf_counter()
@@ -50,11 +54,18 @@ class EngineCore:
             self.max_model_len = resolve_max_model_len(mc.max_model_len, info.max_position_embeddings)
             """The one resolved value: the scheduler, the runner and the frontend (ModelLimits) all get it from here."""
             self.num_blocks = self._determine_num_blocks()
+            kec = config.kv_events_config
             # Before the KV cache is allocated: the scheduler refuses a pool that cannot hold one longest request.
-            self.scheduler = Scheduler(sc, cc, self.num_blocks, self.max_model_len, config.speculative_config)
+            self.scheduler = Scheduler(sc, cc, self.num_blocks, self.max_model_len, config.speculative_config,
+                                       enable_kv_cache_events=kec is not None and kec.enable_kv_cache_events)
             self.executor.initialize_kv_cache(self.num_blocks)
             if cc.kv_scales_calculated:
                 self.executor.collective_rpc("calculate_kv_scales")
+            self.kv_event_publisher = create_kv_event_publisher(kec, data_parallel_rank)
+            """None unless --kv-events-config enables events (then step() publishes one batch per step with events)."""
+            if self.kv_event_publisher is not None and not cc.enable_prefix_caching:
+                logger.warning("KV cache events are on but prefix caching is off: no block is ever cached, so "
+                               "none will be published.")
         except BaseException:
             self.executor.shutdown()
             raise
@@ -131,7 +142,22 @@ class EngineCore:
             return self._fail_requests(list(scheduler_output.num_scheduled_tokens))
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.scheduler_stats = self.make_stats()
+        if self.kv_event_publisher is not None:
+            self.publish_kv_events()
         return outputs
+
+    def publish_kv_events(self) -> None:
+        """Hand the KV-cache events recorded since the last call to the publisher, as one batch (if any)."""
+        events = self.scheduler.kv_cache_manager.take_events()
+        if events:
+            self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (only when no request holds blocks); AllBlocksCleared goes out at once."""
+        done = self.scheduler.reset_prefix_cache()
+        if self.kv_event_publisher is not None:
+            self.publish_kv_events()
+        return done
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's snapshot with the grammar compiles since the last one."""
@@ -155,6 +181,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
         self.executor.shutdown()
 
     def _load_tokenizer(self):

@@ -225,7 +225,7 @@ def _raise_system_exit(signum, frame) -> None:
     raise SystemExit(0)
 
 
-def run_engine_core(config, input_addr: str, output_addr: str) -> int:
+def run_engine_core(config, input_addr: str, output_addr: str, data_parallel_rank: int = 0) -> int:
     """Load the engine, report READY (or why not), run until shutdown. Returns the exit code."""
     signal.signal(signal.SIGTERM, _raise_system_exit)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server decides
@@ -237,7 +237,7 @@ def run_engine_core(config, input_addr: str, output_addr: str) -> int:
     engine_core = None
     ready = False
     try:
-        engine_core = EngineCore(config)
+        engine_core = EngineCore(config, data_parallel_rank)
         proc = EngineCoreProc(engine_core, input_addr, output_addr)
         resolved = engine_core.resolved_model
         proc.send(Ready(num_blocks=engine_core.num_blocks, block_size=config.cache_config.block_size,
@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-addr", required=True)
     parser.add_argument("--output-addr", required=True)
     parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--engine-index", type=int, default=None, help="data-parallel rank (log prefix only)")
+    parser.add_argument("--engine-index", type=int, default=None,
+                        help="data-parallel rank (log prefix, KV events rank and port offset)")
     args = parser.parse_args(argv)
     name = "engine" if args.engine_index is None else f"engine {args.engine_index}"
     logging.basicConfig(level=args.log_level, format=f"%(levelname)s %(asctime)s [{name}] %(message)s",
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     except (msgspec.DecodeError, ValueError) as e:
         _report_startup_failure(args.output_addr, f"invalid engine configuration: {e}")
         return 1
-    return run_engine_core(config, args.input_addr, args.output_addr)
+    return run_engine_core(config, args.input_addr, args.output_addr, args.engine_index or 0)
 
 
 if __name__ == "__main__":

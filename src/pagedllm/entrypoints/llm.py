@@ -33,6 +33,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, as vLLM's LLM.reset_prefix_cache does (with KV events on, an
+        AllBlocksCleared goes out). Returns False, changing nothing, while a request holds blocks."""
+        return self.llm_engine.engine_core.reset_prefix_cache()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
