@@ -108,7 +108,7 @@ def ray_cluster(tmp_path_factory):
     try:
         port = free_port()
         head = start("head", "--head", "--node-ip-address", HEAD_IP, "--port", str(port), "--include-dashboard",
-                     "false")
+                     "false", "--dashboard-port", str(free_port()))  # its minimal head process still binds one
         assert wait_for(lambda: _listening(HEAD_IP, port) or head.poll() is not None, 90.0, 0.25)
         assert head.poll() is None, (logs / "head.log").read_text()[-3000:]
         node = start("node", "--address", f"{HEAD_IP}:{port}", "--node-ip-address", NODE_IP)
