@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
+import importlib.util
 import inspect
 import json
 import re
@@ -277,7 +278,9 @@ class StructuredOutputsConfig:
 
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
-"""Values of --distributed-executor-backend (vLLM's names; ray is not run yet)."""
+"""Values of --distributed-executor-backend (vLLM's names)."""
+RAY_EXTRA_HINT = 'pip install "pagedllm[ray]"'
+"""How to get Ray: it is an optional extra (pyproject.toml)."""
 
 
 @dataclass
@@ -298,7 +301,12 @@ class ParallelConfig:
     (engine/dp_router.py); metrics carry an `engine` label per replica."""
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
     """How the model's workers run: uni (in the engine process; needs tensor-parallel-size 1), mp (one fresh
-    process per rank on this machine), ray (not yet supported). Default: uni at size 1, else mp."""
+    process per rank on this machine), ray (one Ray actor per rank, placed on a Ray cluster by a placement group;
+    needs the ray extra). Default: uni at size 1, else mp."""
+    ray_address: str | None = None
+    """The Ray cluster the ray backend joins (ray.init's address: HOST:PORT of the head node's GCS, or auto).
+    Default: the RAY_ADDRESS environment variable, else the cluster `ray start` started on this machine, else a
+    new local one (vLLM's behaviour; vLLM has no flag and reads RAY_ADDRESS only)."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -311,9 +319,9 @@ class ParallelConfig:
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"--distributed-executor-backend must be one of {', '.join(EXECUTOR_BACKENDS)}, got "
                              f"{backend!r}.")
-        if backend == "ray":
-            raise ValueError("--distributed-executor-backend ray is not yet supported; use mp (one process per "
-                             "rank on this machine) or uni.")
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError(f"--distributed-executor-backend ray needs Ray, which is not installed: "
+                             f"{RAY_EXTRA_HINT} (or use mp: one process per rank on this machine).")
         if backend == "uni" and self.world_size > 1:
             raise ValueError(f"--distributed-executor-backend uni runs one rank in the engine process; "
                              f"--tensor-parallel-size {self.tensor_parallel_size} --pipeline-parallel-size "

@@ -43,12 +43,32 @@ def reference(tiny_llama_dir):
 def test_backend_flag_choices():
     assert EngineConfig.from_kwargs().parallel_config.executor_backend == "uni"
     assert EngineConfig.from_kwargs(tensor_parallel_size=2).parallel_config.executor_backend == "mp"
-    with pytest.raises(ValueError, match="ray is not yet supported"):
-        EngineConfig.from_kwargs(distributed_executor_backend="ray")
     with pytest.raises(ValueError, match="needs mp"):
         EngineConfig.from_kwargs(distributed_executor_backend="uni", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="at least 1"):
         EngineConfig.from_kwargs(tensor_parallel_size=0)
+
+
+def test_ray_backend_without_ray_is_a_startup_error_naming_the_extra(monkeypatch):
+    """Ray is an optional extra: without it, `serve --distributed-executor-backend ray` stops before anything
+    starts and says how to install it (before: "ray is not yet supported", whether Ray was there or not)."""
+    import argparse
+    import importlib.util
+
+    from pagedllm.entrypoints.cli.serve import add_parser, configs_from_args
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
+    parser = add_parser(argparse.ArgumentParser(prog="pagedllm").add_subparsers())
+    args = parser.parse_args(["--distributed-executor-backend", "ray", "--pipeline-parallel-size", "2",
+                              "--ray-address", "127.0.0.2:6379"])
+    with pytest.raises(ValueError, match=r'ray needs Ray, which is not installed: pip install "pagedllm\[ray\]"'):
+        configs_from_args(args)
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    if find_spec("ray") is not None:
+        engine, _ = configs_from_args(args)
+        assert engine.parallel_config.executor_backend == "ray"
+        assert engine.parallel_config.ray_address == "127.0.0.2:6379"
 
 
 def test_size_that_does_not_divide_the_heads_is_a_startup_error(tiny_llama_dir):

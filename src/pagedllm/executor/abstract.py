@@ -3,6 +3,7 @@
     EngineCore ──▶ Executor ──▶ Worker(s) ──▶ ModelRunner
                    uni: one Worker in this process (executor/uniproc_executor.py)
                    mp:  one Worker process per rank (executor/multiproc_executor.py)
+                   ray: one Ray actor per rank on a Ray cluster (executor/ray_executor.py)
 
 Every rank loads its share of the model and of the KV cache; the pool has as many blocks as the smallest rank
 holds; the scheduler output goes to every rank once per step and the sampled tokens come back from the driver rank:

@@ -1,0 +1,210 @@
+"""`--distributed-executor-backend ray` on a two-node Ray cluster on this machine: `ray start --head` on 127.0.0.2 and
+`ray start --address` on 127.0.0.3 (distinct loopback addresses, one CPU each, so the two pipeline stages land on
+different nodes), `pagedllm serve --pipeline-parallel-size 2` on it. Greedy outputs equal the in-process engine's;
+then node 2 freezes (the node is lost without closing its connections) and /health turns 503 within the health
+timeout; the cluster is torn down with no process left.
+
+Needs the ray extra (`pip install -e ".[ray]"`); skipped without it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from reliability_utils import MODEL_NAME, Server, free_port, wait_for
+
+pytest.importorskip("ray", reason='the ray extra is not installed (pip install -e ".[ray]")')
+
+pytestmark = pytest.mark.slow
+
+HEAD_IP, NODE_IP = "127.0.0.2", "127.0.0.3"
+MARK = "PAGEDLLM_TEST_RAY_CLUSTER"
+"""An environment variable every process of the test cluster inherits (its value unique), to find them all."""
+NODE_FLAGS = ["--num-cpus", "1", "--num-gpus", "0", "--object-store-memory", str(80 << 20), "--disable-usage-stats"]
+HEALTH_TIMEOUT_S = 10.0  # --health-check-timeout's default
+PROMPTS = ["The quick brown fox jumps over", "Hello world! How are you", "Paged attention stores the KV cache",
+           "Numbers like 12345 and 2024 appear", "user assistant system: write a short poem"]
+
+
+@dataclass
+class RayCluster:
+    address: str
+    mark: str
+    head: subprocess.Popen
+    node: subprocess.Popen
+    logs: Path
+
+    def node_pids(self) -> list[int]:
+        """Node 2's processes: its `ray start --block` and everything in its session (raylet, workers, agents)."""
+        return [pid for pid in _marked_pids(self.mark) if _session(pid) == self.node.pid]
+
+
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _marked_pids(mark: str) -> list[int]:
+    needle = f"{MARK}={mark}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def _listening(ip: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((ip, port)) == 0
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    ray_cli = shutil.which("ray", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    assert ray_cli, "the ray package is installed but its `ray` command is not on PATH"
+    mark = uuid.uuid4().hex
+    logs = tmp_path_factory.mktemp("ray-cluster")
+    temp_root = Path(tempfile.mkdtemp(prefix="pgr", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update({MARK: mark, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"})
+    procs: list[subprocess.Popen] = []
+
+    def start(name: str, *args: str) -> subprocess.Popen:
+        with open(logs / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen([ray_cli, "start", "--block", *args, *NODE_FLAGS, "--temp-dir",
+                                     str(temp_root / name), "--dashboard-agent-listen-port", str(free_port())],
+                                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(proc)
+        return proc
+
+    try:
+        port = free_port()
+        head = start("head", "--head", "--node-ip-address", HEAD_IP, "--port", str(port), "--include-dashboard",
+                     "false", "--dashboard-port", str(free_port()))  # its minimal head process still binds one
+        assert wait_for(lambda: _listening(HEAD_IP, port) or head.poll() is not None, 90.0, 0.25)
+        assert head.poll() is None, (logs / "head.log").read_text()[-3000:]
+        node = start("node", "--address", f"{HEAD_IP}:{port}", "--node-ip-address", NODE_IP)
+        yield RayCluster(f"{HEAD_IP}:{port}", mark, head, node, logs)
+    finally:
+        for pid in _marked_pids(mark):  # a frozen node goes on first
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        for proc in reversed(procs):  # `ray start --block` stops its node's processes on SIGTERM
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        left = _marked_pids(mark)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        assert wait_for(lambda: not _marked_pids(mark), 10.0, 0.1), _marked_pids(mark)
+        shutil.rmtree(temp_root, ignore_errors=True)
+        if left:
+            print(f"ray cluster teardown: killed {len(left)} leftover processes: {[_cmdline(p)[:80] for p in left]}")
+
+
+@pytest.fixture(scope="module")
+def ray_server(ray_cluster, serve_model, tmp_path_factory):
+    server = Server(serve_model, tmp_path_factory.mktemp("ray-server") / "server.log", "--distributed-executor-backend",
+                    "ray", "--pipeline-parallel-size", "2", "--ray-address", ray_cluster.address,
+                    "--engine-death-exit-delay", "10", wait_ready=False)
+    yield server
+    server.close()
+
+
+def _reference(model: Path) -> list[str]:
+    """Greedy texts of the in-process engine with one thread, as each Ray rank runs (one CPU per node)."""
+    import torch
+
+    from pagedllm import LLM, SamplingParams
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    llm = LLM(str(model), dtype="float32", kv_cache_memory=8 << 20)
+    try:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                               use_tqdm=False)
+        return [o.outputs[0].text for o in outputs]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        torch.set_num_threads(threads)
+
+
+def test_pipeline_stages_on_two_nodes_give_the_one_process_tokens(ray_server, serve_model):
+    expected = _reference(serve_model)
+    start = time.monotonic()
+    server = ray_server.wait_ready(timeout_s=240.0)
+    print(f"FIGURE ray PP=2 over 2 nodes: healthy {time.monotonic() - start:.1f} s after the reference finished")
+    placed = next(line for line in server.log().splitlines() if "Ray workers on" in line)
+    assert "started 2 Ray workers on 2 nodes" in placed and f"on {HEAD_IP}" in placed and f"on {NODE_IP}" in placed
+    response = server.client().completions.create(model=MODEL_NAME, prompt=PROMPTS, max_tokens=24, temperature=0.0,
+                                                  extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == expected
+
+
+def test_losing_a_node_turns_health_503_within_the_health_timeout(ray_server, ray_cluster):
+    """Node 2 freezes while the engine idles (every process of it SIGSTOPped: a hung machine or a cut network, so
+    no connection closes and no collective is waiting): the engine's heartbeats on its worker's connection go
+    unanswered and the engine stops, /health 503 within the health timeout and new requests 503. Ray alone would
+    not notice for longer (its node health checks), and not at all with only the worker process frozen. (A killed
+    raylet, the easier case, closes the connection at once: 3.5-3.9 s here, the worker noticing its raylet gone.)"""
+    server = ray_server.wait_ready(timeout_s=240.0)
+    node = ray_cluster.node_pids()
+    assert any("raylet" in _cmdline(pid) for pid in node), [_cmdline(p)[:100] for p in node]
+    assert any("RayWorker" in _cmdline(pid) for pid in node), [_cmdline(p)[:100] for p in node]
+    assert server.http.get("/health").status_code == 200
+    frozen_at = time.monotonic()
+    for pid in node:
+        os.kill(pid, signal.SIGSTOP)
+
+    def unavailable() -> bool:  # /health 503, or the API server already gone
+        try:
+            return server.http.get("/health").status_code == 503
+        except httpx.HTTPError:
+            return server.proc.poll() is not None
+
+    unhealthy = wait_for(unavailable, HEALTH_TIMEOUT_S, 0.05)
+    health_s = time.monotonic() - frozen_at
+    print(f"FIGURE ray node frozen while idle (SIGSTOP): /health 503 after {health_s:.2f} s")
+    assert unhealthy, f"/health still 200 {HEALTH_TIMEOUT_S:g} s after the node froze:\n{server.log()[-3000:]}"
+    with pytest.raises(openai.APIStatusError) as refused:
+        server.client().completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=4)
+    assert refused.value.status_code == 503
+    assert "connection to the engine" in server.log(), server.log()[-3000:]
