@@ -57,8 +57,8 @@ def install_fault(engine_core, spec: str) -> None:
 def _wrap_engine_core(module) -> None:
     engine_core_init = module.EngineCore.__init__
 
-    def __init__(self, config) -> None:
-        engine_core_init(self, config)
+    def __init__(self, config, *args, **kwargs) -> None:
+        engine_core_init(self, config, *args, **kwargs)
         install_fault(self, os.environ[FAULT_INJECT_ENV])
 
     module.EngineCore.__init__ = __init__
