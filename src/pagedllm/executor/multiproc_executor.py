@@ -4,8 +4,9 @@ Each worker is a fresh interpreter (`python -m pagedllm.executor.worker_proc`; n
 and threads), given the configuration as JSON on stdin; the pipe stays open, so a worker exits when the engine
 process dies however it dies. The scheduler output is encoded once per step and published to every rank on one
 ZMQ socket; the driver rank (rank 0, or the last pipeline stage) answers with the sampled tokens
-(executor/worker_messages.py). The ranks' tensors move over torch.distributed (gloo on the CPU, NCCL on CUDA),
-never through the executor.
+(executor/worker_messages.py). The ranks' tensors move over torch.distributed (gloo on the CPU, NCCL on CUDA;
+on one host the CPU's all-reduces go through shared memory, distributed/shm_communicator.py), never through the
+executor.
 
 A worker that exits is noticed at once (a thread waits on each pid): the step in progress raises
 ExecutorDeadError, and between steps the failure callback wakes the engine, which then stops (the engine-death
@@ -38,6 +39,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.distributed.parallel_state import check_tensor_parallel_size
 from pagedllm.distributed.pipeline_parallel import check_pipeline_parallel_size
+from pagedllm.distributed.shm_communicator import remove_leftover_segments
 from pagedllm.executor.abstract import Executor, ExecutorDeadError
 from pagedllm.executor.worker_messages import (
     ExecuteModel,
@@ -240,6 +242,7 @@ def _stop_workers(procs: list[subprocess.Popen], ctx: zmq.Context, socket_dir: s
             proc.wait()
     ctx.destroy(linger=0)
     shutil.rmtree(socket_dir, ignore_errors=True)
+    remove_leftover_segments(os.getpid())
 
 
 def _free_port() -> int:
