@@ -93,7 +93,10 @@ def test_worker_kill_under_streams_ends_them_and_leaves_no_process(servers):
     print(f"FIGURE worker kill (TP=2): 4/4 streams errored, last after {last_error_s:.2f} s; /health 503 after "
           f"{health_s:.2f} s")
     assert unhealthy and last_error_s < 2.0
-    assert "worker 1" in server.log() and "exited unexpectedly" in server.log()
+    # the executor's watcher names the dead worker, or (shared-memory all-reduce) rank 0 does first: its all-reduce
+    # notices the dead peer and fails the step
+    log = server.log()
+    assert ("worker 1" in log and "exited unexpectedly" in log) or "rank 1 exited" in log
     assert server.proc.wait(timeout=15) != 0
     assert wait_for(lambda: not any(pid_alive(p) for p in [engine_pid, *workers]), 10.0)
     assert list(SHM_DIR.glob(f"{SEGMENT_PREFIX}{engine_pid}-*")) == []  # no segment left behind
