@@ -1,8 +1,10 @@
 """The executor layer and tensor parallelism on a tiny random Llama: the backend flag, the start-up errors, and
-greedy tokens at tensor-parallel size 2 (mp: one process per rank, gloo) identical to the in-process engine."""
+greedy tokens at tensor-parallel size 2 (mp: one process per rank; all-reduces over shared memory, or gloo) identical to
+the in-process engine."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
+from pagedllm.distributed.shm_communicator import ENV_SWITCH, SEGMENT_PREFIX, SHM_DIR, maps_segment
 from server_process import pid_alive
 
 PROMPTS = ["The quick brown fox jumps over", "Hello world! How are you", "Paged attention stores the KV cache",
@@ -93,13 +96,17 @@ def test_mp_at_size_1_is_bitwise_the_in_process_engine(tiny_llama_dir, reference
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_greedy_matches_size_1(tiny_llama_dir, reference):
+def test_tensor_parallel_2_greedy_matches_size_1(tiny_llama_dir, reference, monkeypatch):
     """4 heads / 2 KV heads split over 2 ranks (1 thread each), vocabulary-parallel embedding and LM head. The
-    all-reduce changes the float summation order, so logprobs may differ in the last bits; tokens must not."""
+    all-reduce changes the float summation order, so logprobs may differ in the last bits; tokens must not. The
+    all-reduces go through shared memory (both workers map the segment, its name already unlinked); forced onto
+    gloo (PAGEDLLM_CPU_SHM_ALLREDUCE=0) the tokens and logprobs are bitwise the same (both sum two partials, a + b),
+    and no segment is left in /dev/shm."""
     llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **POOL)
     pids = _worker_pids(llm)
     try:
         assert len(pids) == 2
+        assert all(maps_segment(pid) for pid in pids)
         outputs = _generate(llm)
         sampled = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SEEDED, use_tqdm=False)]
     finally:
@@ -113,6 +120,16 @@ def test_tensor_parallel_2_greedy_matches_size_1(tiny_llama_dir, reference):
           f"max |delta logprob| {max(deltas):.2e}")
     assert max(deltas) < 1e-4
     assert not any(pid_alive(pid) for pid in pids)
+
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    gloo = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **POOL)
+    try:
+        assert not any(maps_segment(pid) for pid in _worker_pids(gloo))
+        gloo_outputs = _generate(gloo)
+    finally:
+        gloo.llm_engine.engine_core.shutdown()
+    assert [(o.token_ids, o.logprobs) for o in gloo_outputs] == [(o.token_ids, o.logprobs) for o in outputs]
+    assert list(SHM_DIR.glob(f"{SEGMENT_PREFIX}{os.getpid()}-*")) == []
 
 
 @pytest.mark.slow

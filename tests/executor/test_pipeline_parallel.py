@@ -15,6 +15,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.pipeline_parallel import PipelineParallelGroup, pipeline_layer_range
+from pagedllm.distributed.shm_communicator import maps_segment
 from server_process import pid_alive
 
 PROMPTS = ["The quick brown fox jumps over", "Hello world! How are you", "Paged attention stores the KV cache",
@@ -151,6 +152,7 @@ def test_pipeline_and_tensor_parallel_together(tiny_llama_dir, reference, one_th
     logprobs differ only by the all-reduce's summation order."""
     llm = LLM(str(tiny_llama_dir), pipeline_parallel_size=2, tensor_parallel_size=2, **POOL)
     pids = _worker_pids(llm)
+    assert all(maps_segment(pid) for pid in pids)  # each stage's group all-reduces over its own segment
     result = _run(llm)
     assert len(pids) == 4
     assert result["tokens"] == reference["tokens"]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.distributed.shm_communicator import maps_segment
 
 pytestmark = pytest.mark.slow
 
@@ -23,6 +24,8 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32, logprobs=
 def _run(**kwargs) -> list:
     llm = LLM(**ARGS, **kwargs)
     try:
+        if kwargs.get("tensor_parallel_size", 1) > 1:  # the all-reduces run over shared memory
+            assert all(maps_segment(p.pid) for p in llm.llm_engine.engine_core.executor.procs)
         cases = json.loads(FIXTURE.read_text())["cases"]
         return [o.outputs[0] for o in llm.generate([c["prompt_ids"] for c in cases], PARAMS, use_tqdm=False)]
     finally:

@@ -1,5 +1,7 @@
 """The tensor-parallel group a rank belongs to, and the two collectives the model needs, over torch.distributed
-(gloo on the CPU, NCCL on CUDA; the code is the same).
+(gloo on the CPU, NCCL on CUDA; the code is the same). On the CPU, when every rank of the group runs on this host,
+the float32 all-reduces go through shared memory instead (distributed/shm_communicator.py; gloo stays for the rest
+and as the fallback; `PAGEDLLM_CPU_SHM_ALLREDUCE=0` keeps everything on gloo).
 
 `TensorParallelGroup.single()` is the group of one rank: its collectives return their input untouched, so a model
 built for size 1 runs exactly the operations it ran before tensor parallelism existed.
@@ -14,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pagedllm.distributed.shm_communicator import ShmAllReduce
 from pagedllm.math_utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -24,6 +27,8 @@ class TensorParallelGroup:
     rank: int
     size: int
     group: dist.ProcessGroup | None = None  # None at size 1
+    shm: ShmAllReduce | None = None
+    """The shared-memory all-reduce of this group (CPU, every rank on this host), else None."""
 
     @classmethod
     def single(cls) -> TensorParallelGroup:
@@ -32,7 +37,10 @@ class TensorParallelGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of `x`, in place."""
         if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+            if self.shm is not None and self.shm.accepts(x):
+                self.shm.all_reduce(x)
+            else:
+                dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,9 +93,13 @@ def init_tensor_parallel_group(rank: int, size: int, init_method: str, device: t
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
     logger.info("rank %d of %d joined the %s group", rank, size, backend)
-    return TensorParallelGroup(rank, size, dist.group.WORLD)
+    group = dist.group.WORLD
+    shm = ShmAllReduce.create(group, rank, size) if device.type == "cpu" else None
+    return TensorParallelGroup(rank, size, group, shm)
 
 
 def destroy_tensor_parallel_group(tp: TensorParallelGroup) -> None:
+    if tp.shm is not None:
+        tp.shm.close()
     if tp.size > 1 and dist.is_initialized():
         dist.destroy_process_group()

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.distributed.shm_communicator import ShmAllReduce
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +164,8 @@ def init_pipeline(rank: int, tp_size: int, pp_size: int, init_method: str, devic
     tp = TensorParallelGroup.single()
     if tp_size > 1:
         groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)]
-        tp = TensorParallelGroup(tp_rank, tp_size, groups[stage])
+        shm = ShmAllReduce.create(groups[stage], tp_rank, tp_size) if device.type == "cpu" else None
+        tp = TensorParallelGroup(tp_rank, tp_size, groups[stage], shm)
     logger.info("rank %d of %d joined the %s group: stage %d of %d, tensor-parallel rank %d of %d", rank,
                 world_size, backend, stage, pp_size, tp_rank, tp_size)
     return tp, PipelineParallelGroup(stage, pp_size, tp_size, tp_rank)

@@ -2,7 +2,9 @@
 
 Each worker is a fresh interpreter (`python -m pagedllm.executor.worker_proc`; never fork: the engine holds torch
 and threads), given the configuration as JSON on stdin; the pipe stays open, so a worker exits when the engine
-process dies however it dies. The steps go over ipc:// ZMQ sockets in a private directory (executor/zmq_executor.py).
+process dies however it dies. The steps go over ipc:// ZMQ sockets in a private directory (executor/zmq_executor.py);
+the ranks' tensors over torch.distributed (gloo; on one host the CPU's all-reduces go through shared memory,
+distributed/shm_communicator.py, whose leftover segments are removed when the workers stop).
 
 A worker that exits is noticed at once (a thread waits on each pid) and stops the engine.
 """
@@ -23,6 +25,7 @@ import msgspec
 import torch
 import zmq
 
+from pagedllm.distributed.shm_communicator import remove_leftover_segments
 from pagedllm.executor.zmq_executor import ZmqExecutor, free_port, log_level_name
 
 logger = logging.getLogger(__name__)
@@ -89,4 +92,5 @@ class MultiprocExecutor(ZmqExecutor):
                 proc.wait()
         ctx.destroy(linger=0)
         shutil.rmtree(socket_dir, ignore_errors=True)
+        remove_leftover_segments(os.getpid())
 
