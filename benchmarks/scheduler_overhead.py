@@ -35,13 +35,17 @@ def decode_scheduler(num_steps: int) -> Scheduler:
     """256 requests whose ~1,000-token prompts are already prefilled; they decode from here on."""
     scheduler_config = SchedulerConfig(max_num_seqs=NUM_REQS, max_num_batched_tokens=2 * CONTEXT_LEN * NUM_REQS)
     cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True)
-    num_blocks = NUM_REQS * (CONTEXT_LEN + num_steps + 64) // BLOCK_SIZE + 1
+    # The prefill takes up to ~NUM_REQS / 4 steps, in which the requests prefilled first already decode.
+    max_tokens = num_steps + NUM_REQS
+    num_blocks = NUM_REQS * (CONTEXT_LEN + max_tokens + 64) // BLOCK_SIZE + 1
     scheduler = Scheduler(scheduler_config, cache_config, num_blocks, max_model_len=4096)
     for i in range(NUM_REQS):
         prompt = [(i * 7919 + j) % 32000 for j in range(CONTEXT_LEN - 7 + i % 16)]
-        scheduler.add_request(make_request(f"req-{i}", prompt, max_tokens=num_steps + 10))
-    output = scheduler.schedule()  # the prefill step
-    scheduler.update_from_output(output, sample(output, 0))
+        scheduler.add_request(make_request(f"req-{i}", prompt, max_tokens=max_tokens))
+    # Prefill: max_prefill_attention_pairs splits it over several steps.
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running + list(scheduler.waiting)):
+        output = scheduler.schedule()
+        scheduler.update_from_output(output, sample(output, 0))
     return scheduler
 
 
@@ -82,8 +86,9 @@ def bench_lookup(repeats: int) -> float:
     prompt = [(j * 31) % 32000 for j in range(4000)]
     first = make_request("first", prompt, max_tokens=1)
     scheduler.add_request(first)
-    output = scheduler.schedule()
-    scheduler.update_from_output(output, sample(output, 1))  # finishes; its blocks stay cached
+    while not first.is_finished:  # a few prefill steps (max_prefill_attention_pairs), then its one token
+        output = scheduler.schedule()
+        scheduler.update_from_output(output, sample(output, 1))  # its blocks stay cached
     kv = scheduler.kv_cache_manager
     probe = make_request("probe", prompt, max_tokens=1)
     blocks, num_hit = kv.get_computed_blocks(probe)
