@@ -160,3 +160,8 @@ class MockEngineCore:
     def _stats(self) -> SchedulerStats:
         return SchedulerStats(num_running_reqs=len(self.running), num_total_blocks=NUM_BLOCKS,
                               num_free_blocks=NUM_BLOCKS)
+
+
+async def collect(stream) -> list:
+    """Every output of an AsyncLLM stream, until it ends."""
+    return [output async for output in stream]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from mock_engine_core import MockEngineCore
+from mock_engine_core import MockEngineCore, collect
 
 from pagedllm.core.scheduler import QueueFullError
 from pagedllm.engine.async_llm import AsyncLLM, RequestAbortedError
@@ -36,14 +36,10 @@ def _run(scenario, tokenizer, watchdog_timeout_s: float | None = None, **engine_
     asyncio.run(main())
 
 
-async def _collect(stream):
-    return [output async for output in stream]
-
-
 def test_streams_detokenized_deltas_until_length(tokenizer):
     async def scenario(engine, llm):
         stream = llm.add_request("r", PROMPT, SamplingParams(max_tokens=5, ignore_eos=True), "p", "delta")
-        consumer = asyncio.ensure_future(_collect(stream))
+        consumer = asyncio.ensure_future(collect(stream))
         await engine.run_until_idle()
         outputs = await consumer
         tokens = [t for o in outputs for t in o.outputs[0].token_ids]
@@ -59,7 +55,7 @@ def test_streams_detokenized_deltas_until_length(tokenizer):
 def test_n_children_are_sent_after_the_first_and_merged(tokenizer):
     async def scenario(engine, llm):
         params = SamplingParams(n=3, seed=1, max_tokens=2, ignore_eos=True)
-        consumer = asyncio.ensure_future(_collect(llm.add_request("r", PROMPT, params, None, "cumulative")))
+        consumer = asyncio.ensure_future(collect(llm.add_request("r", PROMPT, params, None, "cumulative")))
         await asyncio.sleep(0)
         assert engine.added == ["0_r"]  # the others wait for child 0's prompt (prefix cache)
         await engine.run_until_idle()
@@ -90,7 +86,7 @@ def test_stop_string_aborts_the_engine_request(tokenizer):
         full = tokenizer.decode([43, 44, 45, 46])
         stop = full[len(tokenizer.decode([43])) - 1:][:2]  # spans the first two tokens' texts
         params = SamplingParams(max_tokens=50, ignore_eos=True, stop=[stop])
-        consumer = asyncio.ensure_future(_collect(llm.add_request("r", PROMPT, params, None, "cumulative")))
+        consumer = asyncio.ensure_future(collect(llm.add_request("r", PROMPT, params, None, "cumulative")))
         await engine.run_until_idle()
         final = (await consumer)[-1]
         assert final.outputs[0].finish_reason == "stop" and final.outputs[0].stop_reason == stop
@@ -107,7 +103,7 @@ def test_a_request_ended_by_a_stop_string_is_not_counted_as_unfinished(tokenizer
         full = tokenizer.decode([43, 44, 45, 46])
         stop = full[len(tokenizer.decode([43])) - 1:][:2]
         params = SamplingParams(max_tokens=50, ignore_eos=True, stop=[stop])
-        consumer = asyncio.ensure_future(_collect(llm.add_request("r", PROMPT, params, None, "cumulative")))
+        consumer = asyncio.ensure_future(collect(llm.add_request("r", PROMPT, params, None, "cumulative")))
         await engine.run_until_idle()
         assert (await consumer)[-1].outputs[0].finish_reason == "stop"
         await asyncio.sleep(0.6)  # idle past the watchdog's 0.2 s
@@ -122,7 +118,7 @@ def test_a_full_queue_fails_the_request(tokenizer):
         running = llm.add_request("a", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True), None, "delta")
         rejected = llm.add_request("b", PROMPT, SamplingParams(max_tokens=5), None, "delta")
         with pytest.raises(QueueFullError):
-            await _collect(rejected)
+            await collect(rejected)
         assert llm.num_open_requests == 1
         await running.aclose()
 
@@ -164,7 +160,7 @@ def test_finish_all_aborted_ends_streams_with_abort(tokenizer):
         stream = llm.add_request("r", PROMPT, SamplingParams(max_tokens=100, ignore_eos=True), None, "cumulative")
         await engine.step()
         llm.finish_all_aborted()  # the drain timeout
-        outputs = await _collect(stream)
+        outputs = await collect(stream)
         assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
         await asyncio.sleep(0)
         assert engine.aborted == ["r"] and engine.running == {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from mock_engine_core import MockEngineCore
+from mock_engine_core import MockEngineCore, collect
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineDeadError
@@ -32,10 +32,6 @@ def _run(scenario, tokenizer):
     asyncio.run(main())
 
 
-async def _collect(stream):
-    return [output async for output in stream]
-
-
 def test_prefix_then_load_decide_and_children_and_aborts_follow_the_replica(tiny_tokenizer):
     async def scenario(engines, llm):
         llm.add_request("a", PREFIX + [1], LONG, None, "delta")  # idle replicas: rank 0
@@ -47,7 +43,7 @@ def test_prefix_then_load_decide_and_children_and_aborts_follow_the_replica(tiny
         await asyncio.sleep(0)
         assert engines[0].aborted == ["c"] and engines[1].aborted == []
         params = SamplingParams(n=3, seed=1, max_tokens=2, ignore_eos=True)
-        d = asyncio.ensure_future(_collect(llm.add_request("d", OTHER + [2], params, None, "cumulative")))
+        d = asyncio.ensure_future(collect(llm.add_request("d", OTHER + [2], params, None, "cumulative")))
         await asyncio.sleep(0)
         assert engines[1].added == ["b", "0_d"]  # its prefix is on 1
         await asyncio.gather(*(engine.step() for engine in engines))  # child 0 computed the prompt: 1 and 2 go
@@ -84,7 +80,7 @@ def test_a_dead_replica_ends_its_streams_and_the_other_keeps_serving(tiny_tokeni
         with pytest.raises(EngineDeadError, match="engine 1"):
             await llm.check_health(1.0)  # /health answers 503 while a replica is dead
         c = llm.add_request("c", OTHER + [2], SamplingParams(max_tokens=3, ignore_eos=True), None, "delta")
-        consumers = [asyncio.ensure_future(_collect(stream)) for stream in (a, c)]
+        consumers = [asyncio.ensure_future(collect(stream)) for stream in (a, c)]
         await engines[0].run_until_idle()
         outputs = await asyncio.gather(*consumers)
         assert [o[-1].outputs[0].finish_reason for o in outputs] == ["length", "length"]
