@@ -57,7 +57,7 @@ class RemoteServer:
                 return float(line.rsplit(" ", 1)[1])
         return 0.0
 
-    def wait_idle(self, timeout_s: float = 10.0) -> dict:
+    def wait_idle(self, timeout_s: float = 30.0) -> dict:
         """Wait until nothing runs or waits and every KV block is free; returns the last debug snapshot."""
         deadline = time.monotonic() + timeout_s
         while True:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from pagedllm.child_process import exit_after_cleanup, raise_system_exit, remove_ipc_files
 from pagedllm.executor.abstract import ExecutorDeadError
 from pagedllm.log_escape import escape_control
 from pagedllm.messages import (
@@ -195,17 +196,6 @@ def _connect(ctx: zmq.Context, kind: int, addr: str) -> zmq.Socket:
     return sock
 
 
-def _remove_ipc_files(*addrs: str) -> None:
-    for addr in addrs:
-        if addr.startswith("ipc://"):
-            path = addr[len("ipc://"):]
-            for remove in (os.unlink, lambda p: os.rmdir(os.path.dirname(p))):
-                try:
-                    remove(path)
-                except OSError:
-                    pass
-
-
 def _exit_when_parent_dies(*addrs: str) -> None:
     """stdin is a pipe from the API server: EOF means it exited (or closed it to stop us)."""
     try:
@@ -216,18 +206,13 @@ def _exit_when_parent_dies(*addrs: str) -> None:
     logger.info("API server is gone; engine core exiting.")
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(5.0)
-    _remove_ipc_files(*addrs)
+    remove_ipc_files(*addrs)
     os._exit(1)  # the main thread did not get out of its step in time
-
-
-def _raise_system_exit(signum, frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not interrupt the cleanup
-    raise SystemExit(0)
 
 
 def run_engine_core(config, input_addr: str, output_addr: str, data_parallel_rank: int = 0) -> int:
     """Load the engine, report READY (or why not), run until shutdown. Returns the exit code."""
-    signal.signal(signal.SIGTERM, _raise_system_exit)
+    signal.signal(signal.SIGTERM, raise_system_exit)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server decides
     threading.Thread(target=_exit_when_parent_dies, args=(input_addr, output_addr), name="parent-watch",
                      daemon=True).start()
@@ -261,7 +246,7 @@ def run_engine_core(config, input_addr: str, output_addr: str, data_parallel_ran
             proc.close()
         if engine_core is not None:
             engine_core.shutdown()  # the mp executor's workers
-        _remove_ipc_files(input_addr, output_addr)
+        remove_ipc_files(input_addr, output_addr)
     return 0
 
 
@@ -296,4 +281,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_after_cleanup(main())

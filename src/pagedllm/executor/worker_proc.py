@@ -24,6 +24,7 @@ import threading
 import msgspec
 import zmq
 
+from pagedllm.child_process import exit_after_cleanup, raise_system_exit, remove_ipc_files
 from pagedllm.config import EngineConfig
 from pagedllm.executor.worker_messages import (
     ExecuteModel,
@@ -117,19 +118,8 @@ def _exit_when_parent_dies(*addrs: str) -> None:
             pass
     except OSError:
         pass
-    for addr in addrs:
-        path = addr.removeprefix("ipc://")
-        for remove in (os.unlink, lambda p: os.rmdir(os.path.dirname(p))):
-            try:
-                remove(path)
-            except OSError:
-                pass
+    remove_ipc_files(*addrs)
     os._exit(1)
-
-
-def _raise_system_exit(signum, frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise SystemExit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format=f"%(levelname)s %(asctime)s [worker {args.rank}] %(message)s",
                         datefmt="%m-%d %H:%M:%S")
-    signal.signal(signal.SIGTERM, _raise_system_exit)
+    signal.signal(signal.SIGTERM, raise_system_exit)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the engine decides
     config = msgspec.json.decode(sys.stdin.buffer.readline(), type=EngineConfig)
     threading.Thread(target=_exit_when_parent_dies, args=(args.broadcast_addr, args.result_addr), name="parent-watch",
@@ -151,4 +141,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_after_cleanup(main())

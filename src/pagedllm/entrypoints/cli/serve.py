@@ -62,6 +62,8 @@ def cmd(args: argparse.Namespace) -> int:
     except ValueError as e:
         logger.error("%s", e)
         return 2
+    from pagedllm.child_process import exit_after_cleanup
     from pagedllm.entrypoints.openai.run import run
 
-    return run(engine_config, server_config)
+    # The engine cores have exited and the sockets are closed: skip the interpreter's teardown (see child_process).
+    exit_after_cleanup(run(engine_config, server_config))
