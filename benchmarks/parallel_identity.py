@@ -110,6 +110,7 @@ def ray_row(prompts: list[list[int]], reference: Output, folder: Path) -> dict:
     from test_ray_cluster import HEAD_IP, NODE_IP, start_ray_cluster
 
     start = time.monotonic()
+    (folder / "ray-cluster").mkdir()
     with start_ray_cluster(folder / "ray-cluster") as cluster:
         server = Server(None, folder / "ray-server.log", *SERVE_FLAGS, "--distributed-executor-backend", "ray",
                         "--pipeline-parallel-size", "2", "--ray-address", cluster.address, wait_ready=False)
