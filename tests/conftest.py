@@ -46,12 +46,12 @@ def _build_tokenizer(folder: Path):
     return fast
 
 
-def _build_model(folder: Path, vocab_size: int):
+def _build_model(folder: Path, vocab_size: int, max_position_embeddings: int = 512):
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
                          rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
                          initializer_range=0.08, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(0)

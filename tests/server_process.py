@@ -73,16 +73,17 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = STARTUP_TI
     raise TimeoutError("server did not become healthy")
 
 
-def build_tiny_model(folder: Path) -> Path:
+def build_tiny_model(folder: Path, max_position_embeddings: int = 512) -> Path:
     """The tiny random Llama of tests/conftest.py as an F32 GGUF file in `folder` (for the benchmarks that
-    start their own server: benchmarks/load_test.py, benchmarks/fuzz_openapi.py)."""
+    start their own server: benchmarks/load_test.py, benchmarks/fuzz_openapi.py); a longer context for prompts
+    past 512 tokens (benchmarks/dp_routing_hit_rate.py's 1,024-token prefixes)."""
     spec = importlib.util.spec_from_file_location("pagedllm_tests_conftest", Path(__file__).with_name("conftest.py"))
     fixtures = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fixtures)
     hf = folder / "tiny-llama"
     hf.mkdir(parents=True, exist_ok=True)
     tokenizer = fixtures._build_tokenizer(hf)
-    model = fixtures._build_model(hf, len(tokenizer))
+    model = fixtures._build_model(hf, len(tokenizer), max_position_embeddings)
     path = folder / "tiny-llama-F32.gguf"
     fixtures.write_llama_gguf(path, model, tokenizer)
     return path

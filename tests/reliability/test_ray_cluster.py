@@ -8,6 +8,7 @@ Needs the ray extra (`pip install -e ".[ray]"`); skipped without it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,12 +88,13 @@ def _listening(ip: str, port: int) -> bool:
         return s.connect_ex((ip, port)) == 0
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
+@contextlib.contextmanager
+def start_ray_cluster(logs: Path) -> Iterator[RayCluster]:
+    """Head on HEAD_IP, a second node on NODE_IP (logs in `logs`); torn down on exit with no process left. Also
+    used by benchmarks/parallel_identity.py."""
     ray_cli = shutil.which("ray", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     assert ray_cli, "the ray package is installed but its `ray` command is not on PATH"
     mark = uuid.uuid4().hex
-    logs = tmp_path_factory.mktemp("ray-cluster")
     temp_root = Path(tempfile.mkdtemp(prefix="pgr", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update({MARK: mark, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"})
@@ -138,6 +141,12 @@ def ray_cluster(tmp_path_factory):
         shutil.rmtree(temp_root, ignore_errors=True)
         if left:
             print(f"ray cluster teardown: killed {len(left)} leftover processes: {[_cmdline(p)[:80] for p in left]}")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    with start_ray_cluster(tmp_path_factory.mktemp("ray-cluster")) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")
