@@ -100,7 +100,7 @@ def run_vllm_router(policy: str, model: Path, folder: Path, args: argparse.Names
     try:
         for server in servers:
             server.wait_ready()
-        with router(policy, servers) as client:
+        with router(policy, servers, *args.router_args.split()) as client:
             result = bench(str(client.base_url).rstrip("/").removesuffix("/v1"), model, folder / f"router-{policy}",
                            args)
         return row("vllm-router", policy, [s.metric("vllm:prefix_cache_hits_total") for s in servers],
@@ -124,6 +124,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None, help="Write the rows and ratios as JSON here.")
+    parser.add_argument("--router-args", default="",
+                        help="More vllm-router flags, e.g. '--balance-abs-threshold 1' (its default, 64, never "
+                             "rebalances at a concurrency of 4)")
     args = parser.parse_args()
     runners = {"dp": run_dp, "vllm-router": run_vllm_router}
     rows, summaries = [], []
