@@ -71,7 +71,8 @@ def row(frontend: str, policy: str, hits: list[float], queries: list[float], fin
             "hit_rate_per_replica": [h / max(q, 1) for h, q in zip(hits, queries, strict=True)],
             "requests_per_replica": finished, "load_max_over_min": max(finished) / max(min(finished), 1),
             "median_ttft_ms": result.get("median_ttft_ms"), "output_throughput": result.get("output_throughput"),
-            "completed": result.get("completed")}
+            "completed": result.get("completed"),
+            **({"router_args": args.router_args} if frontend == "vllm-router" and args.router_args else {})}
 
 
 def run_dp(policy: str, model: Path, folder: Path, args: argparse.Namespace) -> dict:
