@@ -135,9 +135,10 @@ ALWAYS_INLINE void gemv_panels(int bits, int R, int P, const uint8_t *w, int64_t
  * 4, 2, 1 for the rest; the shape is constant in each instance. Every M below GEMM_MIN_ROWS is one pass, so the
  * weights are decoded once per call: R x 2 accumulators + 4 weights + 1 broadcast fit the 16 ymm registers up to
  * R = 5; at 6 to 8 rows gcc keeps some accumulators on the stack, and still the 4-bit linears run faster with
- * P = 2 than P = 1 (7-8 rows: 0.85-0.9x the time), the Q8_0 LM head slightly slower (1.05x), so 8-bit codes take
- * P = 1 there. One pass against passes of up to 4 rows, one thread: 5 rows 0.75x the time (gate_up), 8 rows
- * 0.85x; against the tiled path at 8 rows 0.7x (it decodes once too, but stores and reloads the weights). */
+ * P = 2 than P = 1 (7-8 rows: 0.85-0.9x the time), the Q8_0 LM head slightly slower (1.01-1.1x), so 8-bit codes
+ * take P = 1 there. One pass against passes of up to 4 rows, one thread's CPU time: 5 rows 0.7-0.85x the time
+ * (4-bit linears), 0.68x (Q8_0 LM head); against the tiled path at 8 rows 0.7x (it decodes once too, but stores
+ * and reloads the weights). */
 #define GEMV_RANGE_ARGS const uint8_t *w, int64_t panel_bytes, int64_t group, const float *x, int64_t K, float *y, \
                         int64_t N, int64_t p_begin, int64_t p_end
 typedef void (*gemv_range_fn)(GEMV_RANGE_ARGS);
