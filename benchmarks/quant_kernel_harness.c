@@ -10,7 +10,8 @@
  *   COLD=48 ./harness ...   cycle the weights through 48 copies (each call reads them from DRAM, as a decode step)
  *
  * Prints the min and median ms per call over REPS timed calls (each repeats the kernel for >= 10 ms): one
- * thread's CPU time when THREADS is 1 (robust on a crowded machine; WALL=1 for wall time), wall time otherwise.
+ * thread's CPU time when THREADS is 1 (robust on a crowded machine; WALL=1 for wall time), wall time otherwise
+ * (CPU=1: the process's CPU time, all threads; with OMP_WAIT_POLICY=passive so that idle threads don't spin).
  * Build two trees' kernels into two harnesses, run them interleaved, and `cmp` their OUT files. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,7 +36,7 @@ int main(int argc, char **argv) {
     int64_t bits = atoi(argv[2]), group = atoi(argv[3]), N = atoll(argv[4]), K = atoll(argv[5]), M = atoll(argv[6]);
     int threads = atoi(argv[7]), reps = atoi(argv[8]);
     omp_set_num_threads(threads);
-    use_cpu = getenv("WALL") == NULL && threads == 1;
+    use_cpu = getenv("WALL") == NULL && (threads == 1 || getenv("CPU") != NULL);
     float *x = aligned_alloc(64, (M * K * 4 + 63) / 64 * 64), *y = aligned_alloc(64, (M * N * 4 + 63) / 64 * 64);
     for (int64_t i = 0; i < M * K; i++) x[i] = frnd() * 2 - 1;
     uint8_t *w; float *d = NULL, *mn = NULL;

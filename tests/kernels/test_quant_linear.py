@@ -59,7 +59,7 @@ def test_products_within_the_fp32_summation_bound(qtype):
     raw = raw_tensor(qtype, n, k, seed=1)
     packed = PackedWeight.from_codes(unpack(raw, qtype, (n, k)))
     w = reference(raw, qtype, n, k).double()
-    for m in (1, 2, 3, 7, 40):  # the streaming (M <= 4) and the tiled (M >= 5) paths
+    for m in (1, 2, 3, 5, 6, 7, 8, 40):  # the streaming (M <= 8, one pass) and the tiled (M >= 9) paths
         x = torch.randn(m, k)
         y = packed.matmul(x).double()
         exact = x.double() @ w.T
@@ -78,7 +78,7 @@ def test_each_row_is_bitwise_independent_of_the_batch_and_threads(qtype):
     try:
         torch.set_num_threads(2)
         full = packed.matmul(x)
-        for m in (1, 2, 3, 4, 5, 17, 64):
+        for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 64):
             assert torch.equal(packed.matmul(x[:m]), full[:m]), m
         assert torch.equal(packed.matmul(x[7:8]), full[7:8])
         assert torch.equal(packed.matmul(x[250:]), full[250:])
@@ -105,9 +105,9 @@ def test_fused_parts_of_different_types_keep_their_values():
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_run_width_and_row_split_keeps_the_chain(threads):
-    """15 panels run as 8 + 4 + 2 + 1 (one thread) or 4 + 2 + 1 and 8 (two); rows 1-8 stream the weights in passes
-    of up to 4 rows; 9-23 rows run the tiled path in row blocks of 6 or fewer. Every row equals the one a 300-row
-    call computes."""
+    """15 panels run as 8 + 4 + 2 + 1 (one thread) or 4 + 2 + 1 and 8 (two); rows 1-8 stream the weights in one
+    pass (runs of up to 2 panels from 3 rows on); 9-23 rows run the tiled path in row blocks of 6 or fewer. Every
+    row equals the one a 300-row call computes."""
     n, k = 8 * 15, 256
     packed = PackedWeight.from_codes(unpack(raw_tensor(Q.Q4_1, n, k, seed=3), Q.Q4_1, (n, k)))
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(3))
@@ -115,7 +115,7 @@ def test_every_run_width_and_row_split_keeps_the_chain(threads):
     try:
         torch.set_num_threads(threads)
         full = packed.matmul(x)
-        for m in (1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 16, 23):
+        for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 16, 23):
             assert torch.equal(packed.matmul(x[m:2 * m]), full[m:2 * m]), m
     finally:
         torch.set_num_threads(saved)

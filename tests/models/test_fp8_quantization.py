@@ -35,7 +35,7 @@ def test_codes_decode_to_the_fp8_values_exactly():
     x = torch.randn(20, 96, generator=torch.Generator().manual_seed(1))
     ref = x.double() @ expected.double().T
     bound = 96 * 2.0 ** -23 * (x.double().abs() @ expected.double().abs().T) + 1e-30
-    for rows in (1, 2, 3, 20):  # streaming (small M) and blocked (large M) paths
+    for rows in (1, 2, 3, 5, 6, 7, 8, 20):  # streaming (M <= 8) and blocked (large M) paths
         got = packed.matmul(x[:rows])
         assert ((got.double() - ref[:rows]).abs() <= bound[:rows]).all(), rows
         assert torch.equal(got, packed.matmul(x)[:rows]), rows  # rows independent of the batch

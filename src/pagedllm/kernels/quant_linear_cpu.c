@@ -29,7 +29,7 @@
 #define KC 256   /* k's per decoded tile (a multiple of every group size) */
 #define MC 192   /* rows of x per tile: 192 x 256 x 4 B = 192 KiB, in L2 across the strips */
 #define MR 6     /* rows per micro-kernel call: 6 x 2 accumulators + 2 weights + 1 broadcast = 15 ymm */
-#define GEMM_MIN_ROWS 9  /* below: gemv, up to 4 rows per pass (measured faster up to 8 rows) */
+#define GEMM_MIN_ROWS 9  /* below: gemv, all the rows in one pass over W (see gemv_range) */
 #define PARALLEL_MIN_WEIGHTS (64 * 1024)
 
 #define FP8 9    /* the `bits` value naming fp8 e4m3 codes (8 bits each) */
@@ -78,7 +78,7 @@ ALWAYS_INLINE void decode_pair(int bits, const uint8_t *codes, int64_t i, __m256
     }
 }
 
-/* Small M: R rows (1 to 4) of x against P panels (1, 2, 4 or 8: 8P outputs from n0), streaming the packed weights
+/* Small M: R rows (1 to 8) of x against P panels (1, 2, 4 or 8: 8P outputs from n0), streaming the packed weights
  * once. R x P independent fma chains hide the 4-cycle fma latency, and P panel streams read at once keep more
  * weight lines in flight from DRAM (one row, Q8_0 LM head, one thread: P = 8 takes 0.77x the time of P = 4; with
  * the weights in cache the two are even, the decode's use of the vector ports being the limit there).
@@ -90,7 +90,7 @@ ALWAYS_INLINE void gemv_panels(int bits, int R, int P, const uint8_t *w, int64_t
     const __m256 z = _mm256_setzero_ps();
 #define ACC_ROW(r) __m256 a##r##0 = z, a##r##1 = z, a##r##2 = z, a##r##3 = z, a##r##4 = z, a##r##5 = z, a##r##6 = z, \
                           a##r##7 = z;
-    ACC_ROW(0) ACC_ROW(1) ACC_ROW(2) ACC_ROW(3)
+    ACC_ROW(0) ACC_ROW(1) ACC_ROW(2) ACC_ROW(3) ACC_ROW(4) ACC_ROW(5) ACC_ROW(6) ACC_ROW(7)
 #undef ACC_ROW
     for (int64_t g = 0; g < num_groups; g++) {
         const uint8_t *gp = w + g * gbytes;
@@ -116,7 +116,7 @@ ALWAYS_INLINE void gemv_panels(int bits, int R, int P, const uint8_t *w, int64_t
 #undef STEP
             } else {  /* the P panels' weights decoded once, then used by each row */
                 DECODE(0) DECODE(1) DECODE(2) DECODE(3) DECODE(4) DECODE(5) DECODE(6) DECODE(7)
-                CHAINS(0) CHAINS(1) CHAINS(2) CHAINS(3)
+                CHAINS(0) CHAINS(1) CHAINS(2) CHAINS(3) CHAINS(4) CHAINS(5) CHAINS(6) CHAINS(7)
             }
 #undef CHAINS
 #undef CHAIN
@@ -125,14 +125,20 @@ ALWAYS_INLINE void gemv_panels(int bits, int R, int P, const uint8_t *w, int64_t
     }
 #define STORE(r, p) if (R > r && P > p) store_out(y + r * N + n0 + p * PANEL, a##r##p, N - n0 - p * PANEL);
 #define STORE_ROW(r) STORE(r, 0) STORE(r, 1) STORE(r, 2) STORE(r, 3) STORE(r, 4) STORE(r, 5) STORE(r, 6) STORE(r, 7)
-    STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3)
+    STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3) STORE_ROW(4) STORE_ROW(5) STORE_ROW(6) STORE_ROW(7)
 #undef STORE_ROW
 #undef STORE
 }
 
 /* gemv_panels over panels [p_begin, p_end) of W: runs of max_p panels (8 for one row, 4 for two, 2 for more: the
  * registers; two rows with the weights in DRAM: P = 4 takes 0.89x the time of P = 2, in cache 1.1x), then runs of
- * 4, 2, 1 for the rest; the shape is constant in each instance. */
+ * 4, 2, 1 for the rest; the shape is constant in each instance. Every M below GEMM_MIN_ROWS is one pass, so the
+ * weights are decoded once per call: R x 2 accumulators + 4 weights + 1 broadcast fit the 16 ymm registers up to
+ * R = 5; at 6 to 8 rows gcc keeps some accumulators on the stack, and still the 4-bit linears run faster with
+ * P = 2 than P = 1 (7-8 rows: 0.85-0.9x the time), the Q8_0 LM head slightly slower (1.01-1.1x), so 8-bit codes
+ * take P = 1 there. One pass against passes of up to 4 rows, one thread's CPU time: 5 rows 0.7-0.85x the time
+ * (4-bit linears), 0.68x (Q8_0 LM head); against the tiled path at 8 rows 0.7x (it decodes once too, but stores
+ * and reloads the weights). */
 #define GEMV_RANGE_ARGS const uint8_t *w, int64_t panel_bytes, int64_t group, const float *x, int64_t K, float *y, \
                         int64_t N, int64_t p_begin, int64_t p_end
 typedef void (*gemv_range_fn)(GEMV_RANGE_ARGS);
@@ -149,18 +155,19 @@ ALWAYS_INLINE void gemv_range(int bits, int R, int max_p, GEMV_RANGE_ARGS) {
     static void gemv_range_##NAME##_##R(GEMV_RANGE_ARGS) {                                                         \
         gemv_range(BITS, R, MAXP, w, panel_bytes, group, x, K, y, N, p_begin, p_end);                              \
     }
-#define DEFINE_RANGES(NAME, BITS) \
-    DEFINE_RANGE(NAME, BITS, 1, 8) DEFINE_RANGE(NAME, BITS, 2, 4) DEFINE_RANGE(NAME, BITS, 3, 2) DEFINE_RANGE(NAME, BITS, 4, 2)
-DEFINE_RANGES(4, 4) DEFINE_RANGES(8, 8) DEFINE_RANGES(fp8, FP8)
+#define DEFINE_RANGES(NAME, BITS, MAXP78)                                                                          \
+    DEFINE_RANGE(NAME, BITS, 1, 8) DEFINE_RANGE(NAME, BITS, 2, 4) DEFINE_RANGE(NAME, BITS, 3, 2)                   \
+    DEFINE_RANGE(NAME, BITS, 4, 2) DEFINE_RANGE(NAME, BITS, 5, 2) DEFINE_RANGE(NAME, BITS, 6, 2)                   \
+    DEFINE_RANGE(NAME, BITS, 7, MAXP78) DEFINE_RANGE(NAME, BITS, 8, MAXP78)
+DEFINE_RANGES(4, 4, 2) DEFINE_RANGES(8, 8, 1) DEFINE_RANGES(fp8, FP8, 1)
 #undef DEFINE_RANGES
 #undef DEFINE_RANGE
 
 /* [code type: 4, 8, FP8][rows - 1] */
-static const gemv_range_fn GEMV_KERNELS[3][4] = {
-    {gemv_range_4_1, gemv_range_4_2, gemv_range_4_3, gemv_range_4_4},
-    {gemv_range_8_1, gemv_range_8_2, gemv_range_8_3, gemv_range_8_4},
-    {gemv_range_fp8_1, gemv_range_fp8_2, gemv_range_fp8_3, gemv_range_fp8_4},
-};
+#define KERNEL_ROW(NAME) {gemv_range_##NAME##_1, gemv_range_##NAME##_2, gemv_range_##NAME##_3, gemv_range_##NAME##_4, \
+                          gemv_range_##NAME##_5, gemv_range_##NAME##_6, gemv_range_##NAME##_7, gemv_range_##NAME##_8}
+static const gemv_range_fn GEMV_KERNELS[3][GEMM_MIN_ROWS - 1] = {KERNEL_ROW(4), KERNEL_ROW(8), KERNEL_ROW(fp8)};
+#undef KERNEL_ROW
 
 /* `run` over every panel of W for the rows x (R of them, fixed in the function); threads take contiguous ranges
  * of panels (even shares, whatever the runs inside them). */
@@ -340,10 +347,7 @@ static void quant_linear_avx2(int bits, const uint8_t *w, int64_t group, const f
         gemm(bits, w, group, x, y, M, N, K);
         return;
     }
-    for (int64_t m = 0; m < M; m += 4) {  /* up to 4 rows per pass over W */
-        const int64_t rows = M - m < 4 ? M - m : 4;
-        gemv(GEMV_KERNELS[bits == 4 ? 0 : bits == 8 ? 1 : 2][rows - 1], bits, w, group, x + m * K, y + m * N, N, K);
-    }
+    if (M > 0) gemv(GEMV_KERNELS[bits == 4 ? 0 : bits == 8 ? 1 : 2][M - 1], bits, w, group, x, y, N, K);
 }
 #endif
 
