@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import pathlib
 
@@ -206,3 +207,28 @@ def test_detokenize_false_keeps_ids_only(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(detokenize=False))
     assert detok.update(ids) is None
     assert detok.output_text == "" and detok.output_token_ids == ids
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_backend_fast_path_equals_the_tokenizer_methods(tokenizer, skip):
+    """The detokenizer calls the tokenizers backend directly (the stock convert_ids_to_tokens rebuilt the list
+    of special tokens on every token); tokens and text must be what the tokenizer's own methods give, special
+    tokens included."""
+    detok = IncrementalDetokenizer(tokenizer, [1, 2, 3], SamplingParams(skip_special_tokens=skip))
+    assert detok._backend is tokenizer.backend_tokenizer
+    ids = sorted(tokenizer.all_special_ids) + list(range(0, tokenizer.vocab_size, 97))
+    tokens = detok._to_tokens(ids)
+    assert tokens == tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=skip)
+    assert detok._to_string(tokens) == tokenizer.convert_tokens_to_string(tokens)
+
+
+def test_a_tokenizer_with_its_own_methods_is_not_bypassed(tokenizer):
+    class Shouting(type(tokenizer)):
+        def convert_tokens_to_string(self, tokens):
+            return super().convert_tokens_to_string(tokens).upper()
+
+    shouting = copy.copy(tokenizer)
+    shouting.__class__ = Shouting
+    ids = encode(tokenizer, "hello there")
+    detok, deltas, _ = stream(shouting, [1], ids, SamplingParams())
+    assert detok._backend is None and "".join(deltas) == "HELLO THERE"

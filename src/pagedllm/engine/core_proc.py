@@ -53,6 +53,7 @@ from pagedllm.messages import (
     UtilityCall,
     UtilityResult,
 )
+from pagedllm.native_thread_name import set_native_thread_name
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +161,7 @@ class EngineCoreProc:
     # ---- IO threads ----------------------------------------------------------------------------------
 
     def _input_thread(self) -> None:
+        set_native_thread_name("engine-input")
         decoder = msgspec.msgpack.Decoder(ToEngine)
         while True:
             try:
@@ -179,6 +181,7 @@ class EngineCoreProc:
                 self.input_queue.put(message)
 
     def _output_thread(self) -> None:
+        set_native_thread_name("engine-output")
         encoder = msgspec.msgpack.Encoder()
         while (message := self.output_queue.get()) is not None:
             self.output_socket.send(encoder.encode(message), copy=False)

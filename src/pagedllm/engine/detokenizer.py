@@ -54,6 +54,10 @@ class IncrementalDetokenizer:
             self.stop_buffer_length = 0
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
 
+        self._backend = _stock_fast_backend(tokenizer) if self.detokenize else None
+        self._decoder = self._backend.decoder if self._backend is not None else None
+        self._skip_ids = (frozenset(tokenizer.all_special_ids) if self._backend is not None and self.skip_special_tokens
+                          else frozenset())
         self.output_token_ids: list[int] = []
         self.output_text = ""
         self._last_output_text_offset = 0
@@ -165,7 +169,33 @@ class IncrementalDetokenizer:
     def _to_tokens(self, token_ids: list[int]) -> list[str]:
         if not self.detokenize or not token_ids:
             return []
+        if self._backend is not None:  # what convert_ids_to_tokens does, without its per-call special-token list
+            id_to_token, skip_ids = self._backend.id_to_token, self._skip_ids
+            return [id_to_token(token_id) for token_id in token_ids if token_id not in skip_ids]
         return self.tokenizer.convert_ids_to_tokens(token_ids, skip_special_tokens=self.skip_special_tokens)
 
     def _to_string(self, tokens: list[str]) -> str:
-        return self.tokenizer.convert_tokens_to_string(tokens) if tokens else ""
+        if not tokens:
+            return ""
+        if self._backend is not None:  # what convert_tokens_to_string does
+            return self._decoder.decode(tokens) if self._decoder is not None else " ".join(tokens)
+        return self.tokenizer.convert_tokens_to_string(tokens)
+
+
+def _stock_fast_backend(tokenizer: Any) -> Any:
+    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer whose convert_ids_to_tokens and
+    convert_tokens_to_string are the stock ones, so that calling the backend gives the same tokens and text;
+    None for any other tokenizer (those go through their own methods).
+
+    The stock convert_ids_to_tokens rebuilds the list of special tokens on every call: per output token that
+    was half of the detokenizer's CPU time (benchmarks/serving_cpu.py)."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if (not isinstance(tokenizer, PreTrainedTokenizerFast)
+            or cls.convert_ids_to_tokens is not PreTrainedTokenizerFast.convert_ids_to_tokens
+            or cls.convert_tokens_to_string is not PreTrainedTokenizerFast.convert_tokens_to_string):
+        return None
+    return tokenizer.backend_tokenizer

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import os
 
 import uvicorn
 
@@ -28,11 +29,25 @@ logger = logging.getLogger(__name__)
 
 
 def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    """Serve until SIGTERM/SIGINT or engine death. Returns the process exit code."""
+    """Serve until SIGTERM/SIGINT or engine death. Returns the process exit code.
+
+    With PAGEDLLM_API_PROFILE=PATH in the environment, the event loop's thread runs under cProfile and its stats
+    are written to PATH at exit (benchmarks/serving_cpu.py; read with `python -m pstats PATH`)."""
+    profile_path = os.environ.get("PAGEDLLM_API_PROFILE")
+    profiler = None
+    if profile_path:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     try:
         return asyncio.run(run_server(engine_config, server_config))
     except KeyboardInterrupt:
         return 0
+    finally:
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(profile_path)
 
 
 async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:

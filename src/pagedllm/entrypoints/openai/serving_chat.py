@@ -32,6 +32,7 @@ from pagedllm.entrypoints.openai.formatting import (
     usage,
 )
 from pagedllm.entrypoints.openai.serving_base import OpenAIServing, merge_streams
+from pagedllm.entrypoints.openai.sse_template import SSETemplate
 from pagedllm.entrypoints.openai.structured_outputs import with_structured_outputs
 from pagedllm.entrypoints.openai.tool_calling import ChoiceStream, ToolCalling
 from pagedllm.outputs import PositionLogprobs
@@ -228,6 +229,10 @@ class OpenAIServingChat(OpenAIServing):
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         started: dict[int, ChoiceStream] = {}
         num_completion = num_cached = 0
+        template: SSETemplate | None = None
+        choices: list[ChatCompletionStreamChoice | tuple]
+        # Chunks of content only (no tool parsing, logprobs or token ids) are written from a template.
+        plain = not (tools.parses_output or request.logprobs or request.return_token_ids)
 
         def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
@@ -245,6 +250,10 @@ class OpenAIServingChat(OpenAIServing):
                     num_completion += len(completion.token_ids)
                     if not completion.text and not completion.token_ids and completion.finish_reason is None:
                         continue
+                    if plain:
+                        choices.append((completion.index, completion.text, completion.finish_reason,
+                                        completion.stop_reason))
+                        continue
                     delta, finish_reason = DeltaMessage(content=completion.text), completion.finish_reason
                     if tools.parses_output:
                         delta, finish_reason = started[completion.index].delta(completion.text, finish_reason)
@@ -255,8 +264,11 @@ class OpenAIServingChat(OpenAIServing):
                         logprobs=self._logprobs(completion.token_ids, completion.logprobs, request),
                         finish_reason=finish_reason, stop_reason=completion.stop_reason,
                         token_ids=list(completion.token_ids) if request.return_token_ids else None))
-                if choices:
-                    yield chunk(choices)
+                if len(choices) == 1 and isinstance(choices[0], tuple):
+                    template = template or _chunk_template(request_id, created, self.model_name)
+                    yield template.render(*choices[0])
+                elif choices:
+                    yield chunk([_choice(c) for c in choices])
             if include_usage:
                 yield sse(ChatCompletionStreamResponse(
                     id=request_id, created=created, model=self.model_name, choices=[],
@@ -266,3 +278,24 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             await merged.aclose()
         yield SSE_DONE
+
+
+_HOLES = ("index", "content", "finish_reason", "stop_reason")
+
+
+def _chunk_template(request_id: str, created: int, model_name: str) -> SSETemplate:
+    """A stream chunk with one choice whose delta is content only."""
+    marker = SSETemplate.marker
+    choice = ChatCompletionStreamChoice.model_construct(
+        index=marker("index"), delta=DeltaMessage.model_construct(content=marker("content")),
+        finish_reason=marker("finish_reason"), stop_reason=marker("stop_reason"))
+    return SSETemplate(ChatCompletionStreamResponse.model_construct(id=request_id, created=created, model=model_name,
+                                                                    choices=[choice]), _HOLES)
+
+
+def _choice(choice: ChatCompletionStreamChoice | tuple) -> ChatCompletionStreamChoice:
+    if isinstance(choice, tuple):
+        index, content, finish_reason, stop_reason = choice
+        return ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=content),
+                                          finish_reason=finish_reason, stop_reason=stop_reason)
+    return choice

@@ -26,6 +26,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.request_caps import too_many
 from pagedllm.entrypoints.openai.serving_base import OpenAIServing, merge_streams
+from pagedllm.entrypoints.openai.sse_template import SSETemplate
 from pagedllm.entrypoints.openai.structured_outputs import with_structured_outputs
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
@@ -169,6 +170,8 @@ class OpenAIServingCompletion(OpenAIServing):
         num_cached = [0] * len(prompts)
         echoed: set[int] = set()
         text_offsets: dict[int, int] = {}
+        template: SSETemplate | None = None
+        choices: list[CompletionResponseChoice | tuple]
         try:
             async for prompt_index, output in merged:
                 num_cached[prompt_index] = max(num_cached[prompt_index], output.num_cached_tokens)
@@ -193,15 +196,21 @@ class OpenAIServingCompletion(OpenAIServing):
                     text_offsets[index] = text_offsets.get(index, 0) + len(text)
                     if not text and completion.finish_reason is None and not token_ids:
                         continue
+                    if logprobs is None and not request.return_token_ids:  # the template's fields only
+                        choices.append((index, text, completion.finish_reason, completion.stop_reason))
+                        continue
                     choices.append(CompletionResponseChoice(
                         index=index, text=text, logprobs=logprobs, finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
                         prompt_token_ids=(list(output.prompt_token_ids)
                                           if request.return_token_ids and first else None),
                         token_ids=list(completion.token_ids) if request.return_token_ids else None))
-                if choices:
+                if len(choices) == 1 and isinstance(choices[0], tuple):
+                    template = template or _chunk_template(request_id, created, self.model_name)
+                    yield template.render(*choices[0])
+                elif choices:
                     yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
-                                                       choices=choices))
+                                                       choices=[_choice(c) for c in choices]))
             if include_usage:
                 num_prompt = sum(len(ids) for _, ids in prompts)
                 yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
@@ -212,6 +221,22 @@ class OpenAIServingCompletion(OpenAIServing):
         finally:
             await merged.aclose()
         yield SSE_DONE
+
+
+_HOLES = ("index", "text", "finish_reason", "stop_reason")
+
+
+def _chunk_template(request_id: str, created: int, model_name: str) -> SSETemplate:
+    """A stream chunk with one choice that has no logprobs and no token ids (the common one)."""
+    choice = CompletionResponseChoice.model_construct(**{name: SSETemplate.marker(name) for name in _HOLES})
+    return SSETemplate(CompletionStreamResponse.model_construct(id=request_id, created=created, model=model_name,
+                                                                choices=[choice]), _HOLES)
+
+
+def _choice(choice: CompletionResponseChoice | tuple) -> CompletionResponseChoice:
+    if isinstance(choice, tuple):
+        return CompletionResponseChoice(**dict(zip(_HOLES, choice, strict=True)))
+    return choice
 
 
 def _num_prompt_logprobs_returned(request: CompletionRequest) -> int | None:
