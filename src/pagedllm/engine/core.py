@@ -154,9 +154,7 @@ class EngineCore:
         except ExecutorDeadError:
             raise  # a worker is gone: the engine stops (engine/core_proc.py reports it)
         except Exception:
-            logger.exception("model execution failed; failing the %d requests of this step",
-                             len(scheduler_output.num_scheduled_tokens))
-            return self._fail_requests(list(scheduler_output.num_scheduled_tokens))
+            return self._step_failed(scheduler_output)
         return self._apply(scheduler_output, runner_output)
 
     def _apply(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
@@ -183,9 +181,7 @@ class EngineCore:
                 except ExecutorDeadError:
                     raise
                 except Exception:
-                    logger.exception("model execution failed; failing the %d requests of this step",
-                                     len(scheduler_output.num_scheduled_tokens))
-                    return self._fail_requests(list(scheduler_output.num_scheduled_tokens))
+                    return self._step_failed(scheduler_output)
                 queue.append((future, scheduler_output))
                 self.max_batch_queue_depth = max(self.max_batch_queue_depth, len(queue))
                 submitted = bool(scheduler_output.num_scheduled_tokens)
@@ -201,9 +197,7 @@ class EngineCore:
         except ExecutorDeadError:
             raise
         except Exception:
-            logger.exception("model execution failed; failing the %d requests of this step",
-                             len(scheduler_output.num_scheduled_tokens))
-            return self._fail_requests(list(scheduler_output.num_scheduled_tokens))
+            return self._step_failed(scheduler_output)
         return self._apply(scheduler_output, runner_output)
 
     def publish_kv_events(self) -> None:
@@ -227,6 +221,12 @@ class EngineCore:
         stats.grammar_compile_seconds_delta = grammar.compile_seconds
         stats.grammar_cache_hits_delta = grammar.num_cache_hits
         return stats
+
+    def _step_failed(self, scheduler_output: SchedulerOutput) -> EngineCoreOutputs:
+        """A step raised (not a dead worker): its requests finish with an error, the engine goes on."""
+        logger.exception("model execution failed; failing the %d requests of this step",
+                         len(scheduler_output.num_scheduled_tokens))
+        return self._fail_requests(list(scheduler_output.num_scheduled_tokens))
 
     def _fail_requests(self, req_ids: list[str]) -> EngineCoreOutputs:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ERROR)
