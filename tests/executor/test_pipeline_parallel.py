@@ -252,3 +252,87 @@ def test_stage_killed_during_a_step_ends_the_engine(tiny_llama_dir):
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert not any(pid_alive(pid) for pid in pids)
+
+
+# ---- the batch queue: up to pp steps in flight ----------------------------------------------------------------
+
+QUEUE_PROMPTS = [[(7 * i + 3 * j) % 380 + 2 for j in range(n)] for i, n in enumerate((70, 9, 41, 23, 96, 5))]
+"""Six prompts of different lengths; with 32 tokens a step, the long ones take several prefill chunks."""
+QUEUE_ARGS = {"max_num_batched_tokens": 32, **POOL}
+
+
+def _greedy_tokens(llm: LLM, prompts, max_tokens: int = 20) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def queue_reference(tiny_llama_dir, one_thread):
+    llm = LLM(str(tiny_llama_dir), **QUEUE_ARGS)
+    try:
+        return _greedy_tokens(llm, QUEUE_PROMPTS)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def _overlaps(spans: list[list[tuple[float, float]]]) -> list[float]:
+    """For each step k: how long stage 0 had already been running step k+1 when stage 1 finished step k (negative:
+    it started after). In lock-step (one step at a time) every value is negative."""
+    first, last = spans[0], spans[-1]
+    assert len(first) == len(last)  # every stage runs every step
+    return [last[k][1] - first[k + 1][0] for k in range(len(first) - 1)]
+
+
+@pytest.mark.slow
+def test_batch_queue_keeps_two_steps_in_flight_with_the_same_tokens(tiny_llama_dir, queue_reference, one_thread):
+    """PP=2, six concurrent requests of 5 to 96 tokens with 32-token steps (chunked prefill): greedy tokens equal
+    PP=1's, the engine core had two steps in flight, and stage 0 started steps while stage 1 was still running the
+    one before (the stages' own clocks)."""
+    llm = LLM(str(tiny_llama_dir), pipeline_parallel_size=2, **QUEUE_ARGS)
+    try:
+        tokens = _greedy_tokens(llm, QUEUE_PROMPTS)
+        core = llm.llm_engine.engine_core
+        spans = core.executor.collective_rpc("get_step_spans")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert tokens == queue_reference
+    assert core.max_batch_queue_depth == 2
+    overlaps = _overlaps(spans)
+    overlapped = [o for o in overlaps if o > 0]
+    print(f"FIGURE PP=2 batch queue: {len(overlapped)} of {len(overlaps)} steps overlapped the stage before, "
+          f"median overlap {1e3 * sorted(overlapped)[len(overlapped) // 2] if overlapped else 0:.2f} ms")
+    assert len(overlapped) >= len(overlaps) // 4, overlaps
+
+
+@pytest.mark.slow
+def test_abort_while_the_request_is_in_flight(tiny_llama_dir, queue_reference, one_thread):
+    """A request aborted while a step holding it is in flight: its late output is dropped, the other requests'
+    greedy tokens equal PP=1's, every KV block is free again and the engine keeps serving."""
+    llm = LLM(str(tiny_llama_dir), pipeline_parallel_size=2, **QUEUE_ARGS)
+    engine = llm.llm_engine
+    core = engine.engine_core
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    try:
+        for i, prompt in enumerate(QUEUE_PROMPTS):
+            engine.add_request(str(i), prompt, params)
+        victim = "4"  # the longest prompt: several prefill chunks, so it is in flight for many steps
+        outputs: dict[str, list[int]] = {}
+        aborted = False
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                assert not (aborted and out.request_id == victim), "an output after the abort"
+                outputs[out.request_id] = out.outputs[0].token_ids
+            if not aborted and any(victim in so.num_scheduled_tokens for _, so in core.batch_queue):
+                engine.abort_request([victim])
+                aborted = True
+        assert aborted
+        while core.has_unfinished_requests():  # the steps still in flight
+            assert not core.step().outputs
+        kv = core.scheduler.kv_cache_manager
+        assert kv.num_free_blocks == kv.block_pool.num_blocks
+        assert victim not in outputs or len(outputs[victim]) < 20
+        assert [outputs[str(i)] for i in range(len(QUEUE_PROMPTS)) if str(i) != victim] == \
+            [t for i, t in enumerate(queue_reference) if str(i) != victim]
+        assert _greedy_tokens(llm, QUEUE_PROMPTS) == queue_reference  # no stale row left on a stage
+    finally:
+        core.shutdown()

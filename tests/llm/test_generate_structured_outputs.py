@@ -92,8 +92,8 @@ def test_logprobs_see_the_masked_logits(llm, tiny_tokenizer):
     dict(num_gpu_blocks_override=6, max_model_len=96),  # 96 tokens; the JSON and plain requests need 56 + 67
     dict(max_num_batched_tokens=8, max_model_len=256),  # chunked prefill: prompts arrive in chunks of <= 8
     dict(enable_prefix_caching=False),
-    # pipeline stages: the last applies the bitmask and samples; the others append the tokens it broadcasts (one
-    # or several per request with speculation), through chunked prefill and preemption
+    # pipeline stages, pp steps in flight: the last applies the bitmask and samples; the others get its tokens (one
+    # or several per request with speculation) in the next scheduler output, through chunked prefill and preemption
     pytest.param(dict(pipeline_parallel_size=2, max_num_batched_tokens=8, max_model_len=256, speculative_config=NGRAM),
                  marks=pytest.mark.slow),
     pytest.param(dict(pipeline_parallel_size=3, num_gpu_blocks_override=6, max_model_len=96), marks=pytest.mark.slow),

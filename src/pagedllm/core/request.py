@@ -69,8 +69,8 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time", "priority",
         "cache_salt", "block_size", "output_token_ids", "all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "status", "stop_reason", "block_hashes", "num_preemptions",
-        "first_scheduled_time", "first_output_sent", "max_tokens", "_stop_token_ids", "spec_token_ids",
-        "structured_output_request",
+        "preempted_at_step", "first_scheduled_time", "first_output_sent", "max_tokens", "_stop_token_ids",
+        "spec_token_ids", "structured_output_request",
     )
 
     def __init__(
@@ -105,6 +105,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.block_hashes: list[BlockHash] = []
         self.num_preemptions = 0
+        self.preempted_at_step = -1
+        """The step_id of the schedule() that last preempted it (the outputs of steps before it are stale)."""
         self.first_scheduled_time: float | None = None
         self.first_output_sent = False
         """Whether an EngineCoreOutput went out (first_scheduled_time rides on the first one)."""

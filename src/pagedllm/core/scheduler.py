@@ -11,7 +11,11 @@ Besides the token budget, prefill chunks share an attention budget (max_prefill_
 of T tokens ending at context L attends T x L (query, key) pairs, so deep into a long prompt its chunks get
 shorter and no step runs for long (decodes keep flowing).
 num_computed_tokens advances when a step is scheduled (as in vLLM), so the next schedule() may run
-before the previous step's update and still see the right positions.
+before the previous step's update and still see the right positions: with pipeline parallelism the engine core
+keeps up to pp steps in flight (engine/core.py). A request in flight is scheduled again only while it has
+tokens left to compute (the next prefill chunk); a decode waits for its sampled token, so update_from_output
+never sees the same decode twice. Outputs of a request aborted or preempted after its step was scheduled are
+dropped.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ class Scheduler:
             num_computed_tokens back over the rejected ones.
         enable_kv_cache_events: record prefix-cache events (core/kv_events.py) for
             kv_cache_manager.take_events(); off by default.
+        pipeline_parallel: send the running requests' sampled tokens in the step (CachedRequestData.new_token_ids)
+            for the stages before the last, which do not sample.
 
     Raises ValueError when one request of max_model_len tokens cannot fit the pool (KVCacheManager) or,
     without chunked prefill, a step.
@@ -56,7 +62,7 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int, speculative_config: SpeculativeConfig | None = None,
-                 enable_kv_cache_events: bool = False):
+                 enable_kv_cache_events: bool = False, pipeline_parallel: bool = False):
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -79,6 +85,9 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         """Finished or aborted since the last schedule(); sent in the next SchedulerOutput."""
         self.num_preemptions = 0
+        self.pipeline_parallel = pipeline_parallel
+        self.num_steps = 0
+        """schedule() calls so far: the next SchedulerOutput's step_id."""
         self._last_stats = (0, 0, 0)  # (queries, hits, preemptions) at the last make_stats()
         self.speculative_config = speculative_config
         self._spec_stats = self._new_spec_stats()
@@ -156,6 +165,8 @@ class Scheduler:
         if not step.preempted_reqs:
             self._schedule_waiting(step)
         output = self._make_output(step)
+        output.step_id = self.num_steps
+        self.num_steps += 1
         for request in step.running_reqs:
             request.num_computed_tokens += step.num_scheduled_tokens[request.request_id]
         for request in step.new_reqs:
@@ -254,6 +265,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.num_preemptions += 1
+        request.preempted_at_step = self.num_steps
         self.num_preemptions += 1
         self.waiting.prepend(request)
 
@@ -312,6 +324,8 @@ class Scheduler:
             cached.req_ids.append(r.request_id)
             cached.new_block_ids.append([b.block_id for b in blocks] if blocks else [])
             cached.num_computed_tokens.append(r.num_computed_tokens)
+            if self.pipeline_parallel:
+                cached.new_token_ids.append(r.all_token_ids[max(r.num_computed_tokens, r.num_prompt_tokens):])
         finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -353,8 +367,9 @@ class Scheduler:
         any_finished = False
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(req_id)
-            if request is None or request.status is not running_status:
-                continue  # finished (aborted) since schedule()
+            if (request is None or request.status is not running_status
+                    or request.preempted_at_step > scheduler_output.step_id):
+                continue  # finished (aborted) or preempted since schedule(): its tokens are stale
             num_computed_tokens = request.num_computed_tokens
             start = num_computed_tokens - num_scheduled  # computed before this step
             index = req_id_to_index.get(req_id)

@@ -38,6 +38,10 @@ class CachedRequestData:
     """Block ids appended to each request's block table this step (often [])."""
     num_computed_tokens: list[int] = field(default_factory=list)
     """Tokens computed BEFORE this step (the step computes num_scheduled_tokens more)."""
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    """Pipeline parallelism only (else empty): each request's output tokens from max(num_computed_tokens, prompt
+    length) to its end. Only the last stage samples; the stages before it learn the sampled tokens here, one step
+    later, so no stage waits for another's sampling (the batch queue keeps the stages busy at once)."""
 
     @property
     def num_reqs(self) -> int:
@@ -55,6 +59,9 @@ class SchedulerOutput:
     """Requests finished or aborted since the last step: the runner drops their state."""
     preempted_req_ids: set[str] = field(default_factory=set)
     """Requests preempted this step: the runner drops their state; they come back as new requests."""
+    step_id: int = 0
+    """The scheduler's count of schedule() calls before this one: a step still in flight when one of its requests
+    is preempted is known by it (pipeline parallelism keeps several steps in flight)."""
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     """req_id -> draft tokens verified this step (speculative decoding). They are the last len(drafts) of the
     request's num_scheduled_tokens: a decode with 3 drafts schedules 4 tokens (its last token, then the drafts)."""

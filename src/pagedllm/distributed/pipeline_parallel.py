@@ -3,8 +3,9 @@ point-to-point hand-over of the hidden state to the next stage, over torch.distr
 CUDA; the code is the same).
 
     stage 0: embed + layers [0, a)  ──send (hidden, residual)──▶  stage 1: layers [a, b)  ──▶ … ──▶
-    last stage: layers [z, L) + final norm + LM head: samples, and broadcasts the sampled tokens to every stage
-    (the first stage reads them as the next step's inputs; every stage's persistent batch stays the same)
+    last stage: layers [z, L) + final norm + LM head: samples and returns the tokens to the engine; the stages
+    before it learn them from the next step's scheduler output (CachedRequestData.new_token_ids), so no stage ever
+    waits for another's sampling and the engine core can keep up to pp steps in flight (its batch queue)
 
 With tensor parallelism too (world = tp x pp), rank = stage * tp + tp_rank: a stage's tensor-parallel ranks form
 their own group, and each hands its (replicated) hidden state to the rank of the same tensor-parallel rank in the
@@ -108,29 +109,6 @@ class PipelineParallelGroup:
         both = torch.empty(2, num_tokens, hidden_size, dtype=dtype, device=device)
         dist.recv(both, self.global_rank - self.tp_size)
         return both[0], both[1]
-
-    def broadcast_sampled(self, sampled: list[list[int]] | None, num_reqs: int,
-                          device: torch.device) -> list[list[int]]:
-        """The last stage's sampled token ids (one list per scheduled request) on every stage: the counts, then the
-        tokens, as int64 tensors (two broadcasts; the lengths vary with speculative decoding)."""
-        src = (self.size - 1) * self.tp_size  # the driver: the last stage's first tensor-parallel rank
-        counts = torch.empty(num_reqs, dtype=torch.int64, device=device)
-        if self.is_last:
-            counts.copy_(torch.tensor([len(t) for t in sampled], dtype=torch.int64))
-        dist.broadcast(counts, src)
-        flat = torch.empty(int(counts.sum()), dtype=torch.int64, device=device)
-        if self.is_last:
-            flat.copy_(torch.tensor([t for ts in sampled for t in ts], dtype=torch.int64))
-        if flat.numel():
-            dist.broadcast(flat, src)
-        if self.is_last:
-            return sampled
-        tokens = flat.tolist()
-        out, i = [], 0
-        for n in counts.tolist():
-            out.append(tokens[i:i + n])
-            i += n
-        return out
 
 
 def run_stage(model: torch.nn.Module, pp: PipelineParallelGroup, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -1,4 +1,5 @@
-"""EngineCore: the loop body every frontend drives: schedule -> execute -> update.
+"""EngineCore: the loop body every frontend drives: schedule -> execute -> update (with pipeline parallelism,
+up to pp steps in flight at once: step_with_batch_queue).
 
 It owns the Scheduler (and through it the KV cache manager) and the Executor (executor/), which runs the
 model on one or more ranks. Only the thread that calls `step()` touches scheduler or KV state. The offline
@@ -9,13 +10,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_events import KVEventBatch
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.engine.kv_event_publisher import create_kv_event_publisher
-from pagedllm.executor.abstract import ExecutorDeadError
+from pagedllm.executor.abstract import ExecutorDeadError, StepFuture
 from pagedllm.executor.factory import create_executor
 from pagedllm.messages import (
     EngineCoreOutput,
@@ -23,6 +26,7 @@ from pagedllm.messages import (
     EngineCoreRequest,
     FinishReason,
     ModelLimits,
+    ModelRunnerOutput,
     SchedulerStats,
 )
 from pagedllm.models.loader import resolve_model
@@ -56,8 +60,16 @@ class EngineCore:
             self.num_blocks = self._determine_num_blocks()
             kec = config.kv_events_config
             # Before the KV cache is allocated: the scheduler refuses a pool that cannot hold one longest request.
+            pp_size = config.parallel_config.pipeline_parallel_size
             self.scheduler = Scheduler(sc, cc, self.num_blocks, self.max_model_len, config.speculative_config,
-                                       enable_kv_cache_events=kec is not None and kec.enable_kv_cache_events)
+                                       enable_kv_cache_events=kec is not None and kec.enable_kv_cache_events,
+                                       pipeline_parallel=pp_size > 1)
+            self.batch_queue_size = pp_size
+            """Steps kept in flight (vLLM's batch queue): one per pipeline stage, so every stage has work."""
+            self.batch_queue: deque[tuple[StepFuture, SchedulerOutput]] = deque()
+            """Submitted steps not yet applied, oldest first (pipeline parallelism only)."""
+            self.max_batch_queue_depth = 0
+            """The most steps in flight at once so far (tests and diagnostics)."""
             self.executor.initialize_kv_cache(self.num_blocks)
             if cc.kv_scales_calculated:
                 self.executor.collective_rpc("calculate_kv_scales")
@@ -121,11 +133,16 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests not finished, or steps still in flight (whose outputs step() must still collect)."""
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     # ---- one step --------------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
-        """Schedule, execute and update once. With nothing to run, returns outputs with stats only."""
+        """Schedule, execute and update once. With nothing to run, returns outputs with stats only.
+
+        With pipeline parallelism, step_with_batch_queue instead: one call submits a step or applies the oldest."""
+        if self.batch_queue_size > 1:
+            return self.step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time())
         scheduler_output = self.scheduler.schedule()
@@ -137,14 +154,51 @@ class EngineCore:
         except ExecutorDeadError:
             raise  # a worker is gone: the engine stops (engine/core_proc.py reports it)
         except Exception:
-            logger.exception("model execution failed; failing the %d requests of this step",
-                             len(scheduler_output.num_scheduled_tokens))
-            return self._fail_requests(list(scheduler_output.num_scheduled_tokens))
+            return self._step_failed(scheduler_output)
+        return self._apply(scheduler_output, runner_output)
+
+    def _apply(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.scheduler_stats = self.make_stats()
         if self.kv_event_publisher is not None:
             self.publish_kv_events()
         return outputs
+
+    def step_with_batch_queue(self) -> EngineCoreOutputs:
+        """vLLM's batch queue: while fewer than pp steps are in flight and something can be scheduled, schedule
+        and submit without waiting (stats-only outputs), so stage 0 starts step N+1 while stage 1 runs step N;
+        otherwise (queue full, nothing schedulable: e.g. every running decode waits for its token) wait for the
+        oldest step and apply it. Outputs are applied in submission order."""
+        queue = self.batch_queue
+        submitted = False
+        if self.scheduler.has_unfinished_requests() and len(queue) < self.batch_queue_size:
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.num_scheduled_tokens or scheduler_output.preempted_req_ids:
+                try:
+                    grammar = self.structured_output_manager.grammar_bitmask(self.scheduler.requests,
+                                                                             scheduler_output)
+                    future = self.executor.execute_model(scheduler_output, grammar, non_block=True)
+                except ExecutorDeadError:
+                    raise
+                except Exception:
+                    return self._step_failed(scheduler_output)
+                queue.append((future, scheduler_output))
+                self.max_batch_queue_depth = max(self.max_batch_queue_depth, len(queue))
+                submitted = bool(scheduler_output.num_scheduled_tokens)
+            else:  # nothing ran: the next step tells the workers what finished meanwhile
+                self.scheduler.finished_req_ids |= scheduler_output.finished_req_ids
+                if not queue and self.scheduler.waiting:
+                    time.sleep(0.001)  # e.g. every request waits for its grammar: no busy spin while it compiles
+        if not queue or (submitted and len(queue) < self.batch_queue_size and not queue[0][0].done()):
+            return EngineCoreOutputs(scheduler_stats=self.make_stats(), timestamp=time.time())
+        future, scheduler_output = queue.popleft()
+        try:
+            runner_output = future.result()
+        except ExecutorDeadError:
+            raise
+        except Exception:
+            return self._step_failed(scheduler_output)
+        return self._apply(scheduler_output, runner_output)
 
     def publish_kv_events(self) -> None:
         """Hand the KV-cache events recorded since the last call to the publisher, as one batch (if any)."""
@@ -167,6 +221,12 @@ class EngineCore:
         stats.grammar_compile_seconds_delta = grammar.compile_seconds
         stats.grammar_cache_hits_delta = grammar.num_cache_hits
         return stats
+
+    def _step_failed(self, scheduler_output: SchedulerOutput) -> EngineCoreOutputs:
+        """A step raised (not a dead worker): its requests finish with an error, the engine goes on."""
+        logger.exception("model execution failed; failing the %d requests of this step",
+                         len(scheduler_output.num_scheduled_tokens))
+        return self._fail_requests(list(scheduler_output.num_scheduled_tokens))
 
     def _fail_requests(self, req_ids: list[str]) -> EngineCoreOutputs:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ERROR)

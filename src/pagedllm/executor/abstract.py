@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import SchedulerOutput
@@ -25,6 +25,16 @@ from pagedllm.structured_output.manager import GrammarOutput
 
 class ExecutorDeadError(RuntimeError):
     """A worker died or failed in a way the executor cannot recover from: the engine must stop."""
+
+
+class StepFuture(Protocol):
+    """A submitted step (concurrent.futures.Future has this shape)."""
+
+    def done(self) -> bool:
+        """Whether result() would return (or raise) without waiting."""
+
+    def result(self) -> ModelRunnerOutput:
+        """The driver rank's output; ExecutorDeadError when a worker is gone."""
 
 
 class Executor(ABC):
@@ -40,10 +50,13 @@ class Executor(ABC):
         """Call `Worker.<method>(*args)` on every rank; returns the results in rank order."""
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput, grammar: GrammarOutput | None = None,
+                      non_block: bool = False) -> ModelRunnerOutput | StepFuture:
         """Run one step on every rank (`grammar`: the token bitmask of the rows that sample under a grammar);
-        the driver rank's output. Raises ExecutorDeadError when a worker is gone."""
+        the driver rank's output. Raises ExecutorDeadError when a worker is gone.
+
+        non_block (vLLM's): return at once with a StepFuture; steps run and complete in submission order, so a
+        pipeline's stages can work on different steps at the same time (engine/core.py's batch queue)."""
 
     def determine_num_blocks(self) -> int:
         """KV blocks every rank can hold: the minimum over ranks."""

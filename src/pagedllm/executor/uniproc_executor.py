@@ -3,6 +3,7 @@ the in-process path costs what calling the runner cost."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any
 
 from pagedllm.config import EngineConfig
@@ -24,9 +25,14 @@ class UniProcExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple[Any, ...] = (), timeout_s: float | None = None) -> list[Any]:
         return [getattr(self.driver_worker, method)(*args)]
 
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
-        return self.driver_worker.execute_model(scheduler_output, grammar)
+    def execute_model(self, scheduler_output: SchedulerOutput, grammar: GrammarOutput | None = None,
+                      non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        output = self.driver_worker.execute_model(scheduler_output, grammar)
+        if not non_block:
+            return output
+        future: Future[ModelRunnerOutput] = Future()  # one process runs one step at a time: already done
+        future.set_result(output)
+        return future
 
     def check_health(self) -> None:
         self.driver_worker.check_health()

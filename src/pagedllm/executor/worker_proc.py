@@ -41,7 +41,8 @@ from pagedllm.messages import MAX_MESSAGE_BYTES
 logger = logging.getLogger(__name__)
 
 RPC_METHODS = frozenset({"determine_num_blocks", "initialize_kv_cache", "kv_cache_spec",
-                         "calculate_kv_scales", "wait_kv_cache_resident", "check_health"})
+                         "calculate_kv_scales", "wait_kv_cache_resident", "check_health",
+                         "get_step_spans"})
 """The Worker methods an RpcCall may name."""
 
 

@@ -4,7 +4,9 @@
     executor ◀──PULL results─── every worker: WorkerReady | WorkerFailed | StepResult | RpcResult
 
 The scheduler output is encoded once per step (msgspec msgpack, executor/worker_messages.py) and published to
-every rank; the driver rank (rank 0, or the last pipeline stage) answers with the sampled tokens. The ranks'
+every rank; the driver rank (rank 0, or the last pipeline stage) answers with the sampled tokens. A step may be
+submitted without waiting (execute_model(..., non_block=True) returns a PendingStep): with pipeline parallelism
+the first stage starts the next step while the later stages finish this one; the answers come in order. The ranks'
 tensors move over torch.distributed (gloo on the CPU, NCCL on CUDA), never through the executor.
 
 A subclass says where the sockets are and starts and watches the workers:
@@ -24,6 +26,7 @@ import socket
 import time
 import weakref
 from abc import abstractmethod
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +72,8 @@ class ZmqExecutor(Executor):
         self.failure_callback: Callable[[str], None] | None = None
         self._closing = False
         self._call_ids = itertools.count()
+        self._pending_steps: deque[PendingStep] = deque()
+        """Steps published and not yet answered, oldest first."""
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromWorker)
         self.ctx = zmq.Context()
@@ -148,19 +153,12 @@ class ZmqExecutor(Executor):
         return ready[0].model_info
 
     # ---- calls -----------------------------------------------------------------------------------
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      grammar: GrammarOutput | None = None) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput, grammar: GrammarOutput | None = None,
+                      non_block: bool = False) -> ModelRunnerOutput | PendingStep:
         self._publish(ExecuteModel.of(scheduler_output, grammar))
-        while True:
-            message = self._receive(None)
-            if not isinstance(message, StepResult):
-                logger.warning("unexpected %s from worker during a step", type(message).__name__)
-                continue
-            if message.error is not None:
-                if self.world_size > 1:  # the other ranks may wait in a collective for ever: the engine stops
-                    raise ExecutorDeadError(f"worker {message.rank} failed: {message.error}")
-                raise RuntimeError(message.error)
-            return message.output
+        step = PendingStep(self)
+        self._pending_steps.append(step)
+        return step if non_block else step.result()
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = (), timeout_s: float | None = None) -> list[Any]:
         call_id = next(self._call_ids)
@@ -169,11 +167,34 @@ class ZmqExecutor(Executor):
         results: dict[int, Any] = {}
         while len(results) < self.world_size:
             message = self._receive(deadline)
-            if isinstance(message, RpcResult) and message.call_id == call_id:
+            if isinstance(message, StepResult):  # a step submitted before the call (the workers keep the order)
+                self._complete_step(message)
+            elif isinstance(message, RpcResult) and message.call_id == call_id:
                 if message.error is not None:
                     raise RuntimeError(f"worker {message.rank}: {method} failed: {message.error}")
                 results[message.rank] = message.result
         return [results[rank] for rank in range(self.world_size)]
+
+    def _collect_one(self) -> None:
+        """Wait for the next worker message and hand a step's result to the oldest pending step."""
+        message = self._receive(None)
+        if isinstance(message, StepResult):
+            self._complete_step(message)
+        else:
+            logger.warning("unexpected %s from worker during a step", type(message).__name__)
+
+    def _complete_step(self, message: StepResult) -> None:
+        if not self._pending_steps:
+            logger.warning("a step result from worker %d but no step is pending", message.rank)
+            return
+        step = self._pending_steps.popleft()
+        if message.error is None:
+            step.output = message.output
+        elif self.world_size > 1:  # the other ranks may wait in a collective for ever: the engine stops
+            step.error = ExecutorDeadError(f"worker {message.rank} failed: {message.error}")
+        else:
+            step.error = RuntimeError(message.error)
+        step.finished = True
 
     def _publish(self, message) -> None:
         self.check_health()
@@ -218,6 +239,30 @@ class ZmqExecutor(Executor):
             pass
         if hasattr(self, "_finalizer"):
             self._finalizer()
+
+
+class PendingStep:
+    """A step submitted with non_block=True. The driver rank answers the steps in submission order, so waiting
+    for one first completes the older ones; the caller's thread reads the socket (no thread of its own)."""
+
+    def __init__(self, executor: ZmqExecutor):
+        self._executor = executor
+        self.finished = False
+        self.output: ModelRunnerOutput | None = None
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        executor = self._executor
+        while not self.finished and executor.failure_reason is None and executor.results.poll(0):
+            executor._collect_one()
+        return self.finished or executor.failure_reason is not None
+
+    def result(self) -> ModelRunnerOutput:
+        while not self.finished:
+            self._executor._collect_one()  # ExecutorDeadError as soon as a worker is gone
+        if self.error is not None:
+            raise self.error
+        return self.output
 
 
 def free_port(host: str) -> int:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler_output import SchedulerOutput
+from pagedllm.core.scheduler_output import CachedRequestData, SchedulerOutput
 from pagedllm.distributed.pipeline_parallel import PipelineParallelGroup, run_stage
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.forward_context import AttentionMetadata, kv_cache_shape, set_forward_context
@@ -98,12 +98,8 @@ class ModelRunner:
             attn_metadata.verify_reqs = np.flatnonzero(num_drafts)
         with set_forward_context(attn_metadata, self.kv_caches):
             hidden_states = self._forward(input_ids, positions)  # [T, hidden]
-        if hidden_states is None:  # a pipeline stage before the last: it appends the last stage's tokens
-            sampled = self.pp.broadcast_sampled(None, len(req_ids), self.device)
-            for row, tokens in zip(rows.tolist(), sampled, strict=True):
-                for token in tokens:
-                    batch.append_token(row, token)
-            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+        if hidden_states is None:  # a pipeline stage before the last: the tokens come in the next step's diffs
+            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
 
         # A request samples when this step's tokens reach the end of the tokens it has.
         seq_lens = batch.num_computed_tokens[rows] + num_sched
@@ -124,8 +120,6 @@ class ModelRunner:
                 batch.append_token(row, token)
                 if entry is not None:
                     logprobs[req_ids[i]] = [entry]
-        if self.pp.size > 1:
-            self.pp.broadcast_sampled(sampled_token_ids, len(req_ids), self.device)
         prompt_logprobs = self._prompt_logprobs(req_ids, rows, num_sched, attn_metadata, hidden_states)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs,
@@ -247,6 +241,21 @@ class ModelRunner:
             row = batch.req_id_to_row[req_id]
             batch.append_blocks(row, block_ids)
             batch.num_computed_tokens[row] = num_computed
+        if cached.new_token_ids and not self.pp.is_last:
+            self._write_sampled_tokens(cached)
+
+    def _write_sampled_tokens(self, cached: CachedRequestData) -> None:
+        """A stage before the last (pipeline parallelism) learns the tokens the last stage sampled from the
+        scheduler: each running request's outputs from max(num_computed_tokens, prompt length) on. Rejected drafts
+        were never counted in num_tokens, and accepted ones already sit where _write_drafts put them."""
+        batch = self.input_batch
+        for req_id, num_computed, tokens in zip(cached.req_ids, cached.num_computed_tokens, cached.new_token_ids,
+                                                strict=True):
+            if tokens:
+                row = batch.req_id_to_row[req_id]
+                start = max(num_computed, batch.states[row].num_prompt_tokens)
+                batch.token_ids[row, start:start + len(tokens)] = tokens
+                batch.num_tokens[row] = start + len(tokens)
 
     # ---- inputs ---------------------------------------------------------------------------------
     def _prepare_inputs(self, rows: np.ndarray, num_sched: np.ndarray):

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections import deque
 
 import torch
 
@@ -37,6 +38,7 @@ from pagedllm.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
+STEP_SPANS_KEPT = 256
 
 
 class Worker:
@@ -58,6 +60,7 @@ class Worker:
         self.model_runner: ModelRunner | None = None
         self.draft_model: torch.nn.Module | None = None
         self.draft_scratch_bytes = 0
+        self.step_spans: deque[tuple[float, float]] = deque(maxlen=STEP_SPANS_KEPT)
         """Bytes of the draft model's scratch KV cache (draft_model method), taken from the KV budget."""
 
     def init_device(self) -> None:
@@ -179,9 +182,16 @@ class Worker:
         None."""
         runner = self.model_runner
         prefault = runner.kv_prefault
+        start = time.monotonic()
         with prefault.busy() if prefault is not None else contextlib.nullcontext():
             output = runner.execute_model(scheduler_output, grammar)
+        self.step_spans.append((start, time.monotonic()))
         return output if self.is_driver else None
+
+    def get_step_spans(self) -> list[tuple[float, float]]:
+        """(start, end) on the host's monotonic clock of this rank's latest steps (at most STEP_SPANS_KEPT, oldest
+        first): with pipeline parallelism the stages' spans overlap (tests and diagnostics)."""
+        return list(self.step_spans)
 
     def check_health(self) -> None:
         """Raises if this worker cannot run steps (nothing to check in-process today)."""
