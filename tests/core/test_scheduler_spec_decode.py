@@ -7,7 +7,7 @@ from pagedllm.messages import ModelRunnerOutput
 
 from .utils import assert_all_free, check_pool_invariants, create_requests, create_scheduler, step
 
-NGRAM4 = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+NGRAM4 = SpeculativeConfig(method="ngram", num_speculative_tokens=4, verify_cost_per_draft_token=0)  # no guard
 
 
 def _decoding(num_tokens=10, max_tokens=16, block_size=16, num_requests=1, **kwargs):
@@ -137,7 +137,8 @@ def test_preemption_drops_drafts_and_frees_everything():
 
 
 def test_disable_by_batch_size():
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, disable_by_batch_size=2)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, disable_by_batch_size=2,
+                             verify_cost_per_draft_token=0)
     scheduler, _ = _decoding(num_requests=2, spec=spec)
     output = scheduler.schedule()
     assert output.scheduled_spec_decode_tokens == {} and output.total_num_scheduled_tokens == 2
@@ -153,3 +154,32 @@ def test_without_speculation_drafts_are_never_scheduled():
     req.spec_token_ids = [1, 2]
     assert scheduler.schedule().num_scheduled_tokens == {"0": 1}
     assert scheduler.make_stats().spec_decoding_stats is None
+
+
+def test_guard_stops_drafting_at_low_acceptance_and_resumes_when_proposals_match():
+    """The low-acceptance guard (default verify_cost_per_draft_token): proposals that are always rejected stop
+    being verified after one try; the counters count verified drafts only. Once the proposals match what the
+    steps produce (checked without verifying them), drafting resumes and grows to all 4."""
+    scheduler, (req,) = _decoding(max_tokens=400, spec=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    drafted = []
+    for token in range(100, 112):  # the target never produces the proposal's tokens
+        output = scheduler.schedule()
+        drafted.append(len(output.scheduled_spec_decode_tokens.get("0", [])))
+        _verify(scheduler, output, {"0": [token]}, {"0": [1, 2, 3, 4]})
+    assert drafted == [1] + [0] * 11
+    assert scheduler.spec_decoding_totals.num_draft_tokens == 1 and scheduler.spec_decoding_totals.num_drafts == 1
+    nxt = 200
+    req.spec_token_ids = [nxt, nxt + 1, nxt + 2, nxt + 3]
+    drafted = []
+    for _ in range(20):  # the target produces what was proposed (all drafts accepted, then the next token)
+        output = scheduler.schedule()
+        d = len(output.scheduled_spec_decode_tokens.get("0", []))
+        drafted.append(d)
+        produced = list(range(nxt, nxt + d + 1))
+        nxt += d + 1
+        _verify(scheduler, output, {"0": produced}, {"0": list(range(nxt, nxt + 4))})
+    assert drafted[:2] == [0, 0] and 0 < drafted.index(1) < 6 and drafted[-1] == 4
+    assert drafted == sorted(drafted)
+    totals = scheduler.spec_decoding_totals
+    assert totals.num_draft_tokens == 1 + sum(drafted) and totals.num_accepted_tokens == sum(drafted)
+    assert req.output_token_ids[-1] == nxt - 1 and len(req.output_token_ids) == 1 + 12 + nxt - 200

@@ -92,7 +92,8 @@ def test_preemption_keeps_the_matcher_in_step():
 def test_drafts_are_cut_where_the_grammar_refuses_them_and_only_verified_ones_count():
     """The proposer's drafts are validated after the step's tokens were accepted, cut before the first refused one
     (vLLM's update_draft_token_ids); the cut ones are neither scheduled nor counted in the spec-decode counters."""
-    scheduler = create_scheduler(speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    scheduler = create_scheduler(speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                                                                      verify_cost_per_draft_token=0))  # no guard
     (request,) = create_requests(1, max_tokens=16, ignore_eos=True)
     grammar = _constrained(request)
     grammar.ready = True

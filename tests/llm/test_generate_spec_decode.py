@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.spec_decode.acceptance_guard import DraftAcceptance
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
@@ -68,6 +69,33 @@ def test_greedy_output_is_bit_identical_with_speculation(make_llm, tiny_llama_di
     assert stats.num_accepted_tokens < stats.num_draft_tokens
     if "num_gpu_blocks_override" in engine_args:
         assert llm.llm_engine.num_preemptions > 0
+    _assert_all_free(llm)
+
+
+def test_greedy_output_is_bit_identical_while_the_guard_turns_drafting_off_and_on(make_llm, tiny_llama_dir, reference,
+                                                                                 monkeypatch):
+    """The low-acceptance guard (on by default) stops and restarts drafting within a request as its acceptance
+    moves; the output stays the plain one, alone and batched, and only verified drafts are counted."""
+    prompts, expected, _ = reference
+    decisions: dict[int, list[int]] = {}
+    choose = DraftAcceptance.num_drafts
+
+    def spy(self, cost):
+        d = choose(self, cost)
+        decisions.setdefault(id(self), []).append(d)
+        return d
+
+    monkeypatch.setattr(DraftAcceptance, "num_drafts", spy)
+    llm = make_llm(tiny_llama_dir, speculative_config=NGRAM)
+    assert [_tokens(llm.generate([p], GREEDY_24, use_tqdm=False))[0] for p in prompts] == expected
+    assert _tokens(llm.generate(prompts, GREEDY_24, use_tqdm=False)) == expected
+    def on_off_on(d: list[int]) -> bool:
+        on = next((i for i, n in enumerate(d) if n), len(d))
+        off = next((i for i in range(on, len(d)) if d[i] == 0), len(d))
+        return any(d[off:])
+
+    assert any(on_off_on(d) for d in decisions.values())  # a request stopped drafting and started again
+    assert 0 < _spec_stats(llm).num_draft_tokens <= sum(sum(d) for d in decisions.values())  # trims cut some
     _assert_all_free(llm)
 
 

@@ -70,7 +70,7 @@ class Request:
         "cache_salt", "block_size", "output_token_ids", "all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "status", "stop_reason", "block_hashes", "num_preemptions",
         "preempted_at_step", "first_scheduled_time", "first_output_sent", "max_tokens", "_stop_token_ids",
-        "spec_token_ids", "structured_output_request",
+        "spec_token_ids", "spec_acceptance", "structured_output_request",
     )
 
     def __init__(
@@ -114,6 +114,9 @@ class Request:
         self.spec_token_ids: list[int] = []
         """Draft tokens the proposer guessed after the last step (under a grammar, only the prefix it allows),
         verified (in part) by the next one."""
+        self.spec_acceptance = None
+        """spec_decode.acceptance_guard.DraftAcceptance: its recent draft acceptance (set by the scheduler when
+        speculating)."""
         self._stop_token_ids = frozenset(sampling_params.stop_token_ids)
         self.structured_output_request = None
         """structured_output.StructuredOutputRequest when the output must match a grammar (set by the engine core,

@@ -31,6 +31,7 @@ from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.core.step_builder import StepBuilder
 from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats, SpecDecodingStats
+from pagedllm.spec_decode.acceptance_guard import DraftAcceptance
 
 if TYPE_CHECKING:
     from pagedllm.messages import ModelRunnerOutput
@@ -204,7 +205,7 @@ class Scheduler:
                 continue
             drafts = None
             if step.use_spec and request.spec_token_ids and num_new_tokens == 1:
-                drafts = self._trim_drafts(request, token_budget - 1)
+                drafts = self._trim_drafts(request, token_budget - 1)[:self._num_drafts_worth_verifying(request)]
                 num_new_tokens += len(drafts)
             new_blocks = allocate_slots(request, num_new_tokens)
             while new_blocks is None:
@@ -240,6 +241,13 @@ class Scheduler:
         if request.max_tokens is not None:
             room = min(room, request.max_tokens - len(request.output_token_ids) - 1)
         return request.spec_token_ids[:max(room, 0)]
+
+    def _num_drafts_worth_verifying(self, request: Request) -> int:
+        """How many of the request's drafts pay for their verification at its recent acceptance
+        (spec_decode/acceptance_guard.py)."""
+        if request.spec_acceptance is None:
+            request.spec_acceptance = DraftAcceptance(self.speculative_config.num_speculative_tokens)
+        return request.spec_acceptance.num_drafts(self.speculative_config.verify_cost_per_draft_token)
 
     def _select_victim(self) -> int:
         """Index in self.running of the lowest-priority, latest-arrived request (fcfs: latest-arrived).
@@ -382,6 +390,10 @@ class Scheduler:
                 num_computed_tokens = request.num_computed_tokens = start + 1 + num_accepted
                 self._spec_stats.observe(len(drafts), num_accepted)
                 self.spec_decoding_totals.observe(len(drafts), num_accepted)
+            if request.spec_token_ids and new_token_ids and request.spec_acceptance is not None:
+                # The drafts proposed before this step against what it produced, verified or not (the guard's
+                # acceptance estimate; the metrics above count verified drafts only).
+                request.spec_acceptance.observe(request.spec_token_ids, new_token_ids)
             finished = False
             if not new_token_ids or num_computed_tokens < len(request.all_token_ids):
                 new_token_ids = []  # a prefill chunk that did not reach the end samples nothing

@@ -1,0 +1,77 @@
+"""The low-acceptance guard (pagedllm's; vLLM always verifies every draft): each request drafts only as many tokens
+as pay for their verification at its recent acceptance rate, none when no number does.
+
+A verify step with d drafts costs about 1 + c * d plain decode steps (c: SpeculativeConfig.
+verify_cost_per_draft_token; on this CPU a 5-row step costs ~2.5 one-row steps, c = 0.375) and yields
+E(d) = 1 + r0 + r0 r1 + ... + r0...r(d-1) tokens, r_i being the odds that draft i is accepted after drafts
+0..i-1 were. The guard picks the d in 0..k with the most tokens per unit of cost, E(d) / (1 + c * d); d = 0 is a
+plain step (1 token for 1). E.g. c = 0.375 and the same r at every position: no drafts below r = 0.375, 1 draft
+up to r ~ 0.65, 2 up to ~0.8, 4 from ~0.9.
+
+The rates are per-request exponential moving averages over its recent drafts, observed on every step whose tokens
+can be compared with the drafts proposed before it, verified or not: the proposal made after step t against the
+tokens step t + 1 produced (the leading matches accepted, the first mismatch rejected). For drafts that were not
+verified this is free and gives the same odds as verifying (greedy: exact; random sampling: the sampled token
+equals the draft with probability p_target(draft), the acceptance probability when p_draft = 1), so a request that
+stopped drafting starts again as soon as its proposals start matching, without probe steps. Which drafts are
+verified never changes what is sampled (the rejection sampler is lossless for any drafts), so the guard changes
+speed only; the metrics count verified drafts only.
+"""
+
+from __future__ import annotations
+
+ACCEPTANCE_DECAY = 0.85
+"""Weight of the past per observed draft token: about the last 1 / (1 - 0.85) ~ 7 tokens count."""
+
+PRIOR_ACCEPTED = PRIOR_REJECTED = 1.0
+"""A new request's estimate: 0.5, worth two observations (it fades like any other)."""
+
+
+class DraftAcceptance:
+    """One request's recent draft acceptance by position: rates[i] estimates the odds that draft i is accepted
+    when drafts 0..i-1 were (decayed counts; in a copy the later positions are the likelier ones).
+
+    Args:
+        k: num_speculative_tokens.
+    """
+
+    __slots__ = ("accepted", "rejected")
+
+    def __init__(self, k: int) -> None:
+        self.accepted = [PRIOR_ACCEPTED] * k
+        self.rejected = [PRIOR_REJECTED] * k
+
+    def rates(self) -> list[float]:
+        return [a / (a + r) for a, r in zip(self.accepted, self.rejected, strict=True)]
+
+    def observe(self, proposed: list[int], produced: list[int]) -> None:
+        """Count the drafts `proposed` before a step against the tokens it `produced` (accepted drafts plus the
+        target's token, or one token for a step that verified none): the leading matches are accepted at their
+        positions, the first mismatch is rejected at its; positions past it or past the produced tokens tell
+        nothing.
+
+        Example: proposed [5, 6, 7], produced [5, 9] -> position 0 accepted, 1 rejected; [5] -> 0 accepted."""
+        n = min(len(proposed), len(produced), len(self.accepted))
+        for i in range(n):
+            hit = proposed[i] == produced[i]
+            self.accepted[i] = self.accepted[i] * ACCEPTANCE_DECAY + hit
+            self.rejected[i] = self.rejected[i] * ACCEPTANCE_DECAY + (not hit)
+            if not hit:
+                return
+
+    def num_drafts(self, verify_cost_per_draft_token: float) -> int:
+        """The d in 0..k with the most expected tokens per unit of step cost, E(d) / (1 + cost * d), where
+        E(d) = 1 + r0 + r0 r1 + ... + r0...r(d-1); ties go to fewer drafts. Cost 0 (the guard off): k.
+
+        Example: rates [0.5, 0.5, ...], cost 0.375 -> 1 (1.5 / 1.375 = 1.09 beats 1.75 / 1.75 and 1 / 1)."""
+        k = len(self.accepted)
+        if verify_cost_per_draft_token <= 0:
+            return k
+        best, best_gain, tokens, reach = 0, 1.0, 1.0, 1.0
+        for d, rate in enumerate(self.rates(), start=1):
+            reach *= rate
+            tokens += reach
+            gain = tokens / (1 + verify_cost_per_draft_token * d)
+            if gain > best_gain * (1 + 1e-9):
+                best, best_gain = d, gain
+        return best

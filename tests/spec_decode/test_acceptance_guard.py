@@ -1,0 +1,45 @@
+"""The low-acceptance guard's estimate and choice: drafts compared with what a step produced, by position, and the
+number of drafts worth verifying at a given cost (spec_decode/acceptance_guard.py)."""
+
+import pytest
+
+from pagedllm.config import SpeculativeConfig
+from pagedllm.spec_decode.acceptance_guard import ACCEPTANCE_DECAY, DraftAcceptance
+
+
+def _at(rates: list[float]) -> DraftAcceptance:
+    acceptance = DraftAcceptance(len(rates))
+    acceptance.accepted = list(rates)
+    acceptance.rejected = [1 - r for r in rates]
+    return acceptance
+
+
+def test_observe_counts_leading_matches_and_the_first_mismatch_by_position():
+    acceptance = DraftAcceptance(4)
+    acceptance.observe([5, 6, 7, 8], [5, 9])  # 0 accepted, 1 rejected, 2 and 3 unknown
+    acceptance.observe([5, 6, 7, 8], [5])  # a plain step: 0 accepted, the rest unknown
+    d = ACCEPTANCE_DECAY
+    assert acceptance.accepted == pytest.approx([(d + 1) * d + 1, d, 1, 1])
+    assert acceptance.rejected == pytest.approx([d * d, d + 1, 1, 1])
+    acceptance.observe([], [5])
+    acceptance.observe([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6])  # past k: ignored
+    assert acceptance.rates()[3] == pytest.approx((d + 1) / (d + 1 + d))
+
+
+@pytest.mark.parametrize("rate, expected", [(0.3, 0), (0.37, 0), (0.4, 1), (0.6, 1), (0.7, 2), (0.8, 2), (0.9, 4)])
+def test_num_drafts_maximises_tokens_per_unit_of_cost(rate, expected):
+    assert _at([rate] * 4).num_drafts(0.375) == expected
+
+
+def test_later_positions_count_and_cost_zero_turns_the_guard_off():
+    assert _at([0.5, 0.95, 0.95, 0.95]).num_drafts(0.375) == 4  # a copy: once the first is right, so is the rest
+    assert _at([0.0] * 4).num_drafts(0) == 4
+    assert _at([0.9] * 4).num_drafts(10.0) == 0
+
+
+def test_config_default_and_bounds():
+    assert SpeculativeConfig(method="ngram", num_speculative_tokens=4).verify_cost_per_draft_token == 0.375
+    with pytest.raises(ValueError, match="verify_cost_per_draft_token"):
+        SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "verify_cost_per_draft_token": -1}')
+    assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, '
+                                   '"verify_cost_per_draft_token": 0}').verify_cost_per_draft_token == 0
