@@ -7,7 +7,8 @@ under `if TYPE_CHECKING:` count too: a deferred import still couples the two mod
 The layers, bottom first (a top-level module or sub-package is named by its first name under `pagedllm`):
 
     values       sampling_params, messages, outputs, config, server_config, kv_events_config, log_escape,
-                 math_utils   (no torch)
+                 math_utils, child_process, native_thread_name   (no torch; the last two: a process's own
+                 exit and thread names)
     core         core (pure Python, no torch), kernels (native code)
     model        layers, models, tokenizer, spec_decode, distributed (the tensor-parallel group)
     worker       worker
@@ -37,7 +38,7 @@ SRC = Path(pagedllm.__file__).parent
 
 LAYERS = [
     {"sampling_params", "messages", "outputs", "config", "server_config", "kv_events_config", "log_escape",
-     "math_utils"},
+     "math_utils", "child_process", "native_thread_name"},
     {"core", "kernels"},
     {"layers", "models", "tokenizer", "spec_decode", "distributed", "structured_output"},
     {"worker"},

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.spec_decode.acceptance_guard import DraftAcceptance
+from pagedllm.core.acceptance_guard import DraftAcceptance
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}

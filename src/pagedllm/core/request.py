@@ -115,7 +115,7 @@ class Request:
         """Draft tokens the proposer guessed after the last step (under a grammar, only the prefix it allows),
         verified (in part) by the next one."""
         self.spec_acceptance = None
-        """spec_decode.acceptance_guard.DraftAcceptance: its recent draft acceptance (set by the scheduler when
+        """core.acceptance_guard.DraftAcceptance: its recent draft acceptance (set by the scheduler when
         speculating)."""
         self._stop_token_ids = frozenset(sampling_params.stop_token_ids)
         self.structured_output_request = None

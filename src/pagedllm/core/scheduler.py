@@ -25,13 +25,13 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from pagedllm.core.acceptance_guard import DraftAcceptance
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.core.step_builder import StepBuilder
 from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats, SpecDecodingStats
-from pagedllm.spec_decode.acceptance_guard import DraftAcceptance
 
 if TYPE_CHECKING:
     from pagedllm.messages import ModelRunnerOutput
@@ -244,7 +244,7 @@ class Scheduler:
 
     def _num_drafts_worth_verifying(self, request: Request) -> int:
         """How many of the request's drafts pay for their verification at its recent acceptance
-        (spec_decode/acceptance_guard.py)."""
+        (core/acceptance_guard.py)."""
         if request.spec_acceptance is None:
             request.spec_acceptance = DraftAcceptance(self.speculative_config.num_speculative_tokens)
         return request.spec_acceptance.num_drafts(self.speculative_config.verify_cost_per_draft_token)

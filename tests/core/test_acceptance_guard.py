@@ -1,10 +1,10 @@
 """The low-acceptance guard's estimate and choice: drafts compared with what a step produced, by position, and the
-number of drafts worth verifying at a given cost (spec_decode/acceptance_guard.py)."""
+number of drafts worth verifying at a given cost (core/acceptance_guard.py)."""
 
 import pytest
 
 from pagedllm.config import SpeculativeConfig
-from pagedllm.spec_decode.acceptance_guard import ACCEPTANCE_DECAY, DraftAcceptance
+from pagedllm.core.acceptance_guard import ACCEPTANCE_DECAY, DraftAcceptance
 
 
 def _at(rates: list[float]) -> DraftAcceptance:
