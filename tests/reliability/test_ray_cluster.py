@@ -2,7 +2,8 @@
 `ray start --address` on 127.0.0.3 (distinct loopback addresses, one CPU each, so the two pipeline stages land on
 different nodes), `pagedllm serve --pipeline-parallel-size 2` on it. Greedy outputs equal the in-process engine's;
 then node 2 freezes (the node is lost without closing its connections) and /health turns 503 within the health
-timeout; the cluster is torn down with no process left.
+timeout; last, on a fresh server, every process of node 2 is killed (kill -9) under 4 streams, which end within
+2 s; the cluster is torn down with no process left.
 
 Needs the ray extra (`pip install -e ".[ray]"`); skipped without it."""
 
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,7 +27,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from reliability_utils import MODEL_NAME, Server, free_port, wait_for
+from reliability_utils import MODEL_NAME, Server, free_port, stream_until_error, unavailable, wait_for
 
 pytest.importorskip("ray", reason='the ray extra is not installed (pip install -e ".[ray]")')
 
@@ -38,6 +40,7 @@ NODE_FLAGS = ["--num-cpus", "1", "--num-gpus", "0", "--object-store-memory", str
 HEALTH_TIMEOUT_S = 10.0  # --health-check-timeout's default
 PROMPTS = ["The quick brown fox jumps over", "Hello world! How are you", "Paged attention stores the KV cache",
            "Numbers like 12345 and 2024 appear", "user assistant system: write a short poem"]
+LONG = {"model": MODEL_NAME, "prompt": "The quick brown fox", "max_tokens": 480, "extra_body": {"ignore_eos": True}}
 
 
 @dataclass
@@ -80,6 +83,14 @@ def _marked_pids(mark: str) -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+def _cluster_pids(mark: str, procs: list[subprocess.Popen]) -> list[int]:
+    """The test cluster's processes: marked ones, and any in the session of a `ray start` (Ray's agents rewrite
+    their process title over their environment, so the mark alone misses them)."""
+    sessions = {proc.pid for proc in procs}
+    marked = set(_marked_pids(mark))
+    return sorted(marked | {int(e) for e in os.listdir("/proc") if e.isdigit() and _session(int(e)) in sessions})
 
 
 def _listening(ip: str, port: int) -> bool:
@@ -131,13 +142,13 @@ def start_ray_cluster(logs: Path) -> Iterator[RayCluster]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        left = _marked_pids(mark)
+        left = _cluster_pids(mark, procs)
         for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        assert wait_for(lambda: not _marked_pids(mark), 10.0, 0.1), _marked_pids(mark)
+        assert wait_for(lambda: not _cluster_pids(mark, procs), 10.0, 0.1), _cluster_pids(mark, procs)
         shutil.rmtree(temp_root, ignore_errors=True)
         if left:
             print(f"ray cluster teardown: killed {len(left)} leftover processes: {[_cmdline(p)[:80] for p in left]}")
@@ -217,3 +228,53 @@ def test_losing_a_node_turns_health_503_within_the_health_timeout(ray_server, ra
         server.client().completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=4)
     assert refused.value.status_code == 503
     assert "connection to the engine" in server.log(), server.log()[-3000:]
+    for pid in node:  # the node comes back (the next test kills it): Ray has not declared it dead yet
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def test_killing_a_node_under_streams_ends_them_within_2_s(ray_server, ray_cluster, serve_model, tmp_path):
+    """kill -9 of every process of node 2 (its `ray start`, raylet, agents, rank 1's worker) while 4 streams are
+    producing tokens: every stream ends with an error within 2 s, /health 503 within 2 s, and the API server
+    exits as after any engine death. Runs last: it destroys node 2 (and needs its own server, the module's one
+    died in the test above)."""
+    ray_server.close()
+    server = Server(serve_model, tmp_path / "server.log", "--distributed-executor-backend", "ray",
+                    "--pipeline-parallel-size", "2", "--ray-address", ray_cluster.address,
+                    "--engine-death-exit-delay", "3", wait_ready=False)
+    try:
+        _kill_node_under_streams(server.wait_ready(timeout_s=240.0), ray_cluster)
+    finally:
+        server.close()
+
+
+def _kill_node_under_streams(server: Server, ray_cluster: RayCluster) -> None:
+    assert "started 2 Ray workers on 2 nodes" in server.log(), server.log()[-3000:]
+    client = server.client(timeout=60.0)
+    results: list = []
+    lock = threading.Lock()
+    started = threading.Barrier(5)
+    threads = [threading.Thread(target=stream_until_error, args=(client, LONG, started, results, lock), daemon=True)
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=60)
+    node = ray_cluster.node_pids()
+    assert any("RayWorker" in _cmdline(pid) for pid in node), [_cmdline(p)[:100] for p in node]
+    killed_at = time.monotonic()
+    for pid in node:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    unhealthy = wait_for(lambda: unavailable(server), 2.0)
+    health_s = time.monotonic() - killed_at
+    for t in threads:
+        t.join(timeout=5)
+    assert len(results) == 4, f"{4 - len(results)} streams still open:\n{server.log()[-3000:]}"
+    assert all(isinstance(outcome, openai.APIError) for outcome, _ in results), results
+    last_error_s = max(at for _, at in results) - killed_at
+    print(f"FIGURE ray node kill -9 (PP=2 over 2 nodes): 4/4 streams errored, last after {last_error_s:.2f} s; "
+          f"/health 503 after {health_s:.2f} s")
+    assert unhealthy, f"/health not 503 2 s after the node was killed:\n{server.log()[-3000:]}"
+    assert last_error_s < 2.0, server.log()[-3000:]
+    assert server.proc.wait(timeout=15) != 0

@@ -17,7 +17,9 @@ tensor-parallel group; pipeline stages come after) share a node. Each rank reser
 `node CPUs // ranks on that node` threads, its share of the node as with mp.
 
 Health: a worker that exits is seen twice, whichever comes first: its TCP connection to the engine closes (a
-ZMQ socket monitor), and Ray fails the actor's `run` call. A node that hangs or is cut off closes nothing: ZMQ
+ZMQ socket monitor), and Ray fails the actor's `run` call; during a step, the other ranks' torch.distributed calls
+to it fail as well and fail the step (a killed node: streams end within 0.3 s, tests/reliability/
+test_ray_cluster.py). A node that hangs or is cut off closes nothing: ZMQ
 heartbeats on the connection close it after HEARTBEAT_TIMEOUT_MS. Each takes the engine-death path.
 
 Shutdown sends Shutdown, then kills the actors and removes the placement group; the actors die with the engine
