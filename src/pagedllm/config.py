@@ -180,10 +180,9 @@ class SpeculativeConfig:
     """No drafts in a step that runs at least this many requests (at high concurrency verifying costs more than
     it saves). Default: never disabled."""
     verify_cost_per_draft_token: float = 0.375
-    """pagedllm's (vLLM has no such key): what verifying one draft token adds to a decode step, as a fraction of
-    the step (a 5-row verify step costs ~2.5 plain steps on this CPU: 0.375). Each request then drafts only as many
-    tokens as pay off at its recent acceptance rate, none while none do (core/acceptance_guard.py).
-    0: every request always drafts num_speculative_tokens, as in vLLM."""
+    """pagedllm's (vLLM has none): what verifying one draft token adds to a decode step, as a fraction of it (a
+    5-row verify step costs ~2.5 plain steps on this CPU: 0.375). Each request verifies only as many drafts as pay
+    off at its recent acceptance (core/acceptance_guard.py); 0: always num_speculative_tokens, as in vLLM."""
     suffix_decoding_max_tree_depth: int = 24
     """suffix: depth of the suffix trees (matched context plus drafts, in tokens)."""
     suffix_decoding_max_cached_requests: int = 10000

@@ -20,6 +20,12 @@ speed only; the metrics count verified drafts only.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.config import SpeculativeConfig
+    from pagedllm.core.request import Request
+
 ACCEPTANCE_DECAY = 0.85
 """Weight of the past per observed draft token: about the last 1 / (1 - 0.85) ~ 7 tokens count."""
 
@@ -75,3 +81,17 @@ class DraftAcceptance:
             if gain > best_gain * (1 + 1e-9):
                 best, best_gain = d, gain
         return best
+
+
+def drafts_to_verify(request: Request, budget: int, max_model_len: int, spec: SpeculativeConfig) -> list[int]:
+    """The request's drafts that its next step verifies: cut so the step fits `budget` more tokens and, if all are
+    accepted, the bonus token still keeps within max_tokens and max_model_len (e.g. max_tokens 10 with 8 outputs:
+    1 draft; accepted, it and the bonus token make output 10), then to the number worth verifying at the
+    request's recent acceptance."""
+    room = min(budget, max_model_len - len(request.all_token_ids) - 1)
+    if request.max_tokens is not None:
+        room = min(room, request.max_tokens - len(request.output_token_ids) - 1)
+    if request.spec_acceptance is None:
+        request.spec_acceptance = DraftAcceptance(spec.num_speculative_tokens)
+    room = min(room, request.spec_acceptance.num_drafts(spec.verify_cost_per_draft_token))
+    return request.spec_token_ids[:max(room, 0)]

@@ -11,11 +11,9 @@ Besides the token budget, prefill chunks share an attention budget (max_prefill_
 of T tokens ending at context L attends T x L (query, key) pairs, so deep into a long prompt its chunks get
 shorter and no step runs for long (decodes keep flowing).
 num_computed_tokens advances when a step is scheduled (as in vLLM), so the next schedule() may run
-before the previous step's update and still see the right positions: with pipeline parallelism the engine core
-keeps up to pp steps in flight (engine/core.py). A request in flight is scheduled again only while it has
-tokens left to compute (the next prefill chunk); a decode waits for its sampled token, so update_from_output
-never sees the same decode twice. Outputs of a request aborted or preempted after its step was scheduled are
-dropped.
+before the previous step's update and still see the right positions: with pipeline parallelism up to pp steps are
+in flight (engine/core.py). A request in flight is scheduled again only for its next prefill chunk; a decode waits
+for its sampled token. Outputs of a request aborted or preempted after its step was scheduled are dropped.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from pagedllm.core.acceptance_guard import DraftAcceptance
+from pagedllm.core.acceptance_guard import drafts_to_verify
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
@@ -49,11 +47,9 @@ class Scheduler:
         cache_config: block_size and enable_prefix_caching.
         num_blocks: KV-cache blocks in the pool.
         max_model_len: longest prompt + output (EngineCore.max_model_len, resolved once from the model).
-        speculative_config: speculative decoding (None: off). The runner proposes drafts; the scheduler
-            gives them room in the step (trimmed to the budget, max_tokens and max_model_len) and rolls
-            num_computed_tokens back over the rejected ones.
-        enable_kv_cache_events: record prefix-cache events (core/kv_events.py) for
-            kv_cache_manager.take_events(); off by default.
+        speculative_config: speculative decoding (None: off). The runner proposes drafts; the scheduler verifies
+            those that fit and pay (core/acceptance_guard.py) and rolls back over the rejected ones.
+        enable_kv_cache_events: record prefix-cache events (core/kv_events.py) for kv_cache_manager.take_events().
         pipeline_parallel: send the running requests' sampled tokens in the step (CachedRequestData.new_token_ids)
             for the stages before the last, which do not sample.
 
@@ -205,7 +201,7 @@ class Scheduler:
                 continue
             drafts = None
             if step.use_spec and request.spec_token_ids and num_new_tokens == 1:
-                drafts = self._trim_drafts(request, token_budget - 1)[:self._num_drafts_worth_verifying(request)]
+                drafts = drafts_to_verify(request, token_budget - 1, self.max_model_len, self.speculative_config)
                 num_new_tokens += len(drafts)
             new_blocks = allocate_slots(request, num_new_tokens)
             while new_blocks is None:
@@ -231,23 +227,6 @@ class Scheduler:
                     step.count_prefill(request, request.num_computed_tokens, num_new_tokens)
                 i += 1
         step.token_budget = token_budget
-
-    def _trim_drafts(self, request: Request, budget: int) -> list[int]:
-        """The request's drafts cut so the step fits `budget` more tokens and, if all are accepted, the bonus
-        token still keeps within max_tokens and max_model_len. E.g. max_tokens 10 with 8 outputs: 1 draft
-        (accepted, it and the bonus token make output 10)."""
-        num_tokens = len(request.all_token_ids)
-        room = min(budget, self.max_model_len - num_tokens - 1)
-        if request.max_tokens is not None:
-            room = min(room, request.max_tokens - len(request.output_token_ids) - 1)
-        return request.spec_token_ids[:max(room, 0)]
-
-    def _num_drafts_worth_verifying(self, request: Request) -> int:
-        """How many of the request's drafts pay for their verification at its recent acceptance
-        (core/acceptance_guard.py)."""
-        if request.spec_acceptance is None:
-            request.spec_acceptance = DraftAcceptance(self.speculative_config.num_speculative_tokens)
-        return request.spec_acceptance.num_drafts(self.speculative_config.verify_cost_per_draft_token)
 
     def _select_victim(self) -> int:
         """Index in self.running of the lowest-priority, latest-arrived request (fcfs: latest-arrived).

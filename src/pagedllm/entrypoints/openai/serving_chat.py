@@ -230,7 +230,6 @@ class OpenAIServingChat(OpenAIServing):
         started: dict[int, ChoiceStream] = {}
         num_completion = num_cached = 0
         template: SSETemplate | None = None
-        choices: list[ChatCompletionStreamChoice | tuple]
         # Chunks of content only (no tool parsing, logprobs or token ids) are written from a template.
         plain = not (tools.parses_output or request.logprobs or request.return_token_ids)
 
@@ -241,7 +240,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             async for _, output in merged:
                 num_cached = max(num_cached, output.num_cached_tokens)
-                choices = []
+                choices: list[ChatCompletionStreamChoice | tuple] = []
                 for completion in output.outputs:
                     if completion.index not in started:
                         started[completion.index] = tools.stream()
