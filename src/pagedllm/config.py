@@ -179,9 +179,9 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     """No drafts in a step that runs at least this many requests (at high concurrency verifying costs more than
     it saves). Default: never disabled."""
-    verify_cost_per_draft_token: float = 0.375
+    verify_cost_per_draft_token: float = 0.33
     """pagedllm's (vLLM has none): what verifying one draft token adds to a decode step, as a fraction of it (a
-    5-row verify step costs ~2.5 plain steps on this CPU: 0.375). Each request verifies only as many drafts as pay
+    5-row verify step costs ~2.3 plain steps on this CPU: 0.33). Each request verifies only as many drafts as pay
     off at its recent acceptance (core/acceptance_guard.py); 0: always num_speculative_tokens, as in vLLM."""
     suffix_decoding_max_tree_depth: int = 24
     """suffix: depth of the suffix trees (matched context plus drafts, in tokens)."""

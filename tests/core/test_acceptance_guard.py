@@ -38,7 +38,7 @@ def test_later_positions_count_and_cost_zero_turns_the_guard_off():
 
 
 def test_config_default_and_bounds():
-    assert SpeculativeConfig(method="ngram", num_speculative_tokens=4).verify_cost_per_draft_token == 0.375
+    assert SpeculativeConfig(method="ngram", num_speculative_tokens=4).verify_cost_per_draft_token == 0.33
     with pytest.raises(ValueError, match="verify_cost_per_draft_token"):
         SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "verify_cost_per_draft_token": -1}')
     assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, '

@@ -2,7 +2,7 @@
 as pay for their verification at its recent acceptance rate, none when no number does.
 
 A verify step with d drafts costs about 1 + c * d plain decode steps (c: SpeculativeConfig.
-verify_cost_per_draft_token; on this CPU a 5-row step costs ~2.5 one-row steps, c = 0.375) and yields
+verify_cost_per_draft_token; on this CPU a 5-row step costs ~2.3 one-row steps, c = 0.33) and yields
 E(d) = 1 + r0 + r0 r1 + ... + r0...r(d-1) tokens, r_i being the odds that draft i is accepted after drafts
 0..i-1 were. The guard picks the d in 0..k with the most tokens per unit of cost, E(d) / (1 + c * d); d = 0 is a
 plain step (1 token for 1). E.g. c = 0.375 and the same r at every position: no drafts below r = 0.375, 1 draft
