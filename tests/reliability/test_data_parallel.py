@@ -83,7 +83,9 @@ def test_a_killed_replica_ends_its_streams_and_the_other_keeps_serving(server):
     started = threading.Barrier(3)
     threads = [threading.Thread(target=stream_until_error, args=(client, {**LONG, "prompt": prompt}, started,
                                                                   results, lock))
-               for prompt in ("The quick brown fox", "Once upon a time")]  # one per replica: by load
+               for prompt in ("Alpha stream of the kill test", "Bravo stream of the kill test")]  # by load
+    # one per replica: prompts no earlier test sent, different from the first token (a block of one cached or
+    # routed to a replica would draw the other there)
     for t in threads:
         t.start()
     started.wait(timeout=60)
