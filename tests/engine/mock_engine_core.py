@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.messages import (
     AbortRequests,
@@ -165,3 +166,16 @@ class MockEngineCore:
 async def collect(stream) -> list:
     """Every output of an AsyncLLM stream, until it ends."""
     return [output async for output in stream]
+
+
+def run_scenario(scenario, engines, tokenizer, **llm_kwargs) -> None:
+    """asyncio.run(scenario(engines, llm)) with an AsyncLLM over `engines` (one mock engine core, or a list of them
+    for data parallelism), shut down afterwards whatever the scenario raised."""
+    async def main():
+        llm = AsyncLLM(engines, tokenizer, "mock", log_stats=False, **llm_kwargs)
+        try:
+            await scenario(engines, llm)
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())

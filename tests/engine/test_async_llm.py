@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from mock_engine_core import MockEngineCore, collect
+from mock_engine_core import MockEngineCore, collect, run_scenario
 
 from pagedllm.core.scheduler import QueueFullError
-from pagedllm.engine.async_llm import AsyncLLM, RequestAbortedError
+from pagedllm.engine.async_llm import RequestAbortedError
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.messages import ModelLimits
 from pagedllm.sampling_params import SamplingParams
@@ -24,16 +24,8 @@ def tokenizer(tiny_tokenizer):
 
 
 def _run(scenario, tokenizer, watchdog_timeout_s: float | None = None, **engine_kwargs):
-    async def main():
-        engine = MockEngineCore(LIMITS, **engine_kwargs)
-        llm = AsyncLLM(engine, tokenizer, "mock", log_stats=False, max_buffered_outputs=8,  # type: ignore[arg-type]
-                       watchdog_timeout_s=watchdog_timeout_s)
-        try:
-            await scenario(engine, llm)
-        finally:
-            llm.shutdown()
-
-    asyncio.run(main())
+    run_scenario(scenario, MockEngineCore(LIMITS, **engine_kwargs), tokenizer, max_buffered_outputs=8,
+                 watchdog_timeout_s=watchdog_timeout_s)
 
 
 def test_streams_detokenized_deltas_until_length(tokenizer):

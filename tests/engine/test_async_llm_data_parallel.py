@@ -7,9 +7,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from mock_engine_core import MockEngineCore, collect
+from mock_engine_core import MockEngineCore, collect, run_scenario
 
-from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.messages import ModelLimits
 from pagedllm.sampling_params import SamplingParams
@@ -21,15 +20,7 @@ LONG = SamplingParams(max_tokens=60, ignore_eos=True)
 
 
 def _run(scenario, tokenizer):
-    async def main():
-        engines = [MockEngineCore(LIMITS), MockEngineCore(LIMITS)]
-        llm = AsyncLLM(engines, tokenizer, "mock", log_stats=False)  # type: ignore[arg-type]
-        try:
-            await scenario(engines, llm)
-        finally:
-            llm.shutdown()
-
-    asyncio.run(main())
+    run_scenario(scenario, [MockEngineCore(LIMITS), MockEngineCore(LIMITS)], tokenizer)
 
 
 def test_prefix_then_load_decide_and_children_and_aborts_follow_the_replica(tiny_tokenizer):
