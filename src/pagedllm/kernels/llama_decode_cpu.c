@@ -25,10 +25,9 @@
  * verify (speculative decoding): some requests have several consecutive rows (each a decode row of its own
  * length over the request's block table), and a row attends to the K/V its request's earlier rows write in the
  * same step. The first call's rows run in parallel, so a row may read such a slot before it is written: that
- * call only rotates Q and K in place and writes every row's K/V; a second call over the rotated Q, with no
- * rotary and no write, computes the attention once every slot holds its value: the module path's order (write
- * all, then attend) and so its bits. It recomputes the attention of every row: a small part of a step at
- * short contexts.
+ * call only rotates Q and K in place and writes every row's K/V (out NULL: no attention); a second call over the
+ * rotated Q, with no rotary and no write, computes the attention once every slot holds its value: the module
+ * path's order (write all, then attend) and so its bits.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -105,9 +104,9 @@ int llama_decode_step(const decode_model *model, const decode_layer *layers, voi
         if (linear(&layer->qkv, h, qkv, s) != 0) return -1;
         uint8_t *key_cache = (uint8_t *)key_caches[i];
         if (paged_decode_attention(qkv, qkv_size, cos_sin, slot_mapping, key_cache, key_cache + value_bytes,
-                                   block_table, block_table_stride, seq_lens, attn, s, model->num_heads,
-                                   model->num_kv_heads, d, block_size, model->scale, kv_fmt, layer->k_scale,
-                                   layer->v_scale, layer->k_comp) != 0)
+                                   block_table, block_table_stride, seq_lens, verify ? NULL : attn, s,
+                                   model->num_heads, model->num_kv_heads, d, block_size, model->scale, kv_fmt,
+                                   layer->k_scale, layer->v_scale, layer->k_comp) != 0)
             return -1;
         if (verify && paged_decode_attention(qkv, qkv_size, NULL, NULL, key_cache, key_cache + value_bytes,
                                              block_table, block_table_stride, seq_lens, attn, s, model->num_heads,

@@ -7,7 +7,7 @@
  *   key_cache    [num_blocks, block_size, num_kv_heads, head_dim] in `fmt` (value_cache the same)
  *   block_table  [num_seqs, block_table_stride] int32
  *   seq_lens     [num_seqs] int32: tokens of context, the query's own token included
- *   out          [num_seqs, num_heads, head_dim] fp32
+ *   out          [num_seqs, num_heads, head_dim] fp32, or NULL: rotate and write only (no attention)
  *   slot_mapping [num_seqs] int64: the cache slot of each query's own token, or NULL
  *   cos_sin      [num_seqs, 2, head_dim / 2] fp32: each query's rotary cos and sin, or NULL
  *
@@ -200,6 +200,7 @@ ALWAYS_INLINE int attend_seq(float *qs, const float *cos_sin, const int64_t *slo
             kv_store_row(k, num_kv_heads * head_dim, fmt, 1.0f / k_scale, (uint8_t *)key_cache + *slot * row);
         kv_store_row(v, num_kv_heads * head_dim, fmt, 1.0f / v_scale, (uint8_t *)value_cache + *slot * row);
     }
+    if (os == NULL) return 0; /* rotate and write only */
     scale *= k_scale; /* q . (c * k_scale) * scale == q . c * (scale * k_scale): both factors powers of two or 1 */
     const int64_t n = len > 0 ? len : 1;
 #if defined(KV_SIMD)
@@ -284,7 +285,7 @@ int paged_decode_attention(float *q, int64_t q_stride, const float *cos_sin, con
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t s = 0; s < num_seqs; s++) {
-        float *qs = q + s * q_stride, *os = out + s * num_heads * head_dim;
+        float *qs = q + s * q_stride, *os = out != NULL ? out + s * num_heads * head_dim : NULL;
         const float *cs = cos_sin != NULL ? cos_sin + s * head_dim : NULL;
         const int64_t *slot = slot_mapping != NULL ? slot_mapping + s : NULL;
         const int32_t *blocks = block_table + s * block_table_stride;
