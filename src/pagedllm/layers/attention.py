@@ -19,14 +19,21 @@ Plan, built once per step (`AttentionMetadata.plan`) and reused by every layer:
   so a verified token's output is the same as plain decoding's. Natively, a request's rows run together in the
   multi-row kernel (`kernels/multirow_attention.py`: each K/V row read once per tile of rows, every row bitwise
   the decode kernel's for its length);
-- prefill chunks run one request at a time; a chunk with no cached prefix reads its own K/V directly (no
-  cache read at all) when the cache holds the model dtype. A cache of another dtype (`--kv-cache-dtype`) is
-  always read back (`.to` the model dtype), own chunk included, so a token's K/V are the same stored values
-  whether they came from this chunk, an earlier one or the prefix cache (DESIGN invariant 2 within a KV
-  dtype). Where the scores fit in `GROUPED_SCORES_MAX_BYTES`, it is two batched matmuls per KV group (its
-  query heads stacked as rows, an additive causal mask built once per step): 2.7x faster than SDPA with
-  enable_gqa for a 256-token prompt on the CPU, which falls back to its unfused math path for GQA. Longer
-  chunks go through SDPA, whose memory does not grow with the square of the chunk.
+- natively (fp32 activations on the CPU, any KV cache dtype the kernels read), a step with a prefill chunk or a
+  verify row writes every K/V first, then runs every row of the step through the multi-row kernel
+  (`kernels/multirow_attention.py`): a request's rows together, each row exactly a decode row of its position
+  (causal: the row at position p sees tokens 0..p), bit for bit. So a row's bits do not depend on how its prompt
+  was chunked, on a prefix cache hit, or on whether it was prefilled or decoded. Measured faster than the
+  matmul path below at every shape tried (2 threads: an 8 x 256-token prefill step's attention 4x, one
+  2,048-token chunk 2.7x): it computes only the causal half and reads each K/V row once per tile of 16 rows;
+- elsewhere (CUDA, other activation dtypes) prefill chunks run one request at a time; a chunk with no cached prefix
+  reads its own K/V directly (no cache read at all) when the cache holds the model dtype. A cache of another dtype
+  (`--kv-cache-dtype`) is always read back (`.to` the model dtype), own chunk included, so a token's K/V are the
+  same stored values whether they came from this chunk, an earlier one or the prefix cache (DESIGN invariant 2
+  within a KV dtype). Where the scores fit in `GROUPED_SCORES_MAX_BYTES`, it is two batched matmuls per KV group
+  (its query heads stacked as rows, an additive causal mask built once per step): 2.7x faster than SDPA with
+  enable_gqa for a 256-token prompt on the CPU, which falls back to its unfused math path for GQA. Longer chunks go
+  through SDPA, whose memory does not grow with the square of the chunk.
 """
 
 from __future__ import annotations
@@ -119,7 +126,7 @@ def build_plan(md: AttentionMetadata, block_size: int, native: bool, always_read
     all_decode = decode_rows is not None and not prefills
     plan = _AttentionPlan(native, all_decode, has_verify, decode_rows, decode_block_table, decode_seq_lens,
                           decode_block_ids, nb, decode_mask, prefills)
-    if native and has_verify and not prefills:
+    if native and (has_verify or prefills):
         _plan_rows(plan, md.block_table, qsl, seq_lens, block_size)
     return plan
 
