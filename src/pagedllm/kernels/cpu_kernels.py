@@ -182,6 +182,8 @@ def _declare_attention(lib: ctypes.CDLL) -> None:
     signatures = {
         "paged_decode_attention": (ctypes.c_int, [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr] + [i64] * 5
                                    + [f32, i32, f32, f32, ptr]),
+        "paged_multirow_attention": (ctypes.c_int, [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr] + [i64] * 4
+                                     + [f32, i32, f32, f32]),
         "kv_cache_write": (None, [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i32, f32, f32, ptr, i64]),
         "kv_encode": (None, [ptr, i64, i32, ptr]),
         "kv_decode": (None, [ptr, i64, i32, i32, ptr]),

@@ -6,7 +6,7 @@
  *                        : h, res = fused_add_rms_norm(h, res)     (h: the previous layer's MLP output)
  *                 qkv = linear(h) [+ bias]
  *                 attn = paged_decode_attention(qkv, ...)          (rotary, KV write at the slots, attention)
- *                 verify: attn = paged_decode_attention(qkv, no rotary, no write)   (see below)
+ *                 verify: attn = paged_multirow_attention(qkv, ...)   (see below)
  *                 h = linear(attn) [+ bias];  h, res = fused_add_rms_norm(h, res)
  *                 gu = linear(h) [+ bias];  act = silu_and_mul(gu);  h = linear(act) [+ bias]
  *   then:         h, res = fused_add_rms_norm(h, res, final norm)
@@ -25,10 +25,11 @@
  * verify (speculative decoding): some requests have several consecutive rows (each a decode row of its own
  * length over the request's block table), and a row attends to the K/V its request's earlier rows write in the
  * same step. The first call's rows run in parallel, so a row may read such a slot before it is written: that
- * call only rotates Q and K in place and writes every row's K/V; a second call over the rotated Q, with no
- * rotary and no write, computes the attention once every slot holds its value: the module path's order (write
- * all, then attend) and so its bits. It recomputes the attention of every row: a small part of a step at
- * short contexts.
+ * call only rotates Q and K in place and writes every row's K/V (out NULL: no attention); then
+ * paged_multirow_attention over the rotated Q computes the attention once every slot holds its value, a
+ * request's rows (group g: rows row_start[g] .. row_start[g + 1] - 1, block table group_table + g *
+ * group_table_stride) together, each row bitwise a decode row of its length: the module path's order (write all,
+ * then attend) and so its bits. group_table and row_start are read only with verify.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -47,6 +48,11 @@ int paged_decode_attention(float *q, int64_t q_stride, const float *cos_sin, con
                            int64_t block_table_stride, const int32_t *seq_lens, float *out, int64_t num_seqs,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                            float scale, int fmt, float k_scale, float v_scale, const float *k_comp);
+int paged_multirow_attention(const float *q, int64_t q_stride, const void *key_cache, const void *value_cache,
+                             const int32_t *block_table, int64_t block_table_stride, const int64_t *row_start,
+                             int64_t num_groups, const int32_t *seq_lens, float *out, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int fmt,
+                             float k_scale, float v_scale);
 
 enum { LINEAR_PACKED = 0, LINEAR_Q8ACT = 1 };
 
@@ -94,7 +100,9 @@ static int linear(const decode_linear *l, const float *x, float *y, int64_t m) {
 int llama_decode_step(const decode_model *model, const decode_layer *layers, void *const *key_caches,
                       int64_t value_bytes, int kv_fmt, int64_t block_size, const int32_t *block_table,
                       int64_t block_table_stride, const int32_t *seq_lens, const int64_t *slot_mapping,
-                      const float *cos_sin, int64_t num_seqs, float *res, float *h, float *scratch, int verify) {
+                      const float *cos_sin, int64_t num_seqs, float *res, float *h, float *scratch, int verify,
+                      const int32_t *group_table, int64_t group_table_stride, const int64_t *row_start,
+                      int64_t num_groups) {
     const int64_t s = num_seqs, hidden = model->hidden, d = model->head_dim;
     const int64_t q_size = model->num_heads * d, qkv_size = q_size + 2 * model->num_kv_heads * d;
     float *qkv = scratch, *attn = qkv + s * qkv_size, *gu = attn + s * q_size, *act = gu + s * 2 * model->intermediate;
@@ -105,14 +113,14 @@ int llama_decode_step(const decode_model *model, const decode_layer *layers, voi
         if (linear(&layer->qkv, h, qkv, s) != 0) return -1;
         uint8_t *key_cache = (uint8_t *)key_caches[i];
         if (paged_decode_attention(qkv, qkv_size, cos_sin, slot_mapping, key_cache, key_cache + value_bytes,
-                                   block_table, block_table_stride, seq_lens, attn, s, model->num_heads,
-                                   model->num_kv_heads, d, block_size, model->scale, kv_fmt, layer->k_scale,
-                                   layer->v_scale, layer->k_comp) != 0)
+                                   block_table, block_table_stride, seq_lens, verify ? NULL : attn, s,
+                                   model->num_heads, model->num_kv_heads, d, block_size, model->scale, kv_fmt,
+                                   layer->k_scale, layer->v_scale, layer->k_comp) != 0)
             return -1;
-        if (verify && paged_decode_attention(qkv, qkv_size, NULL, NULL, key_cache, key_cache + value_bytes,
-                                             block_table, block_table_stride, seq_lens, attn, s, model->num_heads,
-                                             model->num_kv_heads, d, block_size, model->scale, kv_fmt,
-                                             layer->k_scale, layer->v_scale, layer->k_comp) != 0)
+        if (verify && paged_multirow_attention(qkv, qkv_size, key_cache, key_cache + value_bytes, group_table,
+                                               group_table_stride, row_start, num_groups, seq_lens, attn,
+                                               model->num_heads, model->num_kv_heads, d, block_size, model->scale,
+                                               kv_fmt, layer->k_scale, layer->v_scale) != 0)
             return -1;
         if (linear(&layer->o, attn, h, s) != 0) return -1;
         fused_add_rms_norm_f32(h, res, layer->post_attention_norm, s, hidden, model->eps);

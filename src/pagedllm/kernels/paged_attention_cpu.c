@@ -7,7 +7,7 @@
  *   key_cache    [num_blocks, block_size, num_kv_heads, head_dim] in `fmt` (value_cache the same)
  *   block_table  [num_seqs, block_table_stride] int32
  *   seq_lens     [num_seqs] int32: tokens of context, the query's own token included
- *   out          [num_seqs, num_heads, head_dim] fp32
+ *   out          [num_seqs, num_heads, head_dim] fp32, or NULL: rotate and write only (no attention)
  *   slot_mapping [num_seqs] int64: the cache slot of each query's own token, or NULL
  *   cos_sin      [num_seqs, 2, head_dim / 2] fp32: each query's rotary cos and sin, or NULL
  *
@@ -182,6 +182,20 @@ ALWAYS_INLINE void pv_head(const float *p, int64_t len, const uint8_t *const *v_
     }
 }
 
+/* sh[0, len) = softmax(sh[0, len)), len >= 1. Not inlined: the decode and the multi-row kernels run the same
+ * machine code (the vector expf and sum gcc makes of it), so their probabilities are the same bits. */
+__attribute__((noinline)) static void softmax_row(float *sh, int64_t len) {
+    float m = sh[0]; /* no infinities here (built with -ffast-math) */
+    for (int64_t t = 1; t < len; t++) m = sh[t] > m ? sh[t] : m;
+    float sum = 0.0f;
+    for (int64_t t = 0; t < len; t++) {
+        sh[t] = expf(sh[t] - m);
+        sum += sh[t];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t t = 0; t < len; t++) sh[t] *= inv;
+}
+
 /* One sequence: rotate and write its new token (fused use), then attend. Returns -1 when the scratch cannot be
  * allocated. */
 ALWAYS_INLINE int attend_seq(float *qs, const float *cos_sin, const int64_t *slot, const uint8_t *key_cache,
@@ -200,6 +214,7 @@ ALWAYS_INLINE int attend_seq(float *qs, const float *cos_sin, const int64_t *slo
             kv_store_row(k, num_kv_heads * head_dim, fmt, 1.0f / k_scale, (uint8_t *)key_cache + *slot * row);
         kv_store_row(v, num_kv_heads * head_dim, fmt, 1.0f / v_scale, (uint8_t *)value_cache + *slot * row);
     }
+    if (os == NULL) return 0; /* rotate and write only */
     scale *= k_scale; /* q . (c * k_scale) * scale == q . c * (scale * k_scale): both factors powers of two or 1 */
     const int64_t n = len > 0 ? len : 1;
 #if defined(KV_SIMD)
@@ -237,18 +252,7 @@ ALWAYS_INLINE int attend_seq(float *qs, const float *cos_sin, const int64_t *slo
             for (int64_t kh = 0; kh < num_kv_heads; kh++)
                 dot_group(qs + kh * group * head_dim, k_rows[t] + kh * head_dim * es, group, head_dim, scale,
                           scores + kh * group * len + t, len, fmt);
-    for (int64_t h = 0; h < num_heads; h++) { /* softmax over t, per head */
-        float *sh = scores + h * len;
-        float m = sh[0]; /* len >= 1; no infinities here (built with -ffast-math) */
-        for (int64_t t = 1; t < len; t++) m = sh[t] > m ? sh[t] : m;
-        float sum = 0.0f;
-        for (int64_t t = 0; t < len; t++) {
-            sh[t] = expf(sh[t] - m);
-            sum += sh[t];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < len; t++) sh[t] *= inv;
-    }
+    for (int64_t h = 0; h < num_heads; h++) softmax_row(scores + h * len, len);
 #if defined(KV_SIMD)
     if (convert) {
         for (int64_t kh = 0; kh < num_kv_heads; kh++) {
@@ -284,7 +288,7 @@ int paged_decode_attention(float *q, int64_t q_stride, const float *cos_sin, con
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t s = 0; s < num_seqs; s++) {
-        float *qs = q + s * q_stride, *os = out + s * num_heads * head_dim;
+        float *qs = q + s * q_stride, *os = out != NULL ? out + s * num_heads * head_dim : NULL;
         const float *cs = cos_sin != NULL ? cos_sin + s * head_dim : NULL;
         const int64_t *slot = slot_mapping != NULL ? slot_mapping + s : NULL;
         const int32_t *blocks = block_table + s * block_table_stride;
@@ -309,5 +313,148 @@ int paged_decode_attention(float *q, int64_t q_stride, const float *cos_sin, con
         }
         if (rc != 0) failed = 1;
     }
+    return failed ? -1 : 0;
+}
+
+/* Multi-row attention: rows of queries that attend to one block table (a speculative step's verify rows, a
+ * prefill chunk's rows), each row r a decode row of its own context length seq_lens[r] (causal: the row at
+ * position p has length p + 1), its K/V already in the cache.
+ *
+ *   q            [num_rows, q_stride] fp32: row r starts with its num_heads * head_dim floats (rotated)
+ *   block_table  [num_groups, block_table_stride] int32: group g's table
+ *   row_start    [num_groups + 1] int64: group g's rows are [row_start[g], row_start[g + 1])
+ *   seq_lens     [num_rows] int32, >= 1
+ *   out          [num_rows, num_heads, head_dim] fp32
+ *
+ * One OpenMP task per (group, KV head, tile of up to MR_TILE rows): the tile's K and V rows of that head are
+ * converted (fp32: prefetched) once per KV_CHUNK tokens and used by every row of the tile, so a context token is
+ * read once per tile instead of once per row. Each row computes what attend_seq computes for it, in the same order
+ * (qk_head64 over the same chunks, softmax_row, pv_acc64 chunk by chunk, the same v_scale product): its output is
+ * bitwise paged_decode_attention's for that row, whatever the tile, the group or the thread count. Without the
+ * head_dim 64 SIMD path each row runs attend_seq itself (one task per row).
+ */
+#define MR_TILE 16
+
+#if defined(KV_SIMD)
+/* Rows [0, nrows) of a tile (q rows q_stride apart, out rows num_heads * 64 apart), KV head kh, head_dim 64. */
+ALWAYS_INLINE int attend_rows64(const float *q, int64_t q_stride, const uint8_t *key_cache,
+                                const uint8_t *value_cache, const int32_t *blocks, const int32_t *lens,
+                                int64_t nrows, int64_t kh, float *out, int64_t num_heads, int64_t num_kv_heads,
+                                int64_t block_size, float scale, float v_scale, int fmt) {
+    const int64_t group = num_heads / num_kv_heads, es = kv_elem_size(fmt);
+    const int64_t row = num_kv_heads * 64 * es, offset = kh * 64 * es;
+    int64_t maxlen = 0, nscores = 0;
+    for (int64_t r = 0; r < nrows; r++) {
+        maxlen = lens[r] > maxlen ? lens[r] : maxlen;
+        nscores += group * (int64_t)lens[r];
+    }
+    const size_t floats = (size_t)(nscores + (KV_CHUNK + nrows * group) * 64);
+    const uint8_t **k_rows =
+        (const uint8_t **)malloc(sizeof(uint8_t *) * (size_t)(2 * maxlen + KV_CHUNK) + sizeof(float) * floats);
+    if (k_rows == NULL) return -1;
+    const uint8_t **v_rows = k_rows + maxlen, **conv_rows = v_rows + maxlen;
+    float *scores = (float *)(conv_rows + KV_CHUNK), *conv_buf = scores + nscores, *acc = conv_buf + KV_CHUNK * 64;
+    for (int64_t t = 0; t < maxlen; t++) {
+        const int64_t s = (int64_t)blocks[t / block_size] * block_size + t % block_size;
+        k_rows[t] = key_cache + s * row;
+        v_rows[t] = value_cache + s * row;
+    }
+    for (int64_t t0 = 0; t0 < maxlen; t0 += KV_CHUNK) { /* scores: row r's [group, lens[r]] after row r - 1's */
+        const int64_t m = maxlen - t0 < KV_CHUNK ? maxlen - t0 : KV_CHUNK;
+        convert_rows64(k_rows + t0, offset, m, maxlen - t0, conv_buf, conv_rows, fmt);
+        float *sr = scores;
+        for (int64_t r = 0; r < nrows; sr += group * lens[r], r++) {
+            const int64_t len = lens[r], mr = len - t0 < KV_CHUNK ? len - t0 : KV_CHUNK;
+            if (mr <= 0) continue;
+            for (int64_t g = 0; g < group; g++)
+                qk_head64(q + r * q_stride + (kh * group + g) * 64, conv_rows, 0, mr, scale, sr + g * len + t0,
+                          KV_F32);
+        }
+    }
+    float *sr = scores;
+    for (int64_t r = 0; r < nrows; sr += group * lens[r], r++)
+        for (int64_t g = 0; g < group; g++) softmax_row(sr + g * lens[r], lens[r]);
+    for (int64_t i = 0; i < nrows * group * 64; i++) acc[i] = 0.0f;
+    for (int64_t t0 = 0; t0 < maxlen; t0 += KV_CHUNK) {
+        const int64_t m = maxlen - t0 < KV_CHUNK ? maxlen - t0 : KV_CHUNK;
+        convert_rows64(v_rows + t0, offset, m, maxlen - t0, conv_buf, conv_rows, fmt);
+        sr = scores;
+        for (int64_t r = 0; r < nrows; sr += group * lens[r], r++) {
+            const int64_t len = lens[r], mr = len - t0 < KV_CHUNK ? len - t0 : KV_CHUNK;
+            if (mr <= 0) continue;
+            for (int64_t g = 0; g < group; g++) pv_acc64(sr + g * len + t0, mr, conv_rows, acc + (r * group + g) * 64);
+        }
+    }
+    for (int64_t r = 0; r < nrows; r++)
+        for (int64_t g = 0; g < group; g++)
+            for (int j = 0; j < 8; j++)
+                _mm256_storeu_ps(out + r * num_heads * 64 + (kh * group + g) * 64 + 8 * j,
+                                 _mm256_mul_ps(_mm256_loadu_ps(acc + (r * group + g) * 64 + 8 * j),
+                                               _mm256_set1_ps(v_scale)));
+    free(k_rows);
+    return 0;
+}
+#endif
+
+int paged_multirow_attention(const float *q, int64_t q_stride, const void *key_cache, const void *value_cache,
+                             const int32_t *block_table, int64_t block_table_stride, const int64_t *row_start,
+                             int64_t num_groups, const int32_t *seq_lens, float *out, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int fmt,
+                             float k_scale, float v_scale) {
+    const uint8_t *kc = (const uint8_t *)key_cache, *vc = (const uint8_t *)value_cache;
+#if defined(KV_SIMD)
+    const int tiled = head_dim == 64;
+#else
+    const int tiled = 0;
+#endif
+    /* tasks: (group, first row, rows); tiled: each for every KV head, the task index's low part */
+    const int64_t heads = tiled ? num_kv_heads : 1, tile = tiled ? MR_TILE : 1;
+    int64_t num_tiles = 0;
+    for (int64_t g = 0; g < num_groups; g++) num_tiles += (row_start[g + 1] - row_start[g] + tile - 1) / tile;
+    int64_t *tasks = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * num_tiles + 1));
+    if (tasks == NULL) return -1;
+    for (int64_t g = 0, i = 0; g < num_groups; g++)
+        for (int64_t r = row_start[g]; r < row_start[g + 1]; r += tile, i++) {
+            tasks[3 * i] = g;
+            tasks[3 * i + 1] = r;
+            tasks[3 * i + 2] = row_start[g + 1] - r < tile ? row_start[g + 1] - r : tile;
+        }
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_tiles * heads; task++) {
+        const int64_t *t = tasks + 3 * (num_tiles - 1 - task / heads); /* the last (longest) rows first */
+        const int64_t kh = task % heads, r0 = t[1], nrows = t[2];
+        const int32_t *blocks = block_table + t[0] * block_table_stride;
+        int rc = 0;
+#if defined(KV_SIMD)
+        if (tiled) {
+            const float *qs = q + r0 * q_stride;
+            float *os = out + r0 * num_heads * 64;
+            const float sc = scale * k_scale; /* as attend_seq folds it */
+            switch (fmt) { /* one specialized copy per storage format */
+            case KV_BF16:
+                rc = attend_rows64(qs, q_stride, kc, vc, blocks, seq_lens + r0, nrows, kh, os, num_heads,
+                                   num_kv_heads, block_size, sc, v_scale, KV_BF16);
+                break;
+            case KV_FP8_E4M3:
+                rc = attend_rows64(qs, q_stride, kc, vc, blocks, seq_lens + r0, nrows, kh, os, num_heads,
+                                   num_kv_heads, block_size, sc, v_scale, KV_FP8_E4M3);
+                break;
+            case KV_FP8_E5M2:
+                rc = attend_rows64(qs, q_stride, kc, vc, blocks, seq_lens + r0, nrows, kh, os, num_heads,
+                                   num_kv_heads, block_size, sc, v_scale, KV_FP8_E5M2);
+                break;
+            default:
+                rc = attend_rows64(qs, q_stride, kc, vc, blocks, seq_lens + r0, nrows, kh, os, num_heads,
+                                   num_kv_heads, block_size, sc, v_scale, KV_F32);
+            }
+        } else
+#endif
+            rc = paged_decode_attention((float *)q + r0 * q_stride, q_stride, NULL, NULL, (void *)kc, (void *)vc,
+                                        blocks, 0, seq_lens + r0, out + r0 * num_heads * head_dim, 1, num_heads,
+                                        num_kv_heads, head_dim, block_size, scale, fmt, k_scale, v_scale, NULL);
+        if (rc != 0) failed = 1;
+    }
+    free(tasks);
     return failed ? -1 : 0;
 }

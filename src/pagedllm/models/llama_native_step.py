@@ -71,7 +71,7 @@ def _kernel():
     fn = lib.llama_decode_step
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Layer), _ptr, _i64, ctypes.c_int, _i64, _ptr, _i64, _ptr,
-                   _ptr, _ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_int]
+                   _ptr, _ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_int, _ptr, _i64, _ptr, _i64]
     return fn
 
 
@@ -166,10 +166,19 @@ class LlamaNativeDecodeStep:
         rc = self._fn(self._c_model, self._c_layers, self._key_cache_array(ctx.kv_caches),
                       kv.stride(0) * kv.element_size(), cpu_kernels.KV_FORMATS[kv.dtype], kv.shape[2],
                       table.data_ptr(), table.stride(0), plan.decode_seq_lens.data_ptr(), slots.data_ptr(),
-                      cos_sin.data_ptr(), n, res.data_ptr(), h.data_ptr(), scratch.data_ptr(), int(plan.has_verify))
+                      cos_sin.data_ptr(), n, res.data_ptr(), h.data_ptr(), scratch.data_ptr(), int(plan.has_verify),
+                      *self._groups(plan))
         if rc != 0:
             raise MemoryError("the native decode step's kernels could not allocate their scratch buffers")
         return h
+
+    @staticmethod
+    def _groups(plan) -> tuple:
+        """llama_decode_step's verify groups (the multi-row kernel's request tables and row starts), or nothing."""
+        if plan.rows_start is None:
+            return (None, 0, None, 0)
+        return (plan.rows_block_table.data_ptr(), plan.rows_block_table.stride(0), plan.rows_start.data_ptr(),
+                len(plan.rows_block_table))
 
     def _sync_kv_scales(self, kv: torch.Tensor) -> None:
         """Each layer's k_scale, v_scale and K rounding weights as its PagedAttention holds them now (they are set
