@@ -18,6 +18,10 @@
  * in registers (gemv_panels), large M decodes a strip of 16 outputs x KC k's into an L1 buffer and runs a 6 x 16
  * register-blocked micro-kernel over the rows (gemm_*), carrying each accumulator through y between K tiles (an
  * fp32 store and load are exact). Threads split the output panels, never the reduction.
+ *
+ * Threads take the outputs in chunks, dynamically (chunk_size): which thread computes an output never changes its
+ * value, and a thread that the OS deschedules (the API server, the client and the engine's Python share these
+ * cores) no longer holds the others at the region's end with a fixed half of the work.
  */
 #include <stdint.h>
 #include <math.h>
@@ -33,6 +37,18 @@
 #define PARALLEL_MIN_WEIGHTS (64 * 1024)
 
 #define FP8 9    /* the `bits` value naming fp8 e4m3 codes (8 bits each) */
+#define CHUNKS_PER_THREAD 4
+
+/* Units of work per chunk when the threads of the current parallel region share `units` dynamically: about
+ * CHUNKS_PER_THREAD chunks per thread, each a multiple of `align` units. */
+static inline int64_t chunk_size(int64_t units, int64_t align) {
+    int64_t nt = 1;
+#ifdef _OPENMP
+    nt = omp_get_num_threads();
+#endif
+    const int64_t c = (units + nt * CHUNKS_PER_THREAD - 1) / (nt * CHUNKS_PER_THREAD);
+    return c < 1 ? align : (c + align - 1) / align * align;
+}
 
 static inline int64_t group_bytes(int64_t bits, int64_t group) {
     return 2 * PANEL * 4 + group * (bits == FP8 ? 8 : bits);
@@ -169,19 +185,17 @@ DEFINE_RANGES(4, 4, 2) DEFINE_RANGES(8, 8, 1) DEFINE_RANGES(fp8, FP8, 1)
 static const gemv_range_fn GEMV_KERNELS[3][GEMM_MIN_ROWS - 1] = {KERNEL_ROW(4), KERNEL_ROW(8), KERNEL_ROW(fp8)};
 #undef KERNEL_ROW
 
-/* `run` over every panel of W for the rows x (R of them, fixed in the function); threads take contiguous ranges
- * of panels (even shares, whatever the runs inside them). */
+/* `run` over every panel of W for the rows x (R of them, fixed in the function); threads take chunks of whole
+ * 8-panel runs as they come (chunk_size). */
 static void gemv(gemv_range_fn run, int64_t bits, const uint8_t *w, int64_t group, const float *x, float *y, int64_t N,
                  int64_t K) {
     const int64_t num_panels = (N + PANEL - 1) / PANEL, panel_bytes = K / group * group_bytes(bits, group);
 #pragma omp parallel if (N * K >= PARALLEL_MIN_WEIGHTS)
     {
-        int64_t nt = 1, t = 0;
-#ifdef _OPENMP
-        nt = omp_get_num_threads();
-        t = omp_get_thread_num();
-#endif
-        run(w, panel_bytes, group, x, K, y, N, num_panels * t / nt, num_panels * (t + 1) / nt);
+        const int64_t chunk = chunk_size(num_panels, 8);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t p = 0; p < num_panels; p += chunk)
+            run(w, panel_bytes, group, x, K, y, N, p, p + chunk < num_panels ? p + chunk : num_panels);
     }
 }
 
@@ -323,21 +337,20 @@ static void gemm_strips_fp8(const uint8_t *w, int64_t group, const float *x, flo
     gemm_strips(FP8, w, group, x, y, M, N, K, s_begin, s_end);
 }
 
-/* Threads take contiguous ranges of 16-output strips. */
+/* Threads take chunks of 16-output strips as they come (chunk_size). */
 static void gemm(int bits, const uint8_t *w, int64_t group, const float *x, float *y, int64_t M, int64_t N,
                  int64_t K) {
     const int64_t num_strips = ((N + PANEL - 1) / PANEL + 1) / 2;
 #pragma omp parallel
     {
-        int nt = 1, t = 0;
-#ifdef _OPENMP
-        nt = omp_get_num_threads();
-        t = omp_get_thread_num();
-#endif
-        const int64_t s_begin = num_strips * t / nt, s_end = num_strips * (t + 1) / nt;
-        if (bits == 4) gemm_strips_4(w, group, x, y, M, N, K, s_begin, s_end);
-        else if (bits == FP8) gemm_strips_fp8(w, group, x, y, M, N, K, s_begin, s_end);
-        else gemm_strips_8(w, group, x, y, M, N, K, s_begin, s_end);
+        const int64_t chunk = chunk_size(num_strips, 1);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t s = 0; s < num_strips; s += chunk) {
+            const int64_t s_end = s + chunk < num_strips ? s + chunk : num_strips;
+            if (bits == 4) gemm_strips_4(w, group, x, y, M, N, K, s, s_end);
+            else if (bits == FP8) gemm_strips_fp8(w, group, x, y, M, N, K, s, s_end);
+            else gemm_strips_8(w, group, x, y, M, N, K, s, s_end);
+        }
     }
 }
 

@@ -35,6 +35,7 @@ enum { W_U4 = 0, W_U5 = 1, W_S8 = 2 };
 #define QK 32
 #define MR 4        /* activation rows per tile (a tile is MR rows x 8 outputs) */
 #define M_CHUNK 64  /* activation rows kept hot in L2 while a thread walks its weight rows */
+#define CHUNKS_PER_THREAD 4
 
 /* Keeps v in a register here: without it gcc reassociates a tile's integer sums (exact, so it may), computes
  * every product of a block first and spills them to the stack (half the speed). */
@@ -179,8 +180,9 @@ static const tile_fn TILES[3][MR] = {TILES_OF(0), TILES_OF(1), TILES_OF(2)};
 #undef TILES_OF
 
 /* out [M, N] = x [M, K] @ w^T with x quantized per row to 8 bits. Returns 0, or -1 when scratch memory fails.
- * Threads take contiguous ranges of output groups; per chunk of M_CHUNK rows each walks its groups, and per group
- * the chunk's rows in tiles of up to MR rows. */
+ * Threads take chunks of output groups as they come (about CHUNKS_PER_THREAD per thread: a descheduled thread
+ * does not hold the others back with a fixed share); per chunk of M_CHUNK rows a chunk walks its groups, and per
+ * group the rows in tiles of up to MR rows. Which thread computes an output never changes its value. */
 int q8act_linear_f32(int wtype, const uint8_t *wq, const float *d, const float *mn, int64_t N, int64_t K,
                      const float *x, int64_t M, float *out) {
     const int64_t nb = K / QK, num_groups = (N + 7) / 8;
@@ -196,20 +198,26 @@ int q8act_linear_f32(int wtype, const uint8_t *wq, const float *d, const float *
     q8act_quantize_f32(x, M, K, qa, da, sa);
 #pragma omp parallel num_threads(M * N * K >= (1 << 18) ? omp_get_max_threads() : 1)
     {
-        const int64_t nth = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t first = num_groups * t / nth, last = num_groups * (t + 1) / nth;
-        for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
-            const int64_t m1 = m0 + M_CHUNK < M ? m0 + M_CHUNK : M;
-            for (int64_t g = first; g < last; g++) {
-                const int64_t n0 = g * 8, valid = N - n0 < 8 ? N - n0 : 8;
-                for (int64_t m = m0; m < m1; m += MR) {
-                    const int rows = m1 - m < MR ? (int)(m1 - m) : MR;
-                    float tmp[MR * 8];
-                    float *dst = valid == 8 ? out + m * N + n0 : tmp;
-                    TILES[wtype][rows - 1](wq + g * nb * bytes, d + g * nb * 8, mn == NULL ? NULL : mn + g * nb * 8,
-                                           qa + m * K, da + m * nb, sa + m * nb, nb, K, dst, valid == 8 ? N : 8);
-                    if (dst == tmp)
-                        for (int i = 0; i < rows; i++) memcpy(out + (m + i) * N + n0, tmp + i * 8, valid * sizeof(float));
+        const int64_t nth = omp_get_num_threads();
+        const int64_t chunk = (num_groups + nth * CHUNKS_PER_THREAD - 1) / (nth * CHUNKS_PER_THREAD);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t first = 0; first < num_groups; first += chunk) {
+            const int64_t last = first + chunk < num_groups ? first + chunk : num_groups;
+            for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
+                const int64_t m1 = m0 + M_CHUNK < M ? m0 + M_CHUNK : M;
+                for (int64_t g = first; g < last; g++) {
+                    const int64_t n0 = g * 8, valid = N - n0 < 8 ? N - n0 : 8;
+                    for (int64_t m = m0; m < m1; m += MR) {
+                        const int rows = m1 - m < MR ? (int)(m1 - m) : MR;
+                        float tmp[MR * 8];
+                        float *dst = valid == 8 ? out + m * N + n0 : tmp;
+                        TILES[wtype][rows - 1](wq + g * nb * bytes, d + g * nb * 8,
+                                               mn == NULL ? NULL : mn + g * nb * 8, qa + m * K, da + m * nb,
+                                               sa + m * nb, nb, K, dst, valid == 8 ? N : 8);
+                        if (dst == tmp)
+                            for (int i = 0; i < rows; i++)
+                                memcpy(out + (m + i) * N + n0, tmp + i * 8, valid * sizeof(float));
+                    }
                 }
             }
         }
