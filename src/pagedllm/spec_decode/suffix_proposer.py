@@ -9,7 +9,7 @@ import numpy as np
 
 from pagedllm.config import SpeculativeConfig
 from pagedllm.kernels import cpu_kernels, draft_lookup
-from pagedllm.spec_decode.suffix_tree import SuffixTree
+from pagedllm.spec_decode.suffix_tree import CHILDREN, SuffixTree
 
 
 class SuffixProposer:
@@ -41,9 +41,11 @@ class SuffixProposer:
         if not self.global_tree.sequences:
             return [d for d, _ in local]
         result = []
-        context_len = self.max_depth
+        context_len, roots = self.max_depth, self.global_tree.root[CHILDREN]
         for (drafts, score), r, n in zip(local, rows.tolist(), num_tokens.tolist(), strict=True):
-            if score >= self.k:  # k drafts of probability 1: the global tree cannot do better
+            # k drafts of probability 1: the global tree cannot do better; a last token no past output holds: it
+            # matches nothing (SuffixTree.find's first check, without copying the context)
+            if score >= self.k or n == 0 or int(token_ids[r, n - 1]) not in roots:
                 result.append(drafts)
                 continue
             context = token_ids[r, max(n - context_len, 0):n].tolist()

@@ -84,6 +84,8 @@ class SuffixTree:
         lazy node's chain already matched) and its length. A suffix of a string in the tree is in the tree too,
         so the length is found by bisection."""
         lo, hi, best = 1, min(max_len, len(context), self.max_depth), None  # lengths < lo are present
+        if hi >= 1 and context[-1] not in self.root[CHILDREN]:
+            return None, 0  # not even the last token: no longer suffix either (the common case on new text)
         while lo <= hi:
             mid = (lo + hi) // 2
             at = self._walk(context[len(context) - mid:])

@@ -7,11 +7,12 @@ per-token Python.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from pagedllm.layers.sampling.rejection_sampler import can_speculate
 from pagedllm.math_utils import cdiv
 from pagedllm.sampling_params import SamplingParams
 
@@ -25,6 +26,12 @@ class RequestState:
     eos_token_id: int | None
     num_prompt_tokens: int
     generator: torch.Generator | None
+    can_speculate: bool = field(init=False)
+    """Whether the verifier keeps this request's distribution exactly (rejection_sampler.can_speculate), fixed by
+    its sampling params: computed once here, not on every step's proposal."""
+
+    def __post_init__(self) -> None:
+        self.can_speculate = can_speculate(self.sampling_params)
 
 
 class InputBatch:

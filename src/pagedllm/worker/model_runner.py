@@ -16,7 +16,7 @@ from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.forward_context import AttentionMetadata, kv_cache_shape, set_forward_context
 from pagedllm.layers.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs, logprobs_to_entries
 from pagedllm.layers.sampling.grammar_bitmask import apply_grammar_bitmask
-from pagedllm.layers.sampling.rejection_sampler import can_speculate, rejection_sample
+from pagedllm.layers.sampling.rejection_sampler import rejection_sample
 from pagedllm.math_utils import cdiv
 from pagedllm.messages import LogprobsEntry, ModelRunnerOutput
 from pagedllm.models.llama_native_step import LlamaNativeDecodeStep
@@ -192,13 +192,13 @@ class ModelRunner:
         limit = self.speculative_config.disable_by_batch_size
         if not len(sampling) or (limit is not None and batch.num_reqs >= limit):
             return proposals
-        sample_rows = rows[sampling]
-        keep = np.fromiter((can_speculate(batch.states[r].sampling_params) for r in sample_rows.tolist()),
-                           dtype=bool, count=len(sample_rows))
-        if not keep.any():
+        states, row_list = batch.states, rows.tolist()
+        keep = [i for i in sampling.tolist() if states[row_list[i]].can_speculate]  # indices into rows
+        if not keep:
             return proposals
-        drafts = self.proposer.propose(batch.token_ids, sample_rows[keep], batch.num_tokens[sample_rows[keep]])
-        for i, d in zip(sampling[keep].tolist(), drafts, strict=True):
+        keep_rows = rows[keep]
+        drafts = self.proposer.propose(batch.token_ids, keep_rows, batch.num_tokens[keep_rows])
+        for i, d in zip(keep, drafts, strict=True):
             proposals[i] = d
         return proposals
 
