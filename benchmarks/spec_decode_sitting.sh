@@ -10,7 +10,8 @@
 # Engines (ENGINES, default: all six): pagedllm-off, pagedllm-ngram, pagedllm-suffix (port PAGEDLLM_PORT, 8001),
 # vllm-off, vllm-ngram, vllm-suffix (`peers.sh serve-vllm`, port 8000; vLLM's suffix method needs the
 # arctic-inference package in the peers' venv: without it that server fails to start and its row says so).
-# Configs: NGRAM_CONFIG and SUFFIX_CONFIG (JSON, the same for both engines). Workloads (WORKLOADS, "DATASET:C:N"):
+# Configs: NGRAM_CONFIG and SUFFIX_CONFIG (JSON, the same for both engines unless VLLM_NGRAM_CONFIG /
+# VLLM_SUFFIX_CONFIG say otherwise: vLLM 0.32 refuses `disable_by_batch_size`, a key of older vLLMs). Workloads (WORKLOADS, "DATASET:C:N"):
 # copy-heavy and random (INPUT_LEN-token prompts), OUTPUT_LEN tokens with ignore_eos, concurrency C, N prompts,
 # seed per workload and run (every engine gets the same prompts). Per run the engines' order rotates.
 # For every measurement the server's /metrics is read before and after: the draft, accepted-token and draft
@@ -44,7 +45,10 @@ mkdir -p "$OUT/logs"
 if grep -qwE 'amx_bf16|avx512_bf16' /proc/cpuinfo; then VLLM_DTYPE=${VLLM_DTYPE:-bfloat16}; else VLLM_DTYPE=${VLLM_DTYPE:-float32}; fi
 
 config_of() {  # ENGINE -> the speculative config JSON ("" for off)
-  case $1 in *-ngram) echo "$NGRAM_CONFIG" ;; *-suffix) echo "$SUFFIX_CONFIG" ;; *) echo "" ;; esac
+  case $1 in
+    vllm-ngram) echo "${VLLM_NGRAM_CONFIG:-$NGRAM_CONFIG}" ;; vllm-suffix) echo "${VLLM_SUFFIX_CONFIG:-$SUFFIX_CONFIG}" ;;
+    *-ngram) echo "$NGRAM_CONFIG" ;; *-suffix) echo "$SUFFIX_CONFIG" ;; *) echo "" ;;
+  esac
 }
 
 PD_PID=""
