@@ -10,9 +10,23 @@ import torch
 from pagedllm.kernels import cpu_kernels
 
 
+def check_multirow_args(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+                        row_start: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """The layouts paged_multirow_attention assumes of the cache and the step's metadata (step_plan checks them
+    once per step; row_start[-1] is a tensor read)."""
+    require = cpu_kernels.require
+    require(key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype
+            and key_cache.dtype in cpu_kernels.KV_FORMATS and key_cache.is_cpu,
+            "key and value caches contiguous, on the CPU, one dtype of KV_FORMATS")
+    require(block_table.dtype == torch.int32 and block_table.stride(1) == 1 and row_start.dtype == torch.int64
+            and row_start.is_contiguous() and len(row_start) == len(block_table) + 1
+            and int(row_start[-1]) == len(seq_lens) and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
+            "block_table [G, nb] int32, row_start [G + 1] int64 ending at S, seq_lens [S] int32")
+
+
 def paged_multirow_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                              block_table: torch.Tensor, row_start: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                             k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                             k_scale: float = 1.0, v_scale: float = 1.0, args_checked: bool = False) -> torch.Tensor:
     """Attention of groups of rows that share a block table (verify rows, prefill chunks), each row exactly
     paged_decode_attention's for its own context length, bit for bit, K/V read once per tile of rows
     (paged_attention_cpu.c). The rows' K/V must already be in the cache.
@@ -23,20 +37,15 @@ def paged_multirow_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
         block_table: [G, max_blocks] int32, contiguous rows: group g's table.
         row_start: [G + 1] int64, contiguous: group g's rows are row_start[g] .. row_start[g + 1] - 1; row_start[G] = S.
         seq_lens: [S] int32, contiguous: each row's context length (>= 1), its own token included.
+        args_checked: the caller ran check_multirow_args on these (once per step, not once per layer).
     Returns:
         out: [S, H, D] float32.
     """
     s, h, d = q.shape
-    require = cpu_kernels.require
-    require(q.dtype == torch.float32 and q.stride()[1:] == (d, 1),
-            "q.dtype == torch.float32 and q.stride()[1:] == (d, 1)")
-    require(key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype
-            and key_cache.dtype in cpu_kernels.KV_FORMATS and key_cache.is_cpu,
-            "key and value caches contiguous, on the CPU, one dtype of KV_FORMATS")
-    require(block_table.dtype == torch.int32 and block_table.stride(1) == 1 and row_start.dtype == torch.int64
-            and row_start.is_contiguous() and len(row_start) == len(block_table) + 1 and int(row_start[-1]) == s
-            and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and len(seq_lens) == s,
-            "block_table [G, nb] int32, row_start [G + 1] int64 ending at S, seq_lens [S] int32")
+    cpu_kernels.require(q.dtype == torch.float32 and q.stride()[1:] == (d, 1) and len(seq_lens) == s,
+                        "q [S, H, D] float32 with contiguous rows, one per seq_lens entry")
+    if not args_checked:
+        check_multirow_args(key_cache, value_cache, block_table, row_start, seq_lens)
     block_size, hkv, _ = key_cache.shape[1:]
     out = q.new_empty(s, h, d)
     rc = cpu_kernels._library().paged_multirow_attention(

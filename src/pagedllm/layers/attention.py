@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels import cpu_kernels
-from pagedllm.kernels.multirow_attention import paged_multirow_attention
+from pagedllm.kernels.multirow_attention import check_multirow_args, paged_multirow_attention
 from pagedllm.layers.forward_context import AttentionMetadata, get_forward_context
 from pagedllm.layers.kv_cache_dtype import index_copy, to_cache_dtype, to_cache_dtype_compensated
 from pagedllm.layers.rotary import apply_rotary_qkv
@@ -96,6 +96,10 @@ def build_plan(md: AttentionMetadata, block_size: int, native: bool, always_read
     has_verify = md.verify_reqs is not None and len(md.verify_reqs) > 0
     if has_verify:
         is_decode[md.verify_reqs] = True
+    if native and not is_decode.all():  # every row through the multi-row kernel; no other field is read
+        plan = _AttentionPlan(native, False, has_verify, None, None, None, None, 0, None, [])
+        _plan_rows(plan, md.block_table, qsl, seq_lens, block_size)
+        return plan
     decode_reqs = np.nonzero(is_decode)[0]
     decode_rows = decode_block_table = decode_seq_lens = decode_block_ids = decode_mask = None
     nb = 0
@@ -127,7 +131,7 @@ def build_plan(md: AttentionMetadata, block_size: int, native: bool, always_read
     all_decode = decode_rows is not None and not prefills
     plan = _AttentionPlan(native, all_decode, has_verify, decode_rows, decode_block_table, decode_seq_lens,
                           decode_block_ids, nb, decode_mask, prefills)
-    if native and (has_verify or prefills):
+    if native and has_verify:  # the native decode step reads decode_seq_lens and the rows' fields
         _plan_rows(plan, md.block_table, qsl, seq_lens, block_size)
     return plan
 
@@ -156,6 +160,8 @@ def step_plan(md: AttentionMetadata, kv_cache: torch.Tensor, dtype: torch.dtype,
                                     always_read_cache=kv_cache.dtype != dtype)
         if plan.native and plan.decode_rows is not None:  # once per step, not per layer
             cpu_kernels.check_decode_args(kv_cache[0], kv_cache[1], plan.decode_block_table, plan.decode_seq_lens)
+        if plan.rows_start is not None:
+            check_multirow_args(kv_cache[0], kv_cache[1], plan.rows_block_table, plan.rows_start, plan.rows_seq_lens)
     return plan
 
 
@@ -208,7 +214,8 @@ class PagedAttention(nn.Module):
         self._write(k, v, kv_cache, slots, plan.native)
         if plan.rows_start is not None:  # every K/V of the step written: each row attends as a decode row
             return paged_multirow_attention(q, kv_cache[0], kv_cache[1], plan.rows_block_table, plan.rows_start,
-                                            plan.rows_seq_lens, self.scale, self.k_scale, self.v_scale)
+                                            plan.rows_seq_lens, self.scale, self.k_scale, self.v_scale,
+                                            args_checked=True)
         if plan.all_decode:
             return self._decode(q, kv_cache, plan)
         out = q.new_empty(q.shape[0], self.num_heads, self.head_dim)  # [n, H, D]
