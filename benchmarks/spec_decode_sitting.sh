@@ -8,8 +8,15 @@
 #   STEPS=report OUT=... benchmarks/spec_decode_sitting.sh     # only the table, from OUT's results
 #
 # Engines (ENGINES, default: all six): pagedllm-off, pagedllm-ngram, pagedllm-suffix (port PAGEDLLM_PORT, 8001),
-# vllm-off, vllm-ngram, vllm-suffix (`peers.sh serve-vllm`, port 8000; vLLM's suffix method needs the
-# arctic-inference package in the peers' venv: without it that server fails to start and its row says so).
+# vllm-off, vllm-ngram, vllm-suffix (`peers.sh serve-vllm`, port 8000). vLLM's suffix method imports
+# arctic_inference.suffix_decoding: without that package in the peers' venv that server fails to start and the
+# table says so. Its sdist builds only that module's C++ extension; install it without touching the venv's
+# torch/vllm/protobuf (PyPI: arctic_inference-0.3.0.tar.gz, unpacked in DIR):
+#   $VENV/bin/pip install --no-deps nanobind==2.9.2      # the venv already has setuptools, ninja; cmake >= 3.18
+#   PATH=$VENV/bin:$PATH VIRTUAL_ENV=$VENV CMAKE_BUILD_PARALLEL_LEVEL=1 \
+#     nice -n 10 $VENV/bin/pip install --no-deps --no-build-isolation DIR   # ~1 min
+# The package also registers a vLLM general plugin; it patches vLLM only when ARCTIC_INFERENCE_ENABLED=1 (and
+# then refuses to start off CUDA), so the vLLM engines run with it set to 0: vLLM 0.32 unpatched.
 # Configs: NGRAM_CONFIG and SUFFIX_CONFIG (JSON, the same for both engines unless VLLM_NGRAM_CONFIG /
 # VLLM_SUFFIX_CONFIG say otherwise: vLLM 0.32 refuses `disable_by_batch_size`, a key of older vLLMs). Workloads (WORKLOADS, "DATASET:C:N"):
 # copy-heavy and random (INPUT_LEN-token prompts), OUTPUT_LEN tokens with ignore_eos, concurrency C, N prompts,
@@ -67,7 +74,7 @@ start_engine() {  # ENGINE -> URL on stdout's last line, or return 1
       done
       return 1 ;;
     vllm-*)
-      DTYPE=$VLLM_DTYPE "$PEERS" serve-vllm "${spec[@]}" >"$OUT/logs/$engine.log" 2>&1 || return 1
+      DTYPE=$VLLM_DTYPE ARCTIC_INFERENCE_ENABLED=0 "$PEERS" serve-vllm "${spec[@]}" >"$OUT/logs/$engine.log" 2>&1 || return 1
       URL=http://127.0.0.1:8000 ;;
   esac
 }
