@@ -23,6 +23,8 @@
 # seed per workload and run (every engine gets the same prompts). Per run the engines' order rotates.
 # For every measurement the server's /metrics is read before and after: the draft, accepted-token and draft
 # counters give the acceptance rate and mean acceptance length (vLLM's and pagedllm's names are the same).
+# TEMPERATURE: sent with every request (unset: none, so each server samples at its default, 1.0 for both);
+# 0 is greedy, where a copy-heavy output follows its prompt and the drafts are accepted.
 # Environment: RUNS (2), QUICK (0), STEPS (serve,report), OUT (/tmp/pagedllm-spec-sitting), PY and PAGEDLLM
 # (.venv's), PAGEDLLM_ARGS (--dtype auto), PAGEDLLM_PORT, PEERS_SH, PEERS_DIR, VLLM_DTYPE, TOKENIZER (peers.sh
 # model-dir: the bf16 SmolLM2 folder, the same weights pagedllm embeds).
@@ -92,7 +94,8 @@ stop_engine() {
 }
 
 measure() {  # ENGINE RUN URL
-  local engine=$1 run=$2 url=$3 w dataset c n f seed i=0
+  local engine=$1 run=$2 url=$3 w dataset c n f seed i=0 sampling=()
+  [ -n "${TEMPERATURE:-}" ] && sampling=(--temperature "$TEMPERATURE")
   for w in $WORKLOADS; do
     IFS=: read -r dataset c n <<<"$w"
     i=$((i + 1)); seed=$((i * 100 + run))
@@ -100,7 +103,7 @@ measure() {  # ENGINE RUN URL
     curl -s "$url/metrics" >"$OUT/$f.metrics-before"
     "$PAGEDLLM" bench serve --backend openai --base-url "$url" --endpoint /v1/completions --model smollm2 \
       --tokenizer "$TOKENIZER" --dataset-name "$dataset" --random-input-len "$INPUT_LEN" \
-      --random-output-len "$OUTPUT_LEN" --copy-heavy-output-len "$OUTPUT_LEN" --ignore-eos --seed "$seed" \
+      --random-output-len "$OUTPUT_LEN" --copy-heavy-output-len "$OUTPUT_LEN" --ignore-eos --seed "$seed" "${sampling[@]}" \
       --num-prompts "$n" --max-concurrency "$c" --disable-tqdm --label "$engine" --save-result \
       --result-dir "$OUT" --result-filename "$f.json" >"$OUT/logs/$f.log" 2>&1 \
       || { echo "client failed; see $OUT/logs/$f.log"; rm -f "$OUT/$f.json"; }
