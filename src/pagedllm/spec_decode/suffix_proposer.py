@@ -9,7 +9,7 @@ import numpy as np
 
 from pagedllm.config import SpeculativeConfig
 from pagedllm.kernels import cpu_kernels, draft_lookup
-from pagedllm.spec_decode.suffix_tree import CHILDREN, SuffixTree
+from pagedllm.spec_decode.suffix_tree import SuffixTree
 
 
 class SuffixProposer:
@@ -41,11 +41,11 @@ class SuffixProposer:
         if not self.global_tree.sequences:
             return [d for d, _ in local]
         result = []
-        context_len, roots = self.max_depth, self.global_tree.root[CHILDREN]
+        context_len, tree = self.max_depth, self.global_tree
         for (drafts, score), r, n in zip(local, rows.tolist(), num_tokens.tolist(), strict=True):
-            # k drafts of probability 1: the global tree cannot do better; a last token no past output holds: it
-            # matches nothing (SuffixTree.find's first check, without copying the context)
-            if score >= self.k or n == 0 or int(token_ids[r, n - 1]) not in roots:
+            # k drafts of probability 1: the global tree cannot do better; a last token the tree does not hold: it
+            # matches nothing (checked before the context is copied)
+            if score >= self.k or n == 0 or not tree.holds(int(token_ids[r, n - 1])):
                 result.append(drafts)
                 continue
             context = token_ids[r, max(n - context_len, 0):n].tolist()

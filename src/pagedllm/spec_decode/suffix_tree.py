@@ -79,12 +79,16 @@ class SuffixTree:
                 return
             node = child
 
+    def holds(self, token: int) -> bool:
+        """Some sequence in the tree holds this token: a context ending in any other matches nothing."""
+        return token in self.root[CHILDREN]
+
     def find(self, context: list[int], max_len: int) -> tuple[tuple[list, int] | None, int]:
         """Where the longest suffix of `context` (at most max_len tokens) ends in the tree: (node, tokens of a
         lazy node's chain already matched) and its length. A suffix of a string in the tree is in the tree too,
         so the length is found by bisection."""
         lo, hi, best = 1, min(max_len, len(context), self.max_depth), None  # lengths < lo are present
-        if hi >= 1 and context[-1] not in self.root[CHILDREN]:
+        if hi >= 1 and not self.holds(context[-1]):
             return None, 0  # not even the last token: no longer suffix either (the common case on new text)
         while lo <= hi:
             mid = (lo + hi) // 2
