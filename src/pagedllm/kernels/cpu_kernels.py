@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("paged_attention_cpu.c", "kv_cache_cpu.c", "elementwise_cpu.c", "quant_linear_cpu.c",
                          "quant_q8act_cpu.c", "llama_decode_cpu.c", "ngram_cpu.c",
-                         "suffix_cpu.c", "shm_all_reduce_cpu.c")]
+                         "suffix_cpu.c", "shm_all_reduce_cpu.c", "sampling_cpu.c")]
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the cache key
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 """Compile flags. -ffast-math lets gcc call glibc's vector expf (libmvec) in the softmax; it is NOT given when
@@ -216,6 +216,8 @@ def _declare_quant_linear(lib: ctypes.CDLL) -> None:
     lib.quant_linear_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64]
     lib.quant_gather_rows_f32.restype = None
     lib.quant_gather_rows_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64]
+    lib.categorical_draw_f32.restype = None  # sampling_cpu.c
+    lib.categorical_draw_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr]
 
 
 def require(ok: bool, what: str) -> None:

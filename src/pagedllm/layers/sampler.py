@@ -6,8 +6,8 @@ Order of operations:
 2. Logprobs (when any row asks) are log_softmax of the logits *after* step 1 and *before* temperature,
    top-k, top-p and min-p: what the model plus the request's own adjustments make of each token.
 3. Greedy rows (temperature 0): argmax. Random rows: divide by temperature, top-k, top-p, min-p, softmax,
-   then the exponential race argmax(probs / q), q ~ Exp(1). A seeded row draws its V exponentials from
-   its own generator, so its tokens do not depend on the rest of the batch.
+   then one inverse-CDF draw per row (sampling/categorical.py). A seeded row draws its uniform from its own
+   generator, so its tokens do not depend on the rest of the batch.
 
 The logits are modified in place. With every row greedy and nothing to adjust, it is one argmax.
 """
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedllm.layers.sampling import categorical
 from pagedllm.layers.sampling.logprobs import (
     LogprobsTensors,
     compute_prompt_logprobs,
@@ -87,22 +88,7 @@ class Sampler(nn.Module):
         if metadata.min_p is not None:
             apply_min_p(logits, metadata.min_p)
         probs = logits.softmax(dim=-1)  # [N, V]
-        random = probs.div_(_exponentials(probs, metadata.generators)).argmax(dim=-1)  # [N]
+        random = categorical.draw(probs, categorical.uniforms(probs.shape[0], metadata.generators, probs.device))
         if greedy is None:
             return random
         return torch.where(temperature < GREEDY_TEMPERATURE, greedy, random)
-
-
-def _exponentials(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """q [N, V] ~ Exp(1); row i of a seeded request comes from its own generator (exactly V draws per step).
-
-    q is clamped away from 0 so that a masked token (prob 0) can never win with 0 / 0 = NaN.
-    """
-    q = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        q.exponential_()
-    vocab_size = probs.shape[1]
-    for i, generator in generators.items():
-        row = torch.empty(vocab_size, dtype=probs.dtype, device=probs.device)
-        q[i] = row.exponential_(generator=generator)
-    return q.clamp_min_(torch.finfo(q.dtype).tiny)

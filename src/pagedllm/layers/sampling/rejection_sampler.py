@@ -9,13 +9,14 @@ the token after d_{j-1} (row 0: after the request's last real token). The result
   probability min(1, p_j(d_j) / q_j(d_j)); proposers without probabilities (n-gram) have q_j = one-hot(d_j), so
   that is p_j(d_j). At the first rejection, sample from the residual max(0, p_j - q_j) renormalised (p_j with d_j
   removed); when all are accepted, the bonus token from p_k. Each emitted token is then distributed as p_j
-  (Leviathan et al. 2023). A seeded request draws its uniforms and exponentials from its own generator.
+  (Leviathan et al. 2023). A seeded request draws its uniforms from its own generator.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedllm.layers.sampling import categorical
 from pagedllm.layers.sampling.metadata import build_sampling_metadata
 from pagedllm.layers.sampling.ops import apply_min_p, apply_top_k_top_p
 from pagedllm.sampling_params import SamplingParams
@@ -88,11 +89,11 @@ def _verify_random(probs: torch.Tensor, drafts: list[int], generator: torch.Gene
         if not uniforms[j] < draft_probs[j]:  # rejected: the residual, p_j without d_j
             residual = probs[j].clone()
             residual[drafts[j]] = 0.0
-            return drafts[:j] + [_race(residual, generator)]
-    return drafts + [_race(probs[k], generator)]
+            return drafts[:j] + [_draw(residual, generator)]
+    return drafts + [_draw(probs[k], generator)]
 
 
-def _race(weights: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from weights / weights.sum() [V] (the exponential race: argmax weights / q, q ~ Exp(1))."""
-    q = torch.empty_like(weights).exponential_(generator=generator).clamp_min_(torch.finfo(weights.dtype).tiny)
-    return int(weights.div_(q).argmax())
+def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from weights / weights.sum() [V] (inverse CDF, sampling/categorical.py)."""
+    u = categorical.uniforms(1, {0: generator} if generator is not None else {}, weights.device)
+    return int(categorical.draw(weights.unsqueeze(0), u)[0])
