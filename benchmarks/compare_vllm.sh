@@ -102,7 +102,8 @@ fi
 RESULTS_MD=${RESULTS_MD:-$OUT/RESULTS.md}
 mkdir -p "$OUT" "$LOGS"
 if [ "$MEASURE" = 1 ]; then
-  rm -rf "$OUT/serve" "$OUT/offline" "$OUT/prefix" "$OUT/runs.jsonl" "$OUT/sweep.json"
+  # a new sweep starts from nothing; a later sitting (FIRST_RUN > 1) keeps the earlier runs' files
+  [ "$FIRST_RUN" = 1 ] && rm -rf "$OUT/serve" "$OUT/offline" "$OUT/prefix" "$OUT/runs.jsonl" "$OUT/sweep.json"
   mkdir -p "$OUT/serve" "$OUT/offline" "$OUT/prefix"
 fi
 

@@ -154,6 +154,38 @@ def test_fused_rotary_write_attend_matches_the_separate_kernels(dtype):
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, *KV_DTYPES])
+def test_a_sequence_alone_gets_its_bits_in_a_batch(dtype):
+    """Fewer sequences than threads (batch 1 on 2 threads) split each sequence's KV heads among tasks: every head's
+    rotation, K/V write and attention keep the bits the whole-sequence task gives them in a batch."""
+    gen = torch.Generator().manual_seed(4)
+    cache = _pool(dtype, 40, 16, 3, 64, gen)
+    seq_lens = torch.tensor([70, 1, 17, 129], dtype=torch.int32)
+    block_table = torch.randperm(40, generator=gen)[:36].view(4, 9).to(torch.int32)
+    slots = torch.stack([block_table[s, (n - 1) // 16].long() * 16 + (n - 1) % 16
+                         for s, n in enumerate(seq_lens.tolist())])
+    qkv = torch.randn(4, 15 * 64, generator=gen)
+    angles = torch.rand(4, 32, generator=gen) * 6
+    cos_sin = torch.stack([angles.cos(), angles.sin()], dim=1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch, qkv_batch = cache.clone(), qkv.clone()
+        out = cpu_kernels.fused_decode_attention(qkv_batch, cos_sin, slots, batch, block_table, seq_lens, 0.125, 9)
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            for s in range(4):
+                alone, qkv_alone = cache.clone(), qkv[s:s + 1].clone()
+                got = cpu_kernels.fused_decode_attention(qkv_alone, cos_sin[s:s + 1], slots[s:s + 1], alone,
+                                                         block_table[s:s + 1], seq_lens[s:s + 1], 0.125, 9)
+                assert torch.equal(got[0], out[s]), f"sequence {s}, {n} threads"
+                assert torch.equal(qkv_alone[0], qkv_batch[s])
+                slot = int(slots[s])
+                assert torch.equal(alone.flatten(1, 2)[:, slot].float(), batch.flatten(1, 2)[:, slot].float())
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", FP8)
 def test_quantized_result_does_not_depend_on_threads_or_batch(dtype):
     gen = torch.Generator().manual_seed(3)

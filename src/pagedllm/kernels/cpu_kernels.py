@@ -319,13 +319,18 @@ def _decode(q: torch.Tensor, q_stride: int, cos_sin: int | None, slot_mapping: i
     return out
 
 
+def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """The layout every kernel that reads or writes the KV cache assumes of it."""
+    require(key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype
+            and key_cache.dtype in KV_FORMATS and key_cache.is_cpu,
+            "key and value caches contiguous, on the CPU, one dtype of KV_FORMATS")
+
+
 def check_decode_args(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                       seq_lens: torch.Tensor) -> None:
     """The layouts the decode attention kernel assumes of the cache and the step's metadata."""
-    require(key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype,
-            "key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype")
-    require(key_cache.dtype in KV_FORMATS and key_cache.is_cpu and block_table.is_cpu and seq_lens.is_cpu,
-            "key_cache.dtype in KV_FORMATS and key_cache.is_cpu and block_table.is_cpu and seq_lens.is_cpu")
+    check_cache(key_cache, value_cache)
+    require(block_table.is_cpu and seq_lens.is_cpu, "block_table.is_cpu and seq_lens.is_cpu")
     require(block_table.dtype == torch.int32 and block_table.stride(1) == 1,
             "block_table.dtype == torch.int32 and block_table.stride(1) == 1")
     require(seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and len(seq_lens) == len(block_table),
@@ -348,8 +353,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, va
     t, hkv, d = k.shape
     require(k.dtype == v.dtype == torch.float32 and k.stride() == v.stride() and k.stride()[1:] == (d, 1),
             "k.dtype == v.dtype == torch.float32 and k.stride() == v.stride() and k.stride()[1:] == (d, 1)")
-    require(key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype,
-            "key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype")
+    check_cache(key_cache, value_cache)
     require(slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == (t,),
             "slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.shape == (t,)")
     lib.kv_cache_write(k.data_ptr(), v.data_ptr(), k.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),

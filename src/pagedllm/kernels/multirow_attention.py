@@ -14,14 +14,12 @@ def check_multirow_args(key_cache: torch.Tensor, value_cache: torch.Tensor, bloc
                         row_start: torch.Tensor, seq_lens: torch.Tensor) -> None:
     """The layouts paged_multirow_attention assumes of the cache and the step's metadata (step_plan checks them
     once per step; row_start[-1] is a tensor read)."""
-    require = cpu_kernels.require
-    require(key_cache.is_contiguous() and value_cache.is_contiguous() and key_cache.dtype == value_cache.dtype
-            and key_cache.dtype in cpu_kernels.KV_FORMATS and key_cache.is_cpu,
-            "key and value caches contiguous, on the CPU, one dtype of KV_FORMATS")
-    require(block_table.dtype == torch.int32 and block_table.stride(1) == 1 and row_start.dtype == torch.int64
-            and row_start.is_contiguous() and len(row_start) == len(block_table) + 1
-            and int(row_start[-1]) == len(seq_lens) and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
-            "block_table [G, nb] int32, row_start [G + 1] int64 ending at S, seq_lens [S] int32")
+    cpu_kernels.check_cache(key_cache, value_cache)
+    cpu_kernels.require(
+        block_table.dtype == torch.int32 and block_table.stride(1) == 1 and row_start.dtype == torch.int64
+        and row_start.is_contiguous() and len(row_start) == len(block_table) + 1
+        and int(row_start[-1]) == len(seq_lens) and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
+        "block_table [G, nb] int32, row_start [G + 1] int64 ending at S, seq_lens [S] int32")
 
 
 def paged_multirow_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -23,7 +23,8 @@
  * writes its K and V (encoded in `fmt`) at its slot (slot_mapping given), then attends to its context, that token
  * included.
  *
- * One OpenMP task per sequence: it reads each context token's K row once for all query heads, keeps the
+ * One OpenMP task per sequence (per sequence and KV head when there are fewer sequences than threads: batch 1 would
+ * otherwise leave all but one thread idle): it reads each context token's K row once for all query heads, keeps the
  * scores in a scratch buffer, takes the softmax per head, then reads each V row once. Sums run in a fixed
  * order, so the result does not depend on the thread count or on the other sequences in the batch. At head_dim 64, a
  * KV head's rows are taken KV_CHUNK tokens at a time, with software prefetch, for all the query heads that share it:
@@ -36,6 +37,9 @@
 #include <stdlib.h>
 
 #include "kv_dtype_cpu.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -196,23 +200,30 @@ __attribute__((noinline)) static void softmax_row(float *sh, int64_t len) {
     for (int64_t t = 0; t < len; t++) sh[t] *= inv;
 }
 
-/* One sequence: rotate and write its new token (fused use), then attend. Returns -1 when the scratch cannot be
- * allocated. */
+/* One sequence, KV heads [kh0, kh1) and their query heads: rotate and write its new token's heads (fused use), then
+ * attend. Every head is computed on its own, so the heads of one sequence may be split among tasks (a batch smaller
+ * than the thread count) without changing a bit. k_comp (which rounds a whole K row) needs every KV head in one
+ * call. Returns -1 when the scratch cannot be allocated. */
 ALWAYS_INLINE int attend_seq(float *qs, const float *cos_sin, const int64_t *slot, const uint8_t *key_cache,
                              const uint8_t *value_cache, const int32_t *blocks, int64_t len, float *os,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                             float scale, float k_scale, float v_scale, const float *k_comp, int fmt) {
+                             float scale, float k_scale, float v_scale, const float *k_comp, int64_t kh0,
+                             int64_t kh1, int fmt) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t es = kv_elem_size(fmt);
     const int64_t row = num_kv_heads * head_dim * es; /* bytes per cached token */
-    if (cos_sin != NULL) rotary_heads_f32(qs, cos_sin, num_heads + num_kv_heads, head_dim);
+    if (cos_sin != NULL) {
+        rotary_heads_f32(qs + kh0 * group * head_dim, cos_sin, (kh1 - kh0) * group, head_dim);
+        rotary_heads_f32(qs + (num_heads + kh0) * head_dim, cos_sin, kh1 - kh0, head_dim);
+    }
     if (slot != NULL) {
         const float *k = qs + num_heads * head_dim, *v = k + num_kv_heads * head_dim;
+        const int64_t first = kh0 * head_dim, count = (kh1 - kh0) * head_dim; /* the heads' elements in a row */
         if (k_comp != NULL)
             kv_store_row_compensated(k, num_kv_heads, head_dim, fmt, k_scale, k_comp, (uint8_t *)key_cache + *slot * row);
         else
-            kv_store_row(k, num_kv_heads * head_dim, fmt, 1.0f / k_scale, (uint8_t *)key_cache + *slot * row);
-        kv_store_row(v, num_kv_heads * head_dim, fmt, 1.0f / v_scale, (uint8_t *)value_cache + *slot * row);
+            kv_store_row(k + first, count, fmt, 1.0f / k_scale, (uint8_t *)key_cache + *slot * row + first * es);
+        kv_store_row(v + first, count, fmt, 1.0f / v_scale, (uint8_t *)value_cache + *slot * row + first * es);
     }
     if (os == NULL) return 0; /* rotate and write only */
     scale *= k_scale; /* q . (c * k_scale) * scale == q . c * (scale * k_scale): both factors powers of two or 1 */
@@ -239,7 +250,7 @@ ALWAYS_INLINE int attend_seq(float *qs, const float *cos_sin, const int64_t *slo
     const uint8_t **conv_rows = (const uint8_t **)(scores + num_heads * n);
     float *conv_buf = (float *)(conv_rows + KV_CHUNK), *conv_acc = conv_buf + KV_CHUNK * 64;
     if (convert) { /* the same sums as below, on rows converted once per chunk (KV_CHUNK is a multiple of 4) */
-        for (int64_t kh = 0; kh < num_kv_heads; kh++)
+        for (int64_t kh = kh0; kh < kh1; kh++)
             for (int64_t t0 = 0; t0 < len; t0 += KV_CHUNK) {
                 const int64_t m = len - t0 < KV_CHUNK ? len - t0 : KV_CHUNK;
                 convert_rows64(k_rows + t0, kh * 64 * es, m, len - t0, conv_buf, conv_rows, fmt);
@@ -249,13 +260,13 @@ ALWAYS_INLINE int attend_seq(float *qs, const float *cos_sin, const int64_t *slo
     } else
 #endif
         for (int64_t t = 0; t < len; t++)
-            for (int64_t kh = 0; kh < num_kv_heads; kh++)
+            for (int64_t kh = kh0; kh < kh1; kh++)
                 dot_group(qs + kh * group * head_dim, k_rows[t] + kh * head_dim * es, group, head_dim, scale,
                           scores + kh * group * len + t, len, fmt);
-    for (int64_t h = 0; h < num_heads; h++) softmax_row(scores + h * len, len);
+    for (int64_t h = kh0 * group; h < kh1 * group; h++) softmax_row(scores + h * len, len);
 #if defined(KV_SIMD)
     if (convert) {
-        for (int64_t kh = 0; kh < num_kv_heads; kh++) {
+        for (int64_t kh = kh0; kh < kh1; kh++) {
             for (int64_t i = 0; i < group * 64; i++) conv_acc[i] = 0.0f;
             for (int64_t t0 = 0; t0 < len; t0 += KV_CHUNK) {
                 const int64_t m = len - t0 < KV_CHUNK ? len - t0 : KV_CHUNK;
@@ -272,7 +283,7 @@ ALWAYS_INLINE int attend_seq(float *qs, const float *cos_sin, const int64_t *slo
         return 0;
     }
 #endif
-    for (int64_t h = 0; h < num_heads; h++) /* out_h = sum_t p[h][t] * v_t */
+    for (int64_t h = kh0 * group; h < kh1 * group; h++) /* out_h = sum_t p[h][t] * v_t */
         pv_head(scores + h * len, len, v_rows, (h / group) * head_dim * es, head_dim, v_scale, os + h * head_dim,
                 fmt);
     free(k_rows);
@@ -286,8 +297,15 @@ int paged_decode_attention(float *q, int64_t q_stride, const float *cos_sin, con
                            float scale, int fmt, float k_scale, float v_scale, const float *k_comp) {
     const uint8_t *kc = (const uint8_t *)key_cache, *vc = (const uint8_t *)value_cache;
     int failed = 0;
+    int64_t threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    /* fewer sequences than threads (batch 1 on 2 threads): one task per (sequence, KV head), else per sequence */
+    const int64_t parts = num_seqs < threads && k_comp == NULL ? num_kv_heads : 1;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t s = 0; s < num_seqs; s++) {
+    for (int64_t task = 0; task < num_seqs * parts; task++) {
+        const int64_t s = task / parts, kh0 = parts == 1 ? 0 : task % parts, kh1 = parts == 1 ? num_kv_heads : kh0 + 1;
         float *qs = q + s * q_stride, *os = out != NULL ? out + s * num_heads * head_dim : NULL;
         const float *cs = cos_sin != NULL ? cos_sin + s * head_dim : NULL;
         const int64_t *slot = slot_mapping != NULL ? slot_mapping + s : NULL;
@@ -297,19 +315,19 @@ int paged_decode_attention(float *q, int64_t q_stride, const float *cos_sin, con
         switch (fmt) {
         case KV_BF16:
             rc = attend_seq(qs, cs, slot, kc, vc, blocks, len, os, num_heads, num_kv_heads, head_dim, block_size,
-                            scale, k_scale, v_scale, k_comp, KV_BF16);
+                            scale, k_scale, v_scale, k_comp, kh0, kh1, KV_BF16);
             break;
         case KV_FP8_E4M3:
             rc = attend_seq(qs, cs, slot, kc, vc, blocks, len, os, num_heads, num_kv_heads, head_dim, block_size,
-                            scale, k_scale, v_scale, k_comp, KV_FP8_E4M3);
+                            scale, k_scale, v_scale, k_comp, kh0, kh1, KV_FP8_E4M3);
             break;
         case KV_FP8_E5M2:
             rc = attend_seq(qs, cs, slot, kc, vc, blocks, len, os, num_heads, num_kv_heads, head_dim, block_size,
-                            scale, k_scale, v_scale, k_comp, KV_FP8_E5M2);
+                            scale, k_scale, v_scale, k_comp, kh0, kh1, KV_FP8_E5M2);
             break;
         default:
             rc = attend_seq(qs, cs, slot, kc, vc, blocks, len, os, num_heads, num_kv_heads, head_dim, block_size,
-                            scale, k_scale, v_scale, k_comp, KV_F32);
+                            scale, k_scale, v_scale, k_comp, kh0, kh1, KV_F32);
         }
         if (rc != 0) failed = 1;
     }
