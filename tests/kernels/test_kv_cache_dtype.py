@@ -129,19 +129,25 @@ def test_decode_attention_over_a_quantized_pool_is_that_over_its_fp32_values(dty
         assert torch.equal(out, cpu_kernels.paged_decode_attention(q, *fp32, block_table, seq_lens, 0.125))
 
 
+def _fused_case(dtype, seq_lens: list[int], seed: int):
+    """A pool of 40 blocks of 16 (3 KV heads, D 64) and, per sequence, its block table row, the slot of its own
+    token (the last position of its context), its fused qkv row (9 query heads) and its rotary cos / sin."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = _pool(dtype, 40, 16, 3, 64, gen)
+    s = len(seq_lens)
+    width = 40 // s
+    block_table = torch.randperm(40, generator=gen)[:s * width].view(s, width).to(torch.int32)
+    slots = torch.stack([block_table[i, (n - 1) // 16].long() * 16 + (n - 1) % 16 for i, n in enumerate(seq_lens)])
+    qkv = torch.randn(s, 15 * 64, generator=gen)  # [S, (H + 2 Hkv) * D]
+    angles = torch.rand(s, 32, generator=gen) * 6
+    cos_sin = torch.stack([angles.cos(), angles.sin()], dim=1)  # [S, 2, D / 2]
+    return cache, torch.tensor(seq_lens, dtype=torch.int32), block_table, slots, qkv, cos_sin
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, *KV_DTYPES])
 def test_fused_rotary_write_attend_matches_the_separate_kernels(dtype):
     """One call per layer (rotary on the fused qkv, K/V write, attention) gives the bits of the three calls."""
-    gen = torch.Generator().manual_seed(2)
-    cache = _pool(dtype, 40, 16, 3, 64, gen)
-    seq_lens = torch.tensor([1, 17, 50, 64], dtype=torch.int32)
-    block_table = torch.randperm(40, generator=gen)[:16].view(4, 4).to(torch.int32)
-    # each query's own token: the last position of its context
-    slots = torch.stack([block_table[s, (n - 1) // 16].long() * 16 + (n - 1) % 16
-                         for s, n in enumerate(seq_lens.tolist())])
-    qkv = torch.randn(4, 15 * 64, generator=gen)  # [S, (H + 2 Hkv) * D]
-    angles = torch.rand(4, 32, generator=gen) * 6
-    cos_sin = torch.stack([angles.cos(), angles.sin()], dim=1)  # [S, 2, D / 2]
+    cache, seq_lens, block_table, slots, qkv, cos_sin = _fused_case(dtype, [1, 17, 50, 64], seed=2)
     separate, qkv_separate = cache.clone(), qkv.clone()
     cpu_kernels.rotary_qkv(qkv_separate, cos_sin, 9, 3, 64)
     rows = qkv_separate.view(4, 15, 64)
@@ -158,15 +164,7 @@ def test_fused_rotary_write_attend_matches_the_separate_kernels(dtype):
 def test_a_sequence_alone_gets_its_bits_in_a_batch(dtype):
     """Fewer sequences than threads (batch 1 on 2 threads) split each sequence's KV heads among tasks: every head's
     rotation, K/V write and attention keep the bits the whole-sequence task gives them in a batch."""
-    gen = torch.Generator().manual_seed(4)
-    cache = _pool(dtype, 40, 16, 3, 64, gen)
-    seq_lens = torch.tensor([70, 1, 17, 129], dtype=torch.int32)
-    block_table = torch.randperm(40, generator=gen)[:36].view(4, 9).to(torch.int32)
-    slots = torch.stack([block_table[s, (n - 1) // 16].long() * 16 + (n - 1) % 16
-                         for s, n in enumerate(seq_lens.tolist())])
-    qkv = torch.randn(4, 15 * 64, generator=gen)
-    angles = torch.rand(4, 32, generator=gen) * 6
-    cos_sin = torch.stack([angles.cos(), angles.sin()], dim=1)
+    cache, seq_lens, block_table, slots, qkv, cos_sin = _fused_case(dtype, [70, 1, 17, 129], seed=4)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
