@@ -15,6 +15,8 @@ import statistics
 import sys
 import time
 
+from spec_step_parts import CONFIGS  # the same methods and settings as the per-part timing (this script's folder)
+
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.copy_heavy import sample_copy_heavy
 from pagedllm.core.scheduler import Scheduler
@@ -23,9 +25,6 @@ from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.worker import model_runner
 from pagedllm.worker.model_runner import ModelRunner
 
-CONFIGS = {"off": None,
-           "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
-           "suffix": {"method": "suffix", "num_speculative_tokens": 4}}
 PHASES = [(Scheduler, "schedule", "schedule"), (Scheduler, "update_from_output", "update"),
           (ModelRunner, "execute_model", "execute"), (ModelRunner, "_forward", "forward"),
           (LlamaForCausalLM, "compute_logits", "lm_head"), (ModelRunner, "_sample", "sample"),
