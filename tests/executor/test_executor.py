@@ -21,7 +21,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprob
 # Every rank samples from the same gathered logits with the same generator; only rank 0's tokens are returned, and
 # the other ranks' persistent batches must hold the same tokens (vLLM relies on this too).
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=24, ignore_eos=True)
-POOL = {"kv_cache_memory": 8 << 20}
+# float32 whatever the CPU: the all-reduce changes the summation order, and in bfloat16 (dtype auto on a CPU with
+# AVX512-BF16 or AMX) that flips near-tied greedy tokens of the random tiny model.
+POOL = {"kv_cache_memory": 8 << 20, "dtype": "float32"}
 
 
 def _generate(llm: LLM, prompts: list | None = None) -> list:
