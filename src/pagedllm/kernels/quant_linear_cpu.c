@@ -15,9 +15,10 @@
  * Invariant (DESIGN invariant 2, batch invariance): every output y[m, n] is
  *   acc = 0; for k = 0 .. K - 1 in order: acc = fma(w[n, k], x[m, k], acc)
  * one fp32 fma chain whatever M, the thread count or the path: small M streams the packed weights and decodes them
- * in registers (gemv_panels), large M decodes a strip of 16 outputs x KC k's into an L1 buffer and runs a 6 x 16
- * register-blocked micro-kernel over the rows (gemm_*), carrying each accumulator through y between K tiles (an
- * fp32 store and load are exact). Threads split the output panels, never the reduction.
+ * in registers (gemv_panels), large M decodes a strip of SW outputs (16, or 32 with AVX-512) x KC k's into an L1
+ * buffer and runs a register-blocked micro-kernel over the rows (gemm_*: 6 rows x 16 outputs in ymm, or 12 x 32 in
+ * zmm; a vector's lanes are outputs, so its width changes no chain), carrying each accumulator through y between K
+ * tiles (an fp32 store and load are exact). Threads split the output panels, never the reduction.
  *
  * Threads take the outputs in chunks, dynamically (chunk_size): which thread computes an output never changes its
  * value, and a thread that the OS deschedules (the API server, the client and the engine's Python share these
@@ -33,6 +34,12 @@
 #define KC 256   /* k's per decoded tile (a multiple of every group size) */
 #define MC 192   /* rows of x per tile: 192 x 256 x 4 B = 192 KiB, in L2 across the strips */
 #define MR 6     /* rows per micro-kernel call: 6 x 2 accumulators + 2 weights + 1 broadcast = 15 ymm */
+#ifdef __AVX512F__
+#define SP 4     /* panels per strip of the tiled path: 32 outputs, two zmm (see micro512) */
+#else
+#define SP 2     /* 16 outputs, two ymm */
+#endif
+#define SW (SP * PANEL)  /* outputs per strip: the row length of the decoded tile */
 #define GEMM_MIN_ROWS 9  /* below: gemv, all the rows in one pass over W (see gemv_range) */
 #define PARALLEL_MIN_WEIGHTS (64 * 1024)
 
@@ -199,7 +206,7 @@ static void gemv(gemv_range_fn run, int64_t bits, const uint8_t *w, int64_t grou
     }
 }
 
-/* Decode k's [k0, k0 + kc) of NP (1 or 2) panels into buf[kc][16] (panel p in floats 8p .. 8p + 7). */
+/* Decode k's [k0, k0 + kc) of np (1 to SP) panels into buf[kc][SW] (panel p in floats 8p .. 8p + 7). */
 ALWAYS_INLINE void decode_strip(int bits, const uint8_t *w, int64_t panel_bytes, int np, int64_t group, int64_t k0,
                                 int64_t kc, float *buf) {
     const int64_t gbytes = group_bytes(bits, group);
@@ -207,12 +214,12 @@ ALWAYS_INLINE void decode_strip(int bits, const uint8_t *w, int64_t panel_bytes,
         for (int64_t g = k0 / group; g < (k0 + kc) / group; g++) {
             const uint8_t *gp = w + p * panel_bytes + g * gbytes;
             const __m256 s = _mm256_loadu_ps((const float *)gp), o = _mm256_loadu_ps((const float *)gp + PANEL);
-            float *out = buf + (g * group - k0) * 16 + p * PANEL;
+            float *out = buf + (g * group - k0) * SW + p * PANEL;
             for (int64_t i = 0; i < group / 2; i++) {
                 __m256 w0, w1;
                 decode_pair(bits, gp + 64, i, s, o, &w0, &w1);
-                _mm256_storeu_ps(out + 32 * i, w0);
-                _mm256_storeu_ps(out + 32 * i + 16, w1);
+                _mm256_storeu_ps(out + 2 * i * SW, w0);
+                _mm256_storeu_ps(out + (2 * i + 1) * SW, w1);
             }
         }
 }
@@ -231,8 +238,8 @@ ALWAYS_INLINE void micro(int R, int NP, const float *buf, int64_t kc, const floa
     LOAD_ROW(0) LOAD_ROW(1) LOAD_ROW(2) LOAD_ROW(3) LOAD_ROW(4) LOAD_ROW(5)
 #undef LOAD_ROW
     for (int64_t k = 0; k < kc; k++) {
-        const __m256 w0 = _mm256_loadu_ps(buf + 16 * k);
-        const __m256 w1 = NP == 2 ? _mm256_loadu_ps(buf + 16 * k + 8) : w0;
+        const __m256 w0 = _mm256_loadu_ps(buf + SW * k);
+        const __m256 w1 = NP == 2 ? _mm256_loadu_ps(buf + SW * k + 8) : w0;
 #define FMA_ROW(r)                                                                                                 \
         if (R > r) {                                                                                               \
             const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);                                                \
@@ -263,36 +270,102 @@ static void micro_any(int rows, int np, const float *buf, int64_t kc, const floa
     }
 }
 
+#ifdef __AVX512F__
+/* micro's AVX-512 form: a strip's 32 outputs in two zmm (NZ = 1: its first 16 only), R rows (up to MR512 = 12:
+ * 24 accumulators + 2 weights; each k's broadcast of x folds into its fma, so the loads, 2 weights + R
+ * broadcasts, stay below the fmas). Each lane still runs one output's fma chain over k in order: the same bits as
+ * micro and the streaming path. Lanes past `valid` may hold another strip's weights and are never stored. */
+#define MR512 12
+ALWAYS_INLINE __mmask16 lanes(int64_t valid) {
+    return valid >= 16 ? (__mmask16)0xFFFF : valid <= 0 ? (__mmask16)0 : (__mmask16)((1u << valid) - 1);
+}
+
+ALWAYS_INLINE void micro512(int R, int NZ, const float *buf, int64_t kc, const float *x, int64_t ldx, float *y,
+                            int64_t ldy, int64_t valid, int first) {
+    const __mmask16 m0 = lanes(valid), m1 = lanes(valid - 16);
+    const __m512 z = _mm512_setzero_ps();
+    __m512 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z, c50 = z,
+           c51 = z, c60 = z, c61 = z, c70 = z, c71 = z, c80 = z, c81 = z, c90 = z, c91 = z, c100 = z, c101 = z,
+           c110 = z, c111 = z;
+#define ROWS(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7) OP(8) OP(9) OP(10) OP(11)
+#define LOAD(r)                                                                                                    \
+    if (R > r && !first) {                                                                                         \
+        c##r##0 = _mm512_maskz_loadu_ps(m0, y + r * ldy);                                                          \
+        if (NZ == 2) c##r##1 = _mm512_maskz_loadu_ps(m1, y + r * ldy + 16);                                        \
+    }
+    ROWS(LOAD)
+    for (int64_t k = 0; k < kc; k++) {
+        const __m512 w0 = _mm512_loadu_ps(buf + SW * k), w1 = NZ == 2 ? _mm512_loadu_ps(buf + SW * k + 16) : w0;
+#define FMA(r)                                                                                                     \
+        if (R > r) {                                                                                               \
+            const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);                                                      \
+            c##r##0 = _mm512_fmadd_ps(w0, xb, c##r##0);                                                            \
+            if (NZ == 2) c##r##1 = _mm512_fmadd_ps(w1, xb, c##r##1);                                               \
+        }
+        ROWS(FMA)
+    }
+#define STORE(r)                                                                                                   \
+    if (R > r) {                                                                                                   \
+        _mm512_mask_storeu_ps(y + r * ldy, m0, c##r##0);                                                           \
+        if (NZ == 2) _mm512_mask_storeu_ps(y + r * ldy + 16, m1, c##r##1);                                         \
+    }
+    ROWS(STORE)
+#undef STORE
+#undef FMA
+#undef LOAD
+#undef ROWS
+}
+
+#define MICRO512_CASE(R) case R: if (nz == 2) micro512(R, 2, buf, kc, x, ldx, y, ldy, valid, first); \
+                                 else micro512(R, 1, buf, kc, x, ldx, y, ldy, valid, first); break;
+static void micro512_any(int rows, int nz, const float *buf, int64_t kc, const float *x, int64_t ldx, float *y,
+                         int64_t ldy, int64_t valid, int first) {
+    switch (rows) {
+        MICRO512_CASE(1) MICRO512_CASE(2) MICRO512_CASE(3) MICRO512_CASE(4) MICRO512_CASE(5) MICRO512_CASE(6)
+        MICRO512_CASE(7) MICRO512_CASE(8) MICRO512_CASE(9) MICRO512_CASE(10) MICRO512_CASE(11) MICRO512_CASE(12)
+    }
+}
+#undef MICRO512_CASE
+#endif
+
 /* The packed bytes of k's [k0, k0 + kc) of strip s (its one or two panels) into the cache: issued before a tile's
  * micro-kernel calls for the next tile, they arrive while the fmas run (Q8_0 LM head, M=16: 0.93x the time; the 4-bit linears: even). */
 ALWAYS_INLINE void prefetch_strip(int bits, const uint8_t *w, int64_t panel_bytes, int64_t num_panels, int64_t group,
                                   int64_t K, int64_t s, int64_t k0) {
     const int64_t gbytes = group_bytes(bits, group), kc = K - k0 < KC ? K - k0 : KC;
-    for (int64_t p = 2 * s; p < 2 * s + 2 && p < num_panels; p++) {
+    for (int64_t p = SP * s; p < SP * s + SP && p < num_panels; p++) {
         const char *a = (const char *)w + p * panel_bytes + k0 / group * gbytes;
         for (int64_t off = 0; off < kc / group * gbytes; off += 64) _mm_prefetch(a + off, _MM_HINT_T0);
     }
 }
 
-/* Large M, one thread's share: strips [s_begin, s_end) of 16 outputs. Per tile of MC rows and KC k's it decodes
+/* Large M, one thread's share: strips [s_begin, s_end) of SW outputs. Per tile of MC rows and KC k's it decodes
  * each strip once into an L1 buffer and runs the micro-kernel over the tile's rows. The loops over strips and K
  * tiles nest whichever way keeps the larger operand in cache: K tiles outside when the thread's outputs are fewer
- * than K (the MC x KC tile of x is reused by every strip), inside otherwise (a strip's MC x 16 outputs stay in
+ * than K (the MC x KC tile of x is reused by every strip), inside otherwise (a strip's MC x SW outputs stay in
  * L1 across its K tiles instead of all the thread's outputs going through L3 between tiles: gate_up, 2 threads,
  * 1536 outputs each for K = 576). Either way each output's chain visits k in order. (s_next, k_next): the tile
  * that follows, prefetched; s_next < 0: none. */
 ALWAYS_INLINE void gemm_tile(int bits, const uint8_t *w, int64_t panel_bytes, int64_t num_panels, int64_t group,
                              const float *x, float *y, int64_t N, int64_t K, int64_t m0, int64_t mc, int64_t s,
                              int64_t k0, float *buf, int64_t s_next, int64_t k_next) {
-    const int np = 2 * s + 2 <= num_panels ? 2 : 1;
-    const int64_t n0 = 2 * s * PANEL, kc = K - k0 < KC ? K - k0 : KC;
-    decode_strip(bits, w + 2 * s * panel_bytes, panel_bytes, np, group, k0, kc, buf);
+    const int np = SP * s + SP <= num_panels ? SP : (int)(num_panels - SP * s);
+    const int64_t n0 = SP * s * PANEL, kc = K - k0 < KC ? K - k0 : KC;
+    decode_strip(bits, w + SP * s * panel_bytes, panel_bytes, np, group, k0, kc, buf);
     if (s_next >= 0) prefetch_strip(bits, w, panel_bytes, num_panels, group, K, s_next, k_next);
+#ifdef __AVX512F__
+    const int64_t blocks = (mc + MR512 - 1) / MR512;
+#else
     const int64_t blocks = (mc + MR - 1) / MR;  /* row blocks of even sizes: 16 rows as 6 + 5 + 5 (0.91x the time
                                                    of 6 + 6 + 4, whose 8 chains barely cover the fma latency) */
+#endif
     for (int64_t i = 0, m = m0; i < blocks; i++) {
         const int rows = (int)(mc * (i + 1) / blocks - mc * i / blocks);
+#ifdef __AVX512F__
+        micro512_any(rows, np > 2 ? 2 : 1, buf, kc, x + m * K + k0, K, y + m * N + n0, N, N - n0, k0 == 0);
+#else
         micro_any(rows, np, buf, kc, x + m * K + k0, K, y + m * N + n0, N, N - n0, k0 == 0);
+#endif
         m += rows;
     }
 }
@@ -300,8 +373,8 @@ ALWAYS_INLINE void gemm_tile(int bits, const uint8_t *w, int64_t panel_bytes, in
 ALWAYS_INLINE void gemm_strips(int bits, const uint8_t *w, int64_t group, const float *x, float *y, int64_t M,
                                int64_t N, int64_t K, int64_t s_begin, int64_t s_end) {
     const int64_t num_panels = (N + PANEL - 1) / PANEL, panel_bytes = K / group * group_bytes(bits, group);
-    const int strips_outside = (s_end - s_begin) * 16 > K;
-    float buf[KC * 16] __attribute__((aligned(64)));
+    const int strips_outside = (s_end - s_begin) * SW > K;
+    float buf[KC * SW] __attribute__((aligned(64)));
     for (int64_t m0 = 0; m0 < M; m0 += MC) {
         const int64_t mc = M - m0 < MC ? M - m0 : MC;
         if (strips_outside) {
@@ -337,10 +410,10 @@ static void gemm_strips_fp8(const uint8_t *w, int64_t group, const float *x, flo
     gemm_strips(FP8, w, group, x, y, M, N, K, s_begin, s_end);
 }
 
-/* Threads take chunks of 16-output strips as they come (chunk_size). */
+/* Threads take chunks of strips as they come (chunk_size). */
 static void gemm(int bits, const uint8_t *w, int64_t group, const float *x, float *y, int64_t M, int64_t N,
                  int64_t K) {
-    const int64_t num_strips = ((N + PANEL - 1) / PANEL + 1) / 2;
+    const int64_t num_strips = ((N + PANEL - 1) / PANEL + SP - 1) / SP;
 #pragma omp parallel
     {
         const int64_t chunk = chunk_size(num_strips, 1);
