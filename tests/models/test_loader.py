@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagedllm.config import ModelConfig
+from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.forward_context import kv_cache_bytes_per_block, kv_cache_shape
 from pagedllm.models import loader
 from pagedllm.models.loader import load_model, load_model_info, resolve_dtype, resolve_model
@@ -46,6 +47,18 @@ def test_resolve_dtype(monkeypatch):
     assert resolve_dtype("auto", cpu) == torch.float32
     monkeypatch.setattr(loader, "cpu_has_bf16", lambda: True)
     assert resolve_dtype("auto", cpu) == torch.bfloat16
+
+
+@pytest.mark.skipif(not cpu_kernels.available(torch.float32, torch.device("cpu")), reason="needs the native kernels")
+def test_auto_dtype_keeps_quantized_weights_in_their_kernels(monkeypatch, tiny_llama_dir):
+    """On a CPU with native bf16, auto still picks float32 where the weights run in the quantized kernels (their
+    activations are float32): the default GGUF model, --quantization fp8; a plain checkpoint gets bf16."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: True)
+    assert resolve_dtype("auto", cpu, ModelConfig()) == torch.float32
+    assert resolve_dtype("auto", cpu, ModelConfig(model=str(tiny_llama_dir), quantization="fp8")) == torch.float32
+    assert resolve_dtype("auto", cpu, ModelConfig(model=str(tiny_llama_dir))) == torch.bfloat16
+    assert resolve_dtype("bfloat16", cpu, ModelConfig()) == torch.bfloat16
     with pytest.raises(ValueError, match="--dtype"):
         resolve_dtype("int8", cpu)
 

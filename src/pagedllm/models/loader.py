@@ -62,15 +62,32 @@ def cpu_has_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 on CUDA or where the CPU has AMX / AVX512-BF16, else fp32; else the named dtype."""
+def resolve_dtype(dtype: str, device: torch.device, model_config: ModelConfig | None = None) -> torch.dtype:
+    """auto: bf16 on CUDA; on the CPU fp32 for weights the native quantized kernels run (a GGUF model, or
+    --quantization fp8: their activations are fp32), else bf16 where the CPU has AMX / AVX512-BF16, else fp32;
+    otherwise the named dtype."""
     if dtype != "auto":
         if dtype not in _DTYPES:
             raise ValueError(f"--dtype must be auto, {', '.join(_DTYPES)}; got {dtype!r}")
         return _DTYPES[dtype]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if model_config is not None and _runs_quantized_kernels(model_config, device):
+        return torch.float32
     return torch.bfloat16 if cpu_has_bf16() else torch.float32
+
+
+def _runs_quantized_kernels(model_config: ModelConfig, device: torch.device) -> bool:
+    """Whether the model's weights would run in the native quantized kernels at float32 (see runs_gguf_quantized
+    and runs_fp8): so that dtype auto keeps a GGUF model quantized on a CPU with native bf16 too."""
+    if not cpu_kernels.available(torch.float32, device):
+        return False
+    if model_config.quantization == "fp8":
+        return True
+    try:
+        return model_config.quantization in (None, "gguf") and resolve_model(model_config.model).kind == "gguf"
+    except ModelLoadError:
+        return False  # load_model reports it
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -70,7 +70,7 @@ class Worker:
         if self.device.type == "cuda" and pc.world_size > 1:
             self.device = torch.device("cuda", self.rank)
             torch.cuda.set_device(self.device)
-        self.dtype = resolve_dtype(mc.dtype, self.device)
+        self.dtype = resolve_dtype(mc.dtype, self.device, mc)
         if pc.pipeline_parallel_size > 1:
             self.tp, self.pp = init_pipeline(self.rank, pc.tensor_parallel_size, pc.pipeline_parallel_size,
                                              self.distributed_init_method or "", self.device)
