@@ -153,6 +153,90 @@ ALWAYS_INLINE void gemv_panels(int bits, int R, int P, const uint8_t *w, int64_t
 #undef STORE
 }
 
+#ifdef __AVX512F__
+/* 8 bytes at a and 8 at b as one 16-byte vector (panel pair: a's rows in lanes 0-7, b's in 8-15). */
+ALWAYS_INLINE __m128i load_pair8(const uint8_t *a, const uint8_t *b) {
+    return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
+}
+
+/* decode_pair for two panels at once (codes at ca and cb): 16 lanes, panel a's 8 rows then panel b's. */
+ALWAYS_INLINE void decode_pair512(int bits, const uint8_t *ca, const uint8_t *cb, int64_t i, __m512 s, __m512 o,
+                                  __m512 *w0, __m512 *w1) {
+    if (bits == 4) {
+        const __m512i b = _mm512_cvtepu8_epi32(load_pair8(ca + 8 * i, cb + 8 * i));
+        *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), s, o);
+        *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s, o);
+    } else if (bits == FP8) {  /* as fp8_to_ps, 16 at once */
+        const __m256i h0 = _mm256_cvtepi8_epi16(load_pair8(ca + 16 * i, cb + 16 * i));
+        const __m256i h1 = _mm256_cvtepi8_epi16(load_pair8(ca + 16 * i + 8, cb + 16 * i + 8));
+        const __m256i keep = _mm256_set1_epi16((short)0xBFFF);
+        *w0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(h0, 7), keep)), s, o);
+        *w1 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(h1, 7), keep)), s, o);
+    } else {
+        const __m512i b0 = _mm512_cvtepi8_epi32(load_pair8(ca + 16 * i, cb + 16 * i));
+        const __m512i b1 = _mm512_cvtepi8_epi32(load_pair8(ca + 16 * i + 8, cb + 16 * i + 8));
+        *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b0), s, o);
+        *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b1), s, o);
+    }
+}
+
+/* 8 floats at a and 8 at b as one zmm. */
+ALWAYS_INLINE __m512 load_pair_ps(const float *a, const float *b) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+
+ALWAYS_INLINE void store_pair(float *p, __m512 v, int64_t valid) {
+    if (valid >= 16) _mm512_storeu_ps(p, v);
+    else if (valid > 0) _mm512_mask_storeu_ps(p, (__mmask16)((1u << valid) - 1), v);
+}
+
+/* gemv_panels' AVX-512 form for 2 Q panels (Q = 1, 2 or 4 pairs): each zmm holds a pair of panels, lanes still
+ * outputs, so every chain (and bit) is gemv_panels'; half the decode and fma instructions. */
+ALWAYS_INLINE void gemv_pairs(int bits, int R, int Q, const uint8_t *w, int64_t panel_bytes, int64_t group,
+                              const float *x, int64_t K, float *y, int64_t N, int64_t n0) {
+    const int64_t gbytes = group_bytes(bits, group), num_groups = K / group;
+    const __m512 z = _mm512_setzero_ps();
+#define ACC_ROW(r) __m512 a##r##0 = z, a##r##1 = z, a##r##2 = z, a##r##3 = z;
+    ACC_ROW(0) ACC_ROW(1) ACC_ROW(2) ACC_ROW(3) ACC_ROW(4) ACC_ROW(5) ACC_ROW(6) ACC_ROW(7)
+#undef ACC_ROW
+    for (int64_t g = 0; g < num_groups; g++) {
+        const uint8_t *gp = w + g * gbytes;
+        __m512 s0 = z, o0 = z, s1 = z, o1 = z, s2 = z, o2 = z, s3 = z, o3 = z;
+#define SCALES(q)                                                                                                  \
+        if (Q > q) {                                                                                               \
+            const float *pa = (const float *)(gp + 2 * q * panel_bytes), *pb = (const float *)(gp + (2 * q + 1) * panel_bytes); \
+            s##q = load_pair_ps(pa, pb);                                                                           \
+            o##q = load_pair_ps(pa + PANEL, pb + PANEL);                                                           \
+        }
+        SCALES(0) SCALES(1) SCALES(2) SCALES(3)
+#undef SCALES
+        for (int64_t i = 0; i < group / 2; i++) {
+            const int64_t k = g * group + 2 * i;
+            __m512 v0 = z, u0 = z, v1 = z, u1 = z, v2 = z, u2 = z, v3 = z, u3 = z;
+#define DECODE(q)                                                                                                  \
+            if (Q > q) decode_pair512(bits, gp + 2 * q * panel_bytes + 64, gp + (2 * q + 1) * panel_bytes + 64, i, \
+                                      s##q, o##q, &v##q, &u##q);
+#define CHAIN(r, q)                                                                                                \
+            if (R > r && Q > q) {                                                                                  \
+                a##r##q = _mm512_fmadd_ps(v##q, _mm512_set1_ps(x[r * K + k]), a##r##q);                            \
+                a##r##q = _mm512_fmadd_ps(u##q, _mm512_set1_ps(x[r * K + k + 1]), a##r##q);                        \
+            }
+#define CHAINS(r) CHAIN(r, 0) CHAIN(r, 1) CHAIN(r, 2) CHAIN(r, 3)
+            DECODE(0) DECODE(1) DECODE(2) DECODE(3)
+            CHAINS(0) CHAINS(1) CHAINS(2) CHAINS(3) CHAINS(4) CHAINS(5) CHAINS(6) CHAINS(7)
+#undef CHAINS
+#undef CHAIN
+#undef DECODE
+        }
+    }
+#define STORE(r, q) if (R > r && Q > q) store_pair(y + r * N + n0 + 2 * q * PANEL, a##r##q, N - n0 - 2 * q * PANEL);
+#define STORE_ROW(r) STORE(r, 0) STORE(r, 1) STORE(r, 2) STORE(r, 3)
+    STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3) STORE_ROW(4) STORE_ROW(5) STORE_ROW(6) STORE_ROW(7)
+#undef STORE_ROW
+#undef STORE
+}
+#endif
+
 /* gemv_panels over panels [p_begin, p_end) of W: runs of max_p panels (8 for one row, 4 for two, 2 for more: the
  * registers; two rows with the weights in DRAM: P = 4 takes 0.89x the time of P = 2, in cache 1.1x), then runs of
  * 4, 2, 1 for the rest; the shape is constant in each instance. Every M below GEMM_MIN_ROWS is one pass, so the
@@ -167,6 +251,13 @@ ALWAYS_INLINE void gemv_panels(int bits, int R, int P, const uint8_t *w, int64_t
 typedef void (*gemv_range_fn)(GEMV_RANGE_ARGS);
 ALWAYS_INLINE void gemv_range(int bits, int R, int max_p, GEMV_RANGE_ARGS) {
     int64_t p = p_begin;
+#ifdef __AVX512F__
+#define RUNS(P)                                                                                                    \
+    if (max_p >= P)                                                                                                \
+        for (; p + P <= p_end; p += P) gemv_pairs(bits, R, P / 2, w + p * panel_bytes, panel_bytes, group, x, K, y, N, p * PANEL);
+    RUNS(8) RUNS(4) RUNS(2)
+#undef RUNS
+#endif
 #define RUNS(P)                                                                                                    \
     if (max_p >= P)                                                                                                \
         for (; p + P <= p_end; p += P) gemv_panels(bits, R, P, w + p * panel_bytes, panel_bytes, group, x, K, y, N, p * PANEL);
@@ -224,6 +315,7 @@ ALWAYS_INLINE void decode_strip(int bits, const uint8_t *w, int64_t panel_bytes,
         }
 }
 
+#ifndef __AVX512F__
 /* R rows x NP panels: y[r, 8p + j] continues its chain over kc k's of decoded weights. first: start from 0.
  * Named accumulators c<row><panel> (see gemv_panels). */
 ALWAYS_INLINE void micro(int R, int NP, const float *buf, int64_t kc, const float *x, int64_t ldx, float *y,
@@ -270,7 +362,7 @@ static void micro_any(int rows, int np, const float *buf, int64_t kc, const floa
     }
 }
 
-#ifdef __AVX512F__
+#else
 /* micro's AVX-512 form: a strip's 32 outputs in two zmm (NZ = 1: its first 16 only), R rows (up to MR512 = 12:
  * 24 accumulators + 2 weights; each k's broadcast of x folds into its fma, so the loads, 2 weights + R
  * broadcasts, stay below the fmas). Each lane still runs one output's fma chain over k in order: the same bits as
@@ -316,8 +408,12 @@ ALWAYS_INLINE void micro512(int R, int NZ, const float *buf, int64_t kc, const f
 #undef ROWS
 }
 
-#define MICRO512_CASE(R) case R: if (nz == 2) micro512(R, 2, buf, kc, x, ldx, y, ldy, valid, first); \
-                                 else micro512(R, 1, buf, kc, x, ldx, y, ldy, valid, first); break;
+#define MICRO512_CASE(R)                                                                                           \
+    case R: {                                                                                                      \
+        if (nz == 2) micro512(R, 2, buf, kc, x, ldx, y, ldy, valid, first);                                        \
+        else micro512(R, 1, buf, kc, x, ldx, y, ldy, valid, first);                                                \
+        break;                                                                                                     \
+    }
 static void micro512_any(int rows, int nz, const float *buf, int64_t kc, const float *x, int64_t ldx, float *y,
                          int64_t ldy, int64_t valid, int first) {
     switch (rows) {
