@@ -119,3 +119,22 @@ def test_rows_independent_of_batch_and_threads(qtype):
     for m in (1, 3, 17, 64):
         for start in (0, 5, 130 - m):
             assert torch.equal(weight.matmul(x[start:start + m]), full[start:start + m]), (m, start)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0], ids=lambda t: t.name)
+def test_an_output_group_has_the_same_bits_in_the_wide_tile(qtype):
+    """With AVX-512 VNNI, two groups of 8 outputs run at once (groups 2i and 2i + 1; a last odd group alone): the
+    rows rolled by 8 put group 2's weights into group 0, from the narrow tile into the wide one, and back."""
+    n, k = 24, 512
+    raw = random_gguf(qtype, n, k, seed=4)
+    rolled = np.roll(raw.reshape(n, -1), 8, axis=0).reshape(-1)
+    a = Int8ActivationWeight.from_quantized(unpack(raw, qtype, (n, k)))
+    b = Int8ActivationWeight.from_quantized(unpack(rolled, qtype, (n, k)))
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(5))
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            assert torch.equal(a.matmul(x), torch.roll(b.matmul(x), -8, dims=1)), t
+    finally:
+        torch.set_num_threads(threads)

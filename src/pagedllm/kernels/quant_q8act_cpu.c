@@ -9,8 +9,8 @@
  *     da = amax / 127, qa = round(x / da) in [-127, 127], sa = da * sum(qa)
  * so that per block   sum_k x w  ~  d * da * sum_k(q * qa)  +  mn * sa.
  * The integer sums are exact (AVX2 maddubs, unsigned weight bytes x signed activation bytes into int16 pairs,
- * then madd into int32, with no saturation: see tile); each block's sum is converted to fp32, scaled and
- * accumulated, blocks in order.
+ * then madd into int32, with no saturation: see tile; or AVX-512 VNNI's vpdpbusd over two output groups at once:
+ * see tile16); each block's sum is converted to fp32, scaled and accumulated, blocks in order.
  *
  * Packed weight layout: rows in groups of 8 (N padded to a multiple of 8), per group and block of 32 k:
  *   U4  128 bytes: 4 loads of 32; load j, lane n (4 bytes): k = 4j..4j+3 in the low nibbles, 4(j+4).. in the high
@@ -156,6 +156,87 @@ static inline __attribute__((always_inline)) void tile(
 #undef ROWS
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define WIDE 1
+/* tile() for two groups at once (16 outputs: group a's 8 in lanes 0-7, b's in 8-15) with AVX-512 VNNI: vpdpbusd
+ * adds each lane's 4 unsigned weight x signed activation byte products straight into its int32 sum, so one
+ * broadcast of 4 activation bytes and one op serve 16 outputs. The int32 block sums are the same integers as
+ * tile()'s (exact either way) and the fp32 part runs the same op sequence per lane: the same bits. U4 and U5
+ * only (S8 has no 512-bit byte sign; it keeps tile()). Two int32 sums per row (lo and hi nibbles) halve the
+ * vpdpbusd dependency chain. */
+static inline __attribute__((always_inline)) __m512i load_pair256(const uint8_t *a, const uint8_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+static inline __attribute__((always_inline)) __m512 load_pair_f(const float *a, const float *b) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+
+static inline __attribute__((always_inline)) void tile16(
+        int wtype, int R, const uint8_t *wa, const uint8_t *wb_, const float *da_w, const float *db_w,
+        const float *ma, const float *mb, const int8_t *qa, const float *da, const float *sa, int64_t nb,
+        int64_t K, float *out, int64_t ld) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10), zi = _mm512_setzero_si512();
+    const int64_t bytes = wtype == W_U5 ? 160 : 128;
+    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+#define ROWS(X) X(0) X(1) X(2) X(3)
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *pa = wa + b * bytes, *pb = wb_ + b * bytes;
+        const int8_t *ab = qa + b * QK;
+        __m512i s0 = zi, s1 = zi, s2 = zi, s3 = zi, u0 = zi, u1 = zi, u2 = zi, u3 = zi;
+        const __m512i h = wtype == W_U5 ? load_pair256(pa + 128, pb + 128) : zi;
+        for (int j = 0; j < 4; j++) {
+            const __m512i packed = load_pair256(pa + j * 32, pb + j * 32);
+            __m512i lo = _mm512_and_si512(packed, low4), hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+            if (wtype == W_U5) {
+                lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(h, 4 - j), bit4));
+                hi = _mm512_or_si512(hi, _mm512_and_si512(j == 0 ? h : _mm512_srli_epi16(h, j), bit4));
+            }
+#define U_ROW(r)                                                                                                   \
+            if (R > r) {                                                                                           \
+                s##r = _mm512_dpbusd_epi32(s##r, lo, _mm512_set1_epi32(load4(ab + r * K + j * 4)));                \
+                u##r = _mm512_dpbusd_epi32(u##r, hi, _mm512_set1_epi32(load4(ab + r * K + (j + 4) * 4)));          \
+            }
+            ROWS(U_ROW)
+#undef U_ROW
+        }
+        const __m512 dw = load_pair_f(da_w + b * 8, db_w + b * 8), mw = load_pair_f(ma + b * 8, mb + b * 8);
+#define FP(r)                                                                                                      \
+        if (R > r) {                                                                                               \
+            const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(s##r, u##r));                                    \
+            c##r = _mm512_fmadd_ps(sum, _mm512_mul_ps(dw, _mm512_set1_ps(da[r * nb + b])), c##r);                   \
+            c##r = _mm512_fmadd_ps(mw, _mm512_set1_ps(sa[r * nb + b]), c##r);                                      \
+        }
+        ROWS(FP)
+#undef FP
+    }
+#define STORE(r) if (R > r) _mm512_storeu_ps(out + r * ld, c##r);
+    ROWS(STORE)
+#undef STORE
+#undef ROWS
+}
+
+typedef void (*tile16_fn)(const uint8_t *wa, const uint8_t *wb, const float *da_w, const float *db_w,
+                          const float *ma, const float *mb, const int8_t *qa, const float *da, const float *sa,
+                          int64_t nb, int64_t K, float *out, int64_t ld);
+#define DEFINE_TILE16(T, R)                                                                                        \
+    static void tile16_##T##_##R(const uint8_t *wa, const uint8_t *wb, const float *da_w, const float *db_w,      \
+                                 const float *ma, const float *mb, const int8_t *qa, const float *da,              \
+                                 const float *sa, int64_t nb, int64_t K, float *out, int64_t ld) {                 \
+        tile16(T, R, wa, wb, da_w, db_w, ma, mb, qa, da, sa, nb, K, out, ld);                                      \
+    }
+#define DEFINE_TILES16(T) DEFINE_TILE16(T, 1) DEFINE_TILE16(T, 2) DEFINE_TILE16(T, 3) DEFINE_TILE16(T, 4)
+DEFINE_TILES16(0) DEFINE_TILES16(1)  /* W_U4, W_U5 */
+#undef DEFINE_TILES16
+#undef DEFINE_TILE16
+#define TILES16_OF(T) {tile16_##T##_1, tile16_##T##_2, tile16_##T##_3, tile16_##T##_4}
+static const tile16_fn TILES16[2][MR] = {TILES16_OF(0), TILES16_OF(1)};
+#undef TILES16_OF
+#else
+#define WIDE 0
+#endif
+
 /* Quantize x [M, K] per row and block (exposed for tests). */
 void q8act_quantize_f32(const float *x, int64_t M, int64_t K, int8_t *qa, float *da, float *sa) {
     const int64_t nb = K / QK;
@@ -199,7 +280,8 @@ int q8act_linear_f32(int wtype, const uint8_t *wq, const float *d, const float *
 #pragma omp parallel num_threads(M * N * K >= (1 << 18) ? omp_get_max_threads() : 1)
     {
         const int64_t nth = omp_get_num_threads();
-        const int64_t chunk = (num_groups + nth * CHUNKS_PER_THREAD - 1) / (nth * CHUNKS_PER_THREAD);
+        int64_t chunk = (num_groups + nth * CHUNKS_PER_THREAD - 1) / (nth * CHUNKS_PER_THREAD);
+        if (WIDE) chunk += chunk % 2;  /* chunks of whole group pairs: pairs (2i, 2i + 1) whatever the threads */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t first = 0; first < num_groups; first += chunk) {
             const int64_t last = first + chunk < num_groups ? first + chunk : num_groups;
@@ -207,6 +289,18 @@ int q8act_linear_f32(int wtype, const uint8_t *wq, const float *d, const float *
                 const int64_t m1 = m0 + M_CHUNK < M ? m0 + M_CHUNK : M;
                 for (int64_t g = first; g < last; g++) {
                     const int64_t n0 = g * 8, valid = N - n0 < 8 ? N - n0 : 8;
+#if WIDE
+                    if (wtype != W_S8 && g + 1 < last && n0 + 16 <= N) {  /* two full groups: 16 outputs */
+                        for (int64_t m = m0; m < m1; m += MR) {
+                            const int rows = m1 - m < MR ? (int)(m1 - m) : MR;
+                            TILES16[wtype][rows - 1](wq + g * nb * bytes, wq + (g + 1) * nb * bytes, d + g * nb * 8,
+                                                     d + (g + 1) * nb * 8, mn + g * nb * 8, mn + (g + 1) * nb * 8,
+                                                     qa + m * K, da + m * nb, sa + m * nb, nb, K, out + m * N + n0, N);
+                        }
+                        g++;
+                        continue;
+                    }
+#endif
                     for (int64_t m = m0; m < m1; m += MR) {
                         const int rows = m1 - m < MR ? (int)(m1 - m) : MR;
                         float tmp[MR * 8];
