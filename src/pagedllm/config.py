@@ -37,9 +37,8 @@ class ModelConfig:
     served_model_name: str | None = None
     """The model name clients use in the `model` field; default: the model argument."""
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"
-    """Weights and activations dtype. auto: bfloat16 on CUDA; on the CPU float32 for weights the native quantized
-    kernels run (a GGUF model, --quantization fp8), else bfloat16 where the CPU has AMX or AVX512-BF16, else
-    float32."""
+    """Weights and activations dtype. auto: bfloat16 on CUDA; on the CPU float32 for a GGUF model or fp8 (quantized
+    kernels), else bfloat16 where the CPU has AMX or AVX512-BF16, else float32."""
     max_model_len: int | None = None
     """Longest prompt + output in tokens; default: the model's context length. The engine core resolves it
     once at load (EngineCore.max_model_len) and hands the value to the scheduler, the runner and the
