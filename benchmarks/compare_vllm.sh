@@ -148,7 +148,7 @@ start_pagedllm() {  # LOGFILE [extra serve flags] -> PD_PID, COLD_S
     (( $(echo "$(now) - $t0 > 600" | bc) )) && { echo "pagedllm not healthy after 600 s" >&2; return 1; }
     sleep 0.05
   done
-  COLD_S=$(echo "$(now) - $t0" | bc)
+  COLD_S=$(printf "%.3f" "$(echo "$(now) - $t0" | bc)")  # bc writes 0.89 as .89, not JSON
 }
 stop_pagedllm() {
   [ -n "$PD_PID" ] || return 0
@@ -227,7 +227,7 @@ start_peer() {  # PORT LOG SUBCOMMAND [ARGS]: `peers.sh SUBCOMMAND` in the backg
     kill -0 "$pid" 2>/dev/null || break
     sleep 0.05
   done
-  COLD_S=$(echo "$(now) - $t0" | bc)
+  COLD_S=$(printf "%.3f" "$(echo "$(now) - $t0" | bc)")  # bc writes 0.89 as .89, not JSON
   wait "$pid"
 }
 

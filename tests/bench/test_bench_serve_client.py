@@ -69,6 +69,16 @@ def test_sse_parser_handles_split_events_and_comments():
     assert parser.feed(euro[:8]) == [] and parser.feed(euro[8:]) == ['"\u20ac"']
 
 
+def test_sse_parser_splits_lines_only_at_cr_and_lf():
+    """JSON leaves U+2028, U+2029, U+0085 and control separators raw in a string; a served token's text may hold
+    them (one of 16 requests of a sitting failed on such a text: str.splitlines() cut its event in two)."""
+    text = "a\u2028b\u2029c\x85d\x1ce\x0bf\x0cg"
+    event = json.dumps({"choices": [{"text": text}]}, ensure_ascii=False)
+    parser = SSEParser()
+    payloads = parser.feed(f"data: {event}\n\n".encode())
+    assert [json.loads(p)["choices"][0]["text"] for p in payloads] == [text]
+
+
 async def _one(func, base_url, path, **kwargs):
     inp = RequestFuncInput(prompt="hello world", api_url=base_url + path, prompt_len=2, output_len=5,
                            model="fake-model", ignore_eos=True, request_id="rid-1", **kwargs)

@@ -71,9 +71,11 @@ class SSEParser:
             events.append(event)
         payloads = []
         for event in events:
-            for line in event.strip().splitlines():
+            # SSE lines end only at CR or LF: str.splitlines() and strip() would also cut at U+2028, U+0085 and
+            # the like, which a JSON string may hold raw (a sampled token's text did: "Unterminated string").
+            for line in event.replace("\r\n", "\n").replace("\r", "\n").split("\n"):
                 if line.startswith("data:"):
-                    payloads.append(line[len("data:"):].strip())
+                    payloads.append(line[len("data:"):].removeprefix(" "))
         return payloads
 
 
