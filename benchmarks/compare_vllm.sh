@@ -45,7 +45,7 @@
 # PAGEDLLM_PORT (8001), INPUT_LEN (256) and OUTPUT_LEN (128; the serving and offline workloads, CLIENT=vllm: only
 # 256/128), PREFIX_OUTPUT_LEN (128), OFFLINE_N, PREFIX_N, PREFIX_ENGINE (the first pagedllm engine), WORKLOADS ("C:N ..."),
 # VLLM_DTYPE, VLLM_OFFLINE_RUNS, PAGEDLLM_SERVE_ARGS (--health-check-timeout 60), PAGEDLLM_ARGS (--dtype auto:
-# float32 on a CPU without AMX/AVX512-BF16), PAGEDLLM_EXTRA_FLAGS[_NAME], LLAMACPP_NP (16), LLAMACPP_ARGS,
+# float32 for the GGUF default), PAGEDLLM_EXTRA_FLAGS[_NAME], LLAMACPP_NP (16), LLAMACPP_ARGS,
 # PEERS_SH, PEERS_DIR, PY and PAGEDLLM (.venv's python and pagedllm), LOGS (server logs, /tmp/pagedllm-compare-logs).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -86,8 +86,9 @@ PREFIX_ENGINE=${PREFIX_ENGINE:-$(echo "$PAGEDLLM_ENGINES" | head -1)}
 MEASURE=0
 for s in serve offline prefix; do [[ ",$STEPS," == *,$s,* ]] && MEASURE=1; done
 PREFIX_OUTPUT_LEN=${PREFIX_OUTPUT_LEN:-128}
-# vLLM's dtype: peers.sh's bfloat16 where the CPU has native bf16 (AMX or AVX512-BF16), else float32, the
-# dtype `pagedllm --dtype auto` picks there too. On an AVX2-only CPU vLLM's bf16 falls back from oneDNN to
+# vLLM's dtype: peers.sh's bfloat16 where the CPU has native bf16 (AMX or AVX512-BF16), else float32 (for a
+# Hugging Face checkpoint `pagedllm --dtype auto` picks the same; the default GGUF model keeps its quantized
+# kernels' float32 everywhere). On an AVX2-only CPU vLLM's bf16 falls back from oneDNN to
 # torch's emulated bf16 matmuls and runs ~10x slower than fp32 (prefill ~200 tok/s, decode ~13 tok/s at
 # concurrency 16), so bf16 there would be a straw man and take hours.
 if grep -qwE 'amx_bf16|avx512_bf16' /proc/cpuinfo; then VLLM_DTYPE=${VLLM_DTYPE:-bfloat16}; else VLLM_DTYPE=${VLLM_DTYPE:-float32}; fi
