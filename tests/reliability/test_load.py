@@ -135,7 +135,11 @@ def test_stalled_stream_closed_by_its_client_is_aborted(servers):
             sock.connect(("127.0.0.1", server.port))
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-            time.sleep(1.5)  # read nothing
+            # read nothing: once the engine runs the group, half a second fills the socket buffers (the server's
+            # writes block) and leaves most requests unfinished even on a fast machine (a fixed 1.5 s let a Zen 5
+            # finish 12 of the 16 before the close)
+            assert wait_for(lambda: server.kv()["num_running_reqs"] > 0, 10.0)
+            time.sleep(0.5)
             finished = load_test.finished_by_reason(server).get("length", 0) - before.get("length", 0)
         assert wait_for(lambda: server.kv()["num_running_reqs"] + server.kv()["num_waiting_reqs"] == 0, 30.0)
         after = load_test.finished_by_reason(server)
