@@ -121,7 +121,7 @@ def test_rows_independent_of_batch_and_threads(qtype):
             assert torch.equal(weight.matmul(x[start:start + m]), full[start:start + m]), (m, start)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q8_0], ids=lambda t: t.name)
 def test_an_output_group_has_the_same_bits_in_the_wide_tile(qtype):
     """With AVX-512 VNNI, two groups of 8 outputs run at once (groups 2i and 2i + 1; a last odd group alone): the
     rows rolled by 8 put group 2's weights into group 0, from the narrow tile into the wide one, and back."""

@@ -161,9 +161,10 @@ static inline __attribute__((always_inline)) void tile(
 /* tile() for two groups at once (16 outputs: group a's 8 in lanes 0-7, b's in 8-15) with AVX-512 VNNI: vpdpbusd
  * adds each lane's 4 unsigned weight x signed activation byte products straight into its int32 sum, so one
  * broadcast of 4 activation bytes and one op serve 16 outputs. The int32 block sums are the same integers as
- * tile()'s (exact either way) and the fp32 part runs the same op sequence per lane: the same bits. U4 and U5
- * only (S8 has no 512-bit byte sign; it keeps tile()). Two int32 sums per row (lo and hi nibbles) halve the
- * vpdpbusd dependency chain. */
+ * tile()'s (exact either way) and the fp32 part runs the same op sequence per lane: the same bits. S8 negates
+ * the activation bytes where the weight byte is negative (AVX-512 has no byte sign; where a weight is 0 its |w| is
+ * too, so the product is 0 either way). Two int32 sums per row (lo and hi nibbles, or even and odd quads) halve
+ * the vpdpbusd dependency chain. */
 static inline __attribute__((always_inline)) __m512i load_pair256(const uint8_t *a, const uint8_t *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
                               _mm256_loadu_si256((const __m256i *)b), 1);
@@ -178,15 +179,29 @@ static inline __attribute__((always_inline)) void tile16(
         const float *ma, const float *mb, const int8_t *qa, const float *da, const float *sa, int64_t nb,
         int64_t K, float *out, int64_t ld) {
     const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10), zi = _mm512_setzero_si512();
-    const int64_t bytes = wtype == W_U5 ? 160 : 128;
+    const int64_t bytes = wtype == W_S8 ? 256 : wtype == W_U5 ? 160 : 128;
     __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
 #define ROWS(X) X(0) X(1) X(2) X(3)
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *pa = wa + b * bytes, *pb = wb_ + b * bytes;
         const int8_t *ab = qa + b * QK;
         __m512i s0 = zi, s1 = zi, s2 = zi, s3 = zi, u0 = zi, u1 = zi, u2 = zi, u3 = zi;
+        if (wtype == W_S8)
+            for (int q = 0; q < 8; q++) {
+                const __m512i w = load_pair256(pa + q * 32, pb + q * 32), wabs = _mm512_abs_epi8(w);
+                const __mmask64 neg = _mm512_movepi8_mask(w);
+#define S8_ROW(r)                                                                                                  \
+                if (R > r) {                                                                                       \
+                    const __m512i a = _mm512_set1_epi32(load4(ab + r * K + q * 4));                                \
+                    const __m512i signed_a = _mm512_mask_sub_epi8(a, neg, zi, a);                                  \
+                    if (q % 2) u##r = _mm512_dpbusd_epi32(u##r, wabs, signed_a);                                   \
+                    else s##r = _mm512_dpbusd_epi32(s##r, wabs, signed_a);                                         \
+                }
+                ROWS(S8_ROW)
+#undef S8_ROW
+            }
         const __m512i h = wtype == W_U5 ? load_pair256(pa + 128, pb + 128) : zi;
-        for (int j = 0; j < 4; j++) {
+        for (int j = 0; j < 4 && wtype != W_S8; j++) {
             const __m512i packed = load_pair256(pa + j * 32, pb + j * 32);
             __m512i lo = _mm512_and_si512(packed, low4), hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
             if (wtype == W_U5) {
@@ -201,12 +216,13 @@ static inline __attribute__((always_inline)) void tile16(
             ROWS(U_ROW)
 #undef U_ROW
         }
-        const __m512 dw = load_pair_f(da_w + b * 8, db_w + b * 8), mw = load_pair_f(ma + b * 8, mb + b * 8);
+        const __m512 dw = load_pair_f(da_w + b * 8, db_w + b * 8);
+        const __m512 mw = wtype == W_S8 ? _mm512_setzero_ps() : load_pair_f(ma + b * 8, mb + b * 8);
 #define FP(r)                                                                                                      \
         if (R > r) {                                                                                               \
             const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(s##r, u##r));                                    \
             c##r = _mm512_fmadd_ps(sum, _mm512_mul_ps(dw, _mm512_set1_ps(da[r * nb + b])), c##r);                   \
-            c##r = _mm512_fmadd_ps(mw, _mm512_set1_ps(sa[r * nb + b]), c##r);                                      \
+            if (wtype != W_S8) c##r = _mm512_fmadd_ps(mw, _mm512_set1_ps(sa[r * nb + b]), c##r);                   \
         }
         ROWS(FP)
 #undef FP
@@ -227,11 +243,11 @@ typedef void (*tile16_fn)(const uint8_t *wa, const uint8_t *wb, const float *da_
         tile16(T, R, wa, wb, da_w, db_w, ma, mb, qa, da, sa, nb, K, out, ld);                                      \
     }
 #define DEFINE_TILES16(T) DEFINE_TILE16(T, 1) DEFINE_TILE16(T, 2) DEFINE_TILE16(T, 3) DEFINE_TILE16(T, 4)
-DEFINE_TILES16(0) DEFINE_TILES16(1)  /* W_U4, W_U5 */
+DEFINE_TILES16(0) DEFINE_TILES16(1) DEFINE_TILES16(2)  /* W_U4, W_U5, W_S8 */
 #undef DEFINE_TILES16
 #undef DEFINE_TILE16
 #define TILES16_OF(T) {tile16_##T##_1, tile16_##T##_2, tile16_##T##_3, tile16_##T##_4}
-static const tile16_fn TILES16[2][MR] = {TILES16_OF(0), TILES16_OF(1)};
+static const tile16_fn TILES16[3][MR] = {TILES16_OF(0), TILES16_OF(1), TILES16_OF(2)};
 #undef TILES16_OF
 #else
 #define WIDE 0
@@ -290,11 +306,12 @@ int q8act_linear_f32(int wtype, const uint8_t *wq, const float *d, const float *
                 for (int64_t g = first; g < last; g++) {
                     const int64_t n0 = g * 8, valid = N - n0 < 8 ? N - n0 : 8;
 #if WIDE
-                    if (wtype != W_S8 && g + 1 < last && n0 + 16 <= N) {  /* two full groups: 16 outputs */
+                    if (g + 1 < last && n0 + 16 <= N) {  /* two full groups: 16 outputs */
                         for (int64_t m = m0; m < m1; m += MR) {
                             const int rows = m1 - m < MR ? (int)(m1 - m) : MR;
                             TILES16[wtype][rows - 1](wq + g * nb * bytes, wq + (g + 1) * nb * bytes, d + g * nb * 8,
-                                                     d + (g + 1) * nb * 8, mn + g * nb * 8, mn + (g + 1) * nb * 8,
+                                                     d + (g + 1) * nb * 8, mn ? mn + g * nb * 8 : NULL,
+                                                     mn ? mn + (g + 1) * nb * 8 : NULL,
                                                      qa + m * K, da + m * nb, sa + m * nb, nb, K, out + m * N + n0, N);
                         }
                         g++;
