@@ -78,16 +78,14 @@ def resolve_dtype(dtype: str, device: torch.device, model_config: ModelConfig | 
 
 
 def _runs_quantized_kernels(model_config: ModelConfig, device: torch.device) -> bool:
-    """Whether the model's weights would run in the native quantized kernels at float32 (see runs_gguf_quantized
-    and runs_fp8): so that dtype auto keeps a GGUF model quantized on a CPU with native bf16 too."""
-    if not cpu_kernels.available(torch.float32, device):
-        return False
-    if model_config.quantization == "fp8":
-        return True
+    """Whether runs_gguf_quantized or runs_fp8 would put the weights in the native quantized kernels at float32:
+    so that dtype auto keeps a GGUF model quantized on a CPU with native bf16 too. Errors are left to load_model."""
     try:
-        return model_config.quantization in (None, "gguf") and resolve_model(model_config.model).kind == "gguf"
-    except ModelLoadError:
-        return False  # load_model reports it
+        resolved = resolve_model(model_config.model)
+        return (runs_gguf_quantized(model_config, resolved, device, torch.float32)
+                or runs_fp8(model_config, resolved, device, torch.float32))
+    except (ModelLoadError, ValueError):
+        return False
 
 
 def _read_json(path: Path) -> dict[str, Any]:
