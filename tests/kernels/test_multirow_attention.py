@@ -54,8 +54,18 @@ def test_every_row_is_bitwise_the_decode_kernels(kv_dtype, scales, heads, kv_hea
 
 
 def test_a_groups_rows_do_not_depend_on_the_other_groups():
+    """Each group alone (on 2 threads a lone group of a few rows is cut into smaller tiles, to give both threads
+    work) has the bits it has among the others."""
     q, kc, vc, table, row_start, seq_lens, _ = _case(torch.float32, 9, 3, 64, 16, seed=1)
     multi = paged_multirow_attention(q, kc, vc, table, row_start, seq_lens, 0.125)
-    a, b = int(row_start[2]), int(row_start[3])  # the third group alone
-    alone = paged_multirow_attention(q[a:b], kc, vc, table[2:3], torch.tensor([0, b - a]), seq_lens[a:b], 0.125)
-    assert torch.equal(multi[a:b], alone)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for g in range(len(table)):
+                a, b = int(row_start[g]), int(row_start[g + 1])
+                alone = paged_multirow_attention(q[a:b], kc, vc, table[g:g + 1], torch.tensor([0, b - a]),
+                                                 seq_lens[a:b], 0.125)
+                assert torch.equal(multi[a:b], alone), f"group {g} ({b - a} rows), {n} threads"
+    finally:
+        torch.set_num_threads(threads)

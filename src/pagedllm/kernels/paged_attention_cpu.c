@@ -355,7 +355,8 @@ int paged_decode_attention(float *q, int64_t q_stride, const float *cos_sin, con
  *   seq_lens     [num_rows] int32, >= 1
  *   out          [num_rows, num_heads, head_dim] fp32
  *
- * One OpenMP task per (group, KV head, tile of up to MR_TILE rows): the tile's K and V rows of that head are
+ * One OpenMP task per (group, KV head, tile of up to MR_TILE rows, fewer when the tasks would not keep every thread
+ * busy, e.g. one request's verify rows): the tile's K and V rows of that head are
  * converted (fp32: prefetched) once per KV_CHUNK tokens and used by every row of the tile, so a context token is
  * read once per tile instead of once per row. Each row computes what attend_seq computes for it, in the same order
  * (qk_head64 over the same chunks, softmax_row, pv_acc64 chunk by chunk, the same v_scale product): its output is
@@ -437,17 +438,28 @@ int paged_multirow_attention(const float *q, int64_t q_stride, const void *key_c
     const int tiled = 0;
 #endif
     /* tasks: (group, first row, rows); tiled: each for every KV head, the task index's low part */
-    const int64_t heads = tiled ? num_kv_heads : 1, tile = tiled ? MR_TILE : 1;
-    int64_t num_tiles = 0;
-    for (int64_t g = 0; g < num_groups; g++) num_tiles += (row_start[g + 1] - row_start[g] + tile - 1) / tile;
+    const int64_t heads = tiled ? num_kv_heads : 1;
+    int64_t tile = tiled ? MR_TILE : 1, num_tiles = 0, threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    for (;;) { /* too few tasks for the threads (one request's verify rows: 3 KV heads on 2 threads, 2:1): halve the
+                * tiles, down to one row; a row's bits do not depend on its tile */
+        num_tiles = 0;
+        for (int64_t g = 0; g < num_groups; g++) num_tiles += (row_start[g + 1] - row_start[g] + tile - 1) / tile;
+        if (tile == 1 || num_tiles * heads >= 2 * threads) break;
+        tile = (tile + 1) / 2;
+    }
     int64_t *tasks = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * num_tiles + 1));
     if (tasks == NULL) return -1;
-    for (int64_t g = 0, i = 0; g < num_groups; g++)
-        for (int64_t r = row_start[g]; r < row_start[g + 1]; r += tile, i++) {
+    for (int64_t g = 0, i = 0; g < num_groups; g++) { /* a group's rows in n tiles of even sizes (5 rows: 3 + 2) */
+        const int64_t rows = row_start[g + 1] - row_start[g], n = (rows + tile - 1) / tile;
+        for (int64_t j = 0; j < n; j++, i++) {
             tasks[3 * i] = g;
-            tasks[3 * i + 1] = r;
-            tasks[3 * i + 2] = row_start[g + 1] - r < tile ? row_start[g + 1] - r : tile;
+            tasks[3 * i + 1] = row_start[g] + rows * j / n;
+            tasks[3 * i + 2] = rows * (j + 1) / n - rows * j / n;
         }
+    }
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tiles * heads; task++) {
