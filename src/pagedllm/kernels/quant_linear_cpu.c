@@ -106,7 +106,8 @@ ALWAYS_INLINE void decode_pair(int bits, const uint8_t *codes, int64_t i, __m256
  * panel is only a few kilobytes (SmolLM2's 4-bit K = 576: 18 groups, 3.4 KB), too short for the hardware
  * prefetcher to ramp up in, so without this the streams of several rows wait on DRAM (one thread, gate_up, M = 5:
  * 0.30 ms with the weights in DRAM, 0.21 with this or in cache). One row (8 panel streams, fewer fmas per byte)
- * runs slower with it (the batch-1 decode step: 6.3-6.9 ms against 7.4-8.0) and goes without. */
+ * runs slower with it (the batch-1 decode step: 6.3-6.9 ms against 7.4-8.0) and goes without. Past the weights'
+ * end (the last run) the addresses are harmless: a prefetch never faults. */
 #ifndef GEMV_AHEAD
 #define GEMV_AHEAD 8
 #endif
