@@ -19,10 +19,12 @@
 # then refuses to start off CUDA), so the vLLM engines run with it set to 0: vLLM 0.32 unpatched.
 # Configs: NGRAM_CONFIG and SUFFIX_CONFIG (JSON, the same for both engines unless VLLM_NGRAM_CONFIG /
 # VLLM_SUFFIX_CONFIG say otherwise: vLLM 0.32 refuses `disable_by_batch_size`, a key of older vLLMs). Workloads (WORKLOADS, "DATASET:C:N"):
-# copy-heavy and random (INPUT_LEN-token prompts), OUTPUT_LEN tokens with ignore_eos, concurrency C, N prompts,
+# copy-heavy and random (INPUT_LEN-token prompts), OUTPUT_LEN tokens with ignore_eos (IGNORE_EOS), concurrency C, N prompts,
 # seed per workload and run (every engine gets the same prompts). Per run the engines' order rotates.
 # For every measurement the server's /metrics is read before and after: the draft, accepted-token and draft
 # counters give the acceptance rate and mean acceptance length (vLLM's and pagedllm's names are the same).
+# IGNORE_EOS (1): 0 lets each request end at its end-of-sequence token (vllm bench serve's default), as a copy does
+# when it is done; at temperature 0 every engine then generates the same tokens, so tok/s still compare.
 # TEMPERATURE: sent with every request (unset: none, so each server samples at its default, 1.0 for both);
 # 0 is greedy, where a copy-heavy output follows its prompt and the drafts are accepted.
 # Environment: RUNS (2), QUICK (0), STEPS (serve,report), OUT (/tmp/pagedllm-spec-sitting), PY and PAGEDLLM
@@ -96,6 +98,7 @@ stop_engine() {
 measure() {  # ENGINE RUN URL
   local engine=$1 run=$2 url=$3 w dataset c n f seed i=0 sampling=()
   [ -n "${TEMPERATURE:-}" ] && sampling=(--temperature "$TEMPERATURE")
+  [ "${IGNORE_EOS:-1}" = 1 ] && sampling+=(--ignore-eos)
   for w in $WORKLOADS; do
     IFS=: read -r dataset c n <<<"$w"
     i=$((i + 1)); seed=$((i * 100 + run))
@@ -103,7 +106,7 @@ measure() {  # ENGINE RUN URL
     curl -s "$url/metrics" >"$OUT/$f.metrics-before"
     "$PAGEDLLM" bench serve --backend openai --base-url "$url" --endpoint /v1/completions --model smollm2 \
       --tokenizer "$TOKENIZER" --dataset-name "$dataset" --random-input-len "$INPUT_LEN" \
-      --random-output-len "$OUTPUT_LEN" --copy-heavy-output-len "$OUTPUT_LEN" --ignore-eos --seed "$seed" "${sampling[@]}" \
+      --random-output-len "$OUTPUT_LEN" --copy-heavy-output-len "$OUTPUT_LEN" --seed "$seed" "${sampling[@]}" \
       --num-prompts "$n" --max-concurrency "$c" --disable-tqdm --label "$engine" --save-result \
       --result-dir "$OUT" --result-filename "$f.json" >"$OUT/logs/$f.log" 2>&1 \
       || { echo "client failed; see $OUT/logs/$f.log"; rm -f "$OUT/$f.json"; }
