@@ -395,5 +395,9 @@ if [ "$MEASURE" = 1 ]; then
 fi
 
 "$PY" benchmarks/summarize_results.py "$OUT" --results-md "$RESULTS_MD"
-"$PY" benchmarks/plot_results.py "$OUT" --output "$OUT/throughput_ttft.png"
-say "done: $RESULTS_MD, $OUT/throughput_ttft.png"
+if "$PY" -c "import matplotlib" 2>/dev/null; then
+  "$PY" benchmarks/plot_results.py "$OUT" --output "$OUT/throughput_ttft.png"
+  say "done: $RESULTS_MD, $OUT/throughput_ttft.png"
+else  # scripts/setup.sh installs the test extra only
+  say "done: $RESULTS_MD (no plot: matplotlib is missing; .venv/bin/pip install -e '.[bench]', then rerun with STEPS=report)"
+fi
