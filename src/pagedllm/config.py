@@ -179,10 +179,10 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     """No drafts in a step that runs at least this many requests (at high concurrency verifying costs more than
     it saves). Default: never disabled."""
-    verify_cost_per_draft_token: float = 0.33
-    """pagedllm's (vLLM has none): what verifying one draft token adds to a decode step, as a fraction of it (a
-    5-row verify step costs ~2.3 plain steps on this CPU: 0.33). Each request verifies only as many drafts as pay
-    off at its recent acceptance (core/acceptance_guard.py); 0: always num_speculative_tokens, as in vLLM."""
+    verify_cost_per_draft_token: float | None = None
+    """pagedllm's (vLLM has none): what verifying one draft token adds to a decode step, as a fraction of it.
+    Each request verifies only as many drafts as pay off at its recent acceptance (core/acceptance_guard.py).
+    None: measured from the engine's own step times; 0: always num_speculative_tokens, as in vLLM."""
     suffix_decoding_max_tree_depth: int = 24
     """suffix: depth of the suffix trees (matched context plus drafts, in tokens)."""
     suffix_decoding_max_cached_requests: int = 10000
@@ -230,7 +230,7 @@ class SpeculativeConfig:
         if not 0 <= self.suffix_decoding_min_token_prob <= 1:
             raise ValueError("suffix_decoding_min_token_prob must be within [0, 1], got "
                              f"{self.suffix_decoding_min_token_prob}.")
-        if not self.verify_cost_per_draft_token >= 0:
+        if self.verify_cost_per_draft_token is not None and not self.verify_cost_per_draft_token >= 0:
             raise ValueError("verify_cost_per_draft_token must be at least 0, got "
                              f"{self.verify_cost_per_draft_token!r}.")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:

@@ -4,7 +4,7 @@ number of drafts worth verifying at a given cost (core/acceptance_guard.py)."""
 import pytest
 
 from pagedllm.config import SpeculativeConfig
-from pagedllm.core.acceptance_guard import ACCEPTANCE_DECAY, DraftAcceptance
+from pagedllm.core.acceptance_guard import ACCEPTANCE_DECAY, DraftAcceptance, VerifyCost
 
 
 def _at(rates: list[float]) -> DraftAcceptance:
@@ -38,8 +38,41 @@ def test_later_positions_count_and_cost_zero_turns_the_guard_off():
 
 
 def test_config_default_and_bounds():
-    assert SpeculativeConfig(method="ngram", num_speculative_tokens=4).verify_cost_per_draft_token == 0.33
+    assert SpeculativeConfig(method="ngram", num_speculative_tokens=4).verify_cost_per_draft_token is None  # measured
     with pytest.raises(ValueError, match="verify_cost_per_draft_token"):
         SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "verify_cost_per_draft_token": -1}')
     assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, '
                                    '"verify_cost_per_draft_token": 0}').verify_cost_per_draft_token == 0
+
+
+def _cost(value: float | None) -> VerifyCost:
+    return VerifyCost(SpeculativeConfig(method="ngram", num_speculative_tokens=4, verify_cost_per_draft_token=value))
+
+
+def test_the_measured_cost_follows_the_step_times():
+    cost = _cost(None)
+    assert cost.value == VerifyCost.MEASURED_PRIOR
+    cost.observe({"a": 5}, {"a": [1, 2, 3, 4]}, 0.0132)  # no plain step at batch 1 yet: nothing to compare with
+    assert cost.value == VerifyCost.MEASURED_PRIOR
+    for _ in range(3):
+        cost.observe({"a": 1}, {}, 0.010)
+    for _ in range(200):
+        cost.observe({"a": 5}, {"a": [1, 2, 3, 4]}, 0.0132)  # (1.32 - 1) * 1 / 4
+    assert cost.value == pytest.approx(0.08, abs=1e-3)
+    for _ in range(3):  # batch 2: two plain rows 12 ms; one verifying 2 drafts, the other none, 13.2 ms
+        cost.observe({"a": 1, "b": 1}, {}, 0.012)
+    for _ in range(200):
+        cost.observe({"a": 3, "b": 1}, {"a": [1, 2]}, 0.0132)  # (1.1 - 1) * 2 / 2
+    assert cost.value == pytest.approx(0.1, abs=1e-3)
+
+
+def test_prompt_steps_and_a_configured_cost_are_not_measured():
+    cost = _cost(None)
+    cost.observe({"a": 1}, {}, 0.010)
+    cost.observe({"a": 5, "b": 17}, {"a": [1, 2, 3, 4]}, 0.5)  # "b" computes prompt tokens
+    cost.observe({"a": 5}, {"a": [1, 2]}, 0.5)  # 5 tokens for 2 drafts: a prompt chunk, not a verify row
+    assert cost.value == VerifyCost.MEASURED_PRIOR
+    fixed = _cost(0.2)
+    fixed.observe({"a": 1}, {}, 0.010)
+    fixed.observe({"a": 5}, {"a": [1, 2, 3, 4]}, 0.030)
+    assert fixed.value == 0.2 and _cost(0).value == 0

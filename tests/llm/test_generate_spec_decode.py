@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.acceptance_guard import DraftAcceptance
+from pagedllm.core.acceptance_guard import DraftAcceptance, VerifyCost
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
@@ -64,6 +64,8 @@ def test_greedy_output_is_bit_identical_with_speculation(make_llm, tiny_llama_di
     assert _tokens(llm.generate(prompts, GREEDY_24, use_tqdm=False)) == expected  # batched
     if not engine_args:
         assert [_tokens(llm.generate([p], GREEDY_24, use_tqdm=False))[0] for p in prompts] == expected  # alone
+        verify_cost = llm.llm_engine.engine_core.scheduler.verify_cost  # measured at batch 1 (the default)
+        assert verify_cost.value != VerifyCost.MEASURED_PRIOR and 0 <= verify_cost.value <= 4
     stats = _spec_stats(llm)
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0  # the test exercised both outcomes
     assert stats.num_accepted_tokens < stats.num_draft_tokens
@@ -86,7 +88,9 @@ def test_greedy_output_is_bit_identical_while_the_guard_turns_drafting_off_and_o
         return d
 
     monkeypatch.setattr(DraftAcceptance, "num_drafts", spy)
-    llm = make_llm(tiny_llama_dir, speculative_config=NGRAM)
+    # a fixed cost: the measured one (the default) depends on the machine's step times, and so would the guard's
+    # decisions this test needs
+    llm = make_llm(tiny_llama_dir, speculative_config=dict(NGRAM, verify_cost_per_draft_token=0.33))
     assert [_tokens(llm.generate([p], GREEDY_24, use_tqdm=False))[0] for p in prompts] == expected
     assert _tokens(llm.generate(prompts, GREEDY_24, use_tqdm=False)) == expected
     def on_off_on(d: list[int]) -> bool:

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from pagedllm.core.acceptance_guard import drafts_to_verify
+from pagedllm.core.acceptance_guard import VerifyCost, drafts_to_verify
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
@@ -87,6 +87,7 @@ class Scheduler:
         """schedule() calls so far: the next SchedulerOutput's step_id."""
         self._last_stats = (0, 0, 0)  # (queries, hits, preemptions) at the last make_stats()
         self.speculative_config = speculative_config
+        self.verify_cost = VerifyCost(speculative_config) if speculative_config else None
         self._spec_stats = self._new_spec_stats()
         self.spec_decoding_totals = self._new_spec_stats()
         """Every draft verified since start (the per-snapshot deltas go out in make_stats)."""
@@ -109,8 +110,7 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} has {request.num_tokens} prompt tokens, "
                              f"more than max_model_len={self.max_model_len}.")
         if request.block_size != self.block_size:
-            raise ValueError(f"request hashed with block_size={request.block_size}, the cache uses "
-                             f"{self.block_size}.")
+            raise ValueError(f"request hashed with block_size={request.block_size}, the cache uses {self.block_size}.")
         self.waiting.add(request)
         self.requests[request.request_id] = request
 
@@ -201,7 +201,7 @@ class Scheduler:
                 continue
             drafts = None
             if step.use_spec and request.spec_token_ids and num_new_tokens == 1:
-                drafts = drafts_to_verify(request, token_budget - 1, self.max_model_len, self.speculative_config)
+                drafts = drafts_to_verify(request, token_budget - 1, self.max_model_len, self.verify_cost)
                 num_new_tokens += len(drafts)
             new_blocks = allocate_slots(request, num_new_tokens)
             while new_blocks is None:

@@ -150,7 +150,12 @@ class EngineCore:
             time.sleep(0.001)  # e.g. every request waits for its grammar: no busy spin while it compiles
         try:
             grammar = self.structured_output_manager.grammar_bitmask(self.scheduler.requests, scheduler_output)
+            start = time.perf_counter()
             runner_output = self.executor.execute_model(scheduler_output, grammar)
+            if self.scheduler.verify_cost is not None:  # the speculation guard's measure of a draft's cost
+                self.scheduler.verify_cost.observe(scheduler_output.num_scheduled_tokens,
+                                                   scheduler_output.scheduled_spec_decode_tokens,
+                                                   time.perf_counter() - start)
         except ExecutorDeadError:
             raise  # a worker is gone: the engine stops (engine/core_proc.py reports it)
         except Exception:
