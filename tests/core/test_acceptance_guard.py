@@ -5,6 +5,8 @@ import pytest
 
 from pagedllm.config import SpeculativeConfig
 from pagedllm.core.acceptance_guard import ACCEPTANCE_DECAY, DraftAcceptance, VerifyCost
+from pagedllm.core.request import Request
+from pagedllm.sampling_params import SamplingParams
 
 
 def _at(rates: list[float]) -> DraftAcceptance:
@@ -76,3 +78,25 @@ def test_prompt_steps_and_a_configured_cost_are_not_measured():
     fixed.observe({"a": 1}, {}, 0.010)
     fixed.observe({"a": 5}, {"a": [1, 2, 3, 4]}, 0.030)
     assert fixed.value == 0.2 and _cost(0).value == 0
+
+
+def _request(**params) -> Request:
+    return Request("r", [1, 2, 3], SamplingParams(max_tokens=4, **params), eos_token_id=0, arrival_time=0.0,
+                   block_size=16)
+
+
+def test_a_seeded_sampling_request_is_guarded_without_timing():
+    """A seeded request's draws depend on how many drafts each step verified: its guard must not follow the
+    wall clock, or the same seed gives other tokens on another run (greedy and unseeded requests may)."""
+    cost = _cost(None)
+    cost.observe({"a": 1}, {}, 0.010)
+    for _ in range(200):
+        cost.observe({"a": 5}, {"a": [1, 2, 3, 4]}, 0.0132)
+    assert cost.value == pytest.approx(0.08, abs=1e-3)
+
+    def guarded(**params) -> float:
+        return cost.for_request(_request(**params))
+
+    assert guarded(temperature=1.0, seed=7) == VerifyCost.MEASURED_PRIOR
+    assert guarded(temperature=1.0) == guarded(temperature=0.0, seed=7) == cost.value
+    assert _cost(0.2).for_request(_request(temperature=1.0, seed=7)) == 0.2

@@ -14,8 +14,10 @@ tokens step t + 1 produced (the leading matches accepted, the first mismatch rej
 verified this is free and gives the same odds as verifying (greedy: exact; random sampling: the sampled token
 equals the draft with probability p_target(draft), the acceptance probability when p_draft = 1), so a request that
 stopped drafting starts again as soon as its proposals start matching, without probe steps. Which drafts are
-verified never changes what is sampled (the rejection sampler is lossless for any drafts), so the guard changes
-speed only; the metrics count verified drafts only.
+verified never changes the distribution of what is sampled (the rejection sampler is lossless for any drafts), so
+the guard changes speed only; the metrics count verified drafts only. It does change which random draws a seeded
+request consumes, so a seeded request with temperature > 0 is guarded with a cost that does not depend on timing
+(VerifyCost.for_request): the same seed gives the same tokens on every run.
 """
 
 from __future__ import annotations
@@ -103,8 +105,16 @@ class VerifyCost:
     def __init__(self, spec: SpeculativeConfig) -> None:
         self.k = spec.num_speculative_tokens
         self.measured = spec.verify_cost_per_draft_token is None
-        self.value = self.MEASURED_PRIOR if self.measured else spec.verify_cost_per_draft_token
+        self.fixed = self.MEASURED_PRIOR if self.measured else spec.verify_cost_per_draft_token
+        self.value = self.fixed  # the measured value once steps are observed
         self._plain_s: dict[int, float] = {}  # batch size -> recent step seconds without drafts
+
+    def for_request(self, request: Request) -> float:
+        """The cost that guards `request`: a seeded request that samples gets the timing-free value (the configured
+        one, else MEASURED_PRIOR), since its draws, unlike greedy argmaxes, depend on how many drafts each step
+        verified; the others get the measured value."""
+        params = request.sampling_params
+        return self.fixed if params.seed is not None and not params.greedy else self.value
 
     def observe(self, num_scheduled_tokens: dict[str, int], drafts: dict[str, list[int]], seconds: float) -> None:
         """Time of a step that ran `num_scheduled_tokens` with `drafts` (SchedulerOutput's fields); steps that
@@ -137,5 +147,5 @@ def drafts_to_verify(request: Request, budget: int, max_model_len: int, cost: Ve
         room = min(room, request.max_tokens - len(request.output_token_ids) - 1)
     if request.spec_acceptance is None:
         request.spec_acceptance = DraftAcceptance(cost.k)
-    room = min(room, request.spec_acceptance.num_drafts(cost.value))
+    room = min(room, request.spec_acceptance.num_drafts(cost.for_request(request)))
     return request.spec_token_ids[:max(room, 0)]
