@@ -68,6 +68,14 @@ def test_the_measured_cost_follows_the_step_times():
     assert cost.value == pytest.approx(0.1, abs=1e-3)
 
 
+def test_a_preempted_step_moves_the_measure_by_little():
+    cost = _cost(None)
+    cost.observe({"a": 1}, {}, 0.010)
+    cost.observe({"a": 5}, {"a": [1, 2, 3, 4]}, 0.5)  # descheduled: 50 plain steps' time for 4 drafts
+    assert cost.value == pytest.approx(VerifyCost.MEASURED_PRIOR * cost.ESTIMATE_DECAY
+                                       + VerifyCost.MAX_ESTIMATE * (1 - cost.ESTIMATE_DECAY))
+
+
 def test_prompt_steps_and_a_configured_cost_are_not_measured():
     cost = _cost(None)
     cost.observe({"a": 1}, {}, 0.010)

@@ -98,6 +98,10 @@ class VerifyCost:
 
     MEASURED_PRIOR = 0.33
     """A 5-row verify step cost ~2.3 plain steps on the first AVX2 kernels; Zen 5 measures ~0.1, AVX2 ~0.2 now."""
+    MAX_ESTIMATE = 1.0
+    """A step's estimate is cut to this: a draft row costing a whole plain step would mean the rows share nothing,
+    slower than any kernel here (9 rows, off the multi-row path: 0.33); above it is a preempted step, and one
+    such step should not stop every request's drafting."""
     PLAIN_DECAY = 0.9
     ESTIMATE_DECAY = 0.95
     """Weight of the past per step: the estimate follows about the last 20 verify steps."""
@@ -133,7 +137,7 @@ class VerifyCost:
             self._plain_s[batch] = seconds if plain is None else \
                 plain * self.PLAIN_DECAY + seconds * (1 - self.PLAIN_DECAY)
         elif plain is not None:
-            estimate = min(max((seconds / plain - 1) * batch / num_drafts, 0.0), 4.0)
+            estimate = min(max((seconds / plain - 1) * batch / num_drafts, 0.0), self.MAX_ESTIMATE)
             self.value = self.value * self.ESTIMATE_DECAY + estimate * (1 - self.ESTIMATE_DECAY)
 
 
