@@ -26,8 +26,9 @@
  * One OpenMP task per sequence (per sequence and KV head when there are fewer sequences than threads: batch 1 would
  * otherwise leave all but one thread idle): it reads each context token's K row once for all query heads, keeps the
  * scores in a scratch buffer, takes the softmax per head, then reads each V row once. Sums run in a fixed
- * order, so the result does not depend on the thread count or on the other sequences in the batch. At head_dim 64, a
- * KV head's rows are taken KV_CHUNK tokens at a time, with software prefetch, for all the query heads that share it:
+ * order, so the result does not depend on the thread count or on the other sequences in the batch. At head_dim 64,
+ * the context is taken KV_CHUNK tokens at a time (each of the task's KV heads in turn, the whole rows prefetched into
+ * L2 a few KB ahead), a KV head's rows for all the query heads that share it:
  * bf16 and fp8 rows converted to fp32 once into an L1 buffer, fp32 rows read where they are (the prefetch brings
  * them to L1), and the fp32 loops run on them: the same sums as over an fp32 cache holding the dequantized values,
  * bit for bit, at a third of the conversions and cache misses (SmolLM2: 3 query heads per KV head).
@@ -86,20 +87,23 @@ ALWAYS_INLINE void qk_head64(const float *q, const uint8_t *const *k_rows, int64
 /* Context tokens whose K (or V) rows of one KV head are converted to fp32 at a time in the bf16 / fp8 formats: 16 KB,
  * in L1 while the group's query heads read it. */
 #define KV_CHUNK 64
-#ifndef KV_PREFETCH
-#define KV_PREFETCH 16 /* rows ahead: the blocks lie anywhere in the pool, and a row's convert is too long for the core
-                        * to run far enough ahead to overlap the misses by itself (e4m3, batch 64: 2x faster) */
-#endif
+/* Software prefetch of the rows KV_PREFETCH_BYTES ahead (whole rows: every KV head the task attends with) into L2.
+ * The blocks lie anywhere in the pool, so the hardware prefetchers lose the stream at every block (12 KB in fp32),
+ * and prefetches into L1 wait on its few outstanding misses. fp32, batch 128, context ~320, 2 threads, Zen 5: 30
+ * layers 135-168 ms with 16 rows ahead into L1, 117-130 ms so (benchmarks/micro_decode_attention_dram.py). */
+#define KV_PREFETCH_BYTES 4608
 
 /* buf[t] = rows [t0, t0 + n) of one KV head (head_dim 64, at rows[t] + offset bytes) as fp32 (exact), ptrs[t] = &buf[t]:
- * the fp32 kernels then read each converted row once per query head of the group instead of converting it again. */
+ * the fp32 kernels then read each converted row once per query head of the group instead of converting it again.
+ * Prefetches pf_bytes at pf_offset of the row KV_PREFETCH_BYTES ahead (pf_bytes 0: none), of avail rows. */
 ALWAYS_INLINE void convert_rows64(const uint8_t *const *rows, int64_t offset, int64_t n, int64_t avail, float *buf,
-                                  const uint8_t **ptrs, int fmt) {
+                                  const uint8_t **ptrs, int64_t pf_offset, int64_t pf_bytes, int fmt) {
     const int64_t es8 = 8 * kv_elem_size(fmt);
+    const int64_t ahead = pf_bytes > 0 ? (KV_PREFETCH_BYTES + pf_bytes - 1) / pf_bytes : 0; /* rows */
     for (int64_t t = 0; t < n; t++) {
-        if (t + KV_PREFETCH < avail)
-            for (int64_t b = 0; b < es8 * 8; b += 64) /* the head's row: 64 B in fp8, 128 B in bf16, 256 B in fp32 */
-                _mm_prefetch((const char *)(rows[t + KV_PREFETCH] + offset + b), _MM_HINT_T0);
+        if (t + ahead < avail)
+            for (int64_t b = 0; b < pf_bytes; b += 64)
+                _mm_prefetch((const char *)(rows[t + ahead] + pf_offset + b), _MM_HINT_T2);
         const uint8_t *src = rows[t] + offset;
         if (fmt == KV_F32) { /* already fp32: the group's heads read the row where it is, now in L1 */
             ptrs[t] = src;
@@ -245,8 +249,9 @@ ALWAYS_INLINE int attend_seq(float *qs, const float *cos_sin, const int64_t *slo
     const int convert = 0;
 #endif
     /* scratch: where each context token's K and V rows are (n pointers each), then [num_heads, n] scores; with
-     * `convert`, then KV_CHUNK pointers, KV_CHUNK converted rows and the group's [group, 64] output sums */
-    const size_t conv_bytes = convert ? sizeof(uint8_t *) * KV_CHUNK + sizeof(float) * (KV_CHUNK + group) * 64 : 0;
+     * `convert`, then KV_CHUNK pointers, KV_CHUNK converted rows and the task's heads' [heads, 64] output sums */
+    const size_t conv_bytes = convert ? sizeof(uint8_t *) * KV_CHUNK + sizeof(float) * (KV_CHUNK + num_heads) * 64
+                                      : 0;
     const uint8_t **k_rows = (const uint8_t **)malloc(sizeof(uint8_t *) * (size_t)(2 * n) +
                                                       sizeof(float) * (size_t)(num_heads * n) + conv_bytes);
     if (k_rows == NULL) return -1;
@@ -260,14 +265,17 @@ ALWAYS_INLINE int attend_seq(float *qs, const float *cos_sin, const int64_t *slo
 #if defined(KV_SIMD)
     const uint8_t **conv_rows = (const uint8_t **)(scores + num_heads * n);
     float *conv_buf = (float *)(conv_rows + KV_CHUNK), *conv_acc = conv_buf + KV_CHUNK * 64;
+    const int64_t heads_bytes = (kh1 - kh0) * 64 * es; /* the task's heads in a cached row, prefetched together */
     if (convert) { /* the same sums as below, on rows converted once per chunk (KV_CHUNK is a multiple of 4) */
-        for (int64_t kh = kh0; kh < kh1; kh++)
-            for (int64_t t0 = 0; t0 < len; t0 += KV_CHUNK) {
-                const int64_t m = len - t0 < KV_CHUNK ? len - t0 : KV_CHUNK;
-                convert_rows64(k_rows + t0, kh * 64 * es, m, len - t0, conv_buf, conv_rows, fmt);
+        for (int64_t t0 = 0; t0 < len; t0 += KV_CHUNK) {
+            const int64_t m = len - t0 < KV_CHUNK ? len - t0 : KV_CHUNK;
+            for (int64_t kh = kh0; kh < kh1; kh++) {
+                convert_rows64(k_rows + t0, kh * 64 * es, m, len - t0, conv_buf, conv_rows, kh0 * 64 * es,
+                               kh == kh0 ? heads_bytes : 0, fmt);
                 for (int64_t h = kh * group; h < (kh + 1) * group; h++)
                     qk_head64(qs + h * 64, conv_rows, 0, m, scale, scores + h * len + t0, KV_F32);
             }
+        }
     } else
 #endif
         for (int64_t t = 0; t < len; t++)
@@ -277,19 +285,22 @@ ALWAYS_INLINE int attend_seq(float *qs, const float *cos_sin, const int64_t *slo
     for (int64_t h = kh0 * group; h < kh1 * group; h++) softmax_row(scores + h * len, len);
 #if defined(KV_SIMD)
     if (convert) {
-        for (int64_t kh = kh0; kh < kh1; kh++) {
-            for (int64_t i = 0; i < group * 64; i++) conv_acc[i] = 0.0f;
-            for (int64_t t0 = 0; t0 < len; t0 += KV_CHUNK) {
-                const int64_t m = len - t0 < KV_CHUNK ? len - t0 : KV_CHUNK;
-                convert_rows64(v_rows + t0, kh * 64 * es, m, len - t0, conv_buf, conv_rows, fmt);
+        for (int64_t i = 0; i < (kh1 - kh0) * group * 64; i++) conv_acc[i] = 0.0f;
+        for (int64_t t0 = 0; t0 < len; t0 += KV_CHUNK) {
+            const int64_t m = len - t0 < KV_CHUNK ? len - t0 : KV_CHUNK;
+            for (int64_t kh = kh0; kh < kh1; kh++) {
+                convert_rows64(v_rows + t0, kh * 64 * es, m, len - t0, conv_buf, conv_rows, kh0 * 64 * es,
+                               kh == kh0 ? heads_bytes : 0, fmt);
                 for (int64_t g = 0; g < group; g++)
-                    pv_acc64(scores + (kh * group + g) * len + t0, m, conv_rows, conv_acc + g * 64);
+                    pv_acc64(scores + (kh * group + g) * len + t0, m, conv_rows,
+                             conv_acc + ((kh - kh0) * group + g) * 64);
             }
-            for (int64_t g = 0; g < group; g++)
-                for (int j = 0; j < 8; j++)
-                    _mm256_storeu_ps(os + (kh * group + g) * 64 + 8 * j,
-                                     _mm256_mul_ps(_mm256_loadu_ps(conv_acc + g * 64 + 8 * j), _mm256_set1_ps(v_scale)));
         }
+        for (int64_t h = kh0 * group; h < kh1 * group; h++)
+            for (int j = 0; j < 8; j++)
+                _mm256_storeu_ps(os + h * 64 + 8 * j,
+                                 _mm256_mul_ps(_mm256_loadu_ps(conv_acc + (h - kh0 * group) * 64 + 8 * j),
+                                               _mm256_set1_ps(v_scale)));
         free(k_rows);
         return 0;
     }
@@ -391,7 +402,7 @@ ALWAYS_INLINE int attend_rows64(const float *q, int64_t q_stride, const uint8_t 
     }
     for (int64_t t0 = 0; t0 < maxlen; t0 += KV_CHUNK) { /* scores: row r's [group, lens[r]] after row r - 1's */
         const int64_t m = maxlen - t0 < KV_CHUNK ? maxlen - t0 : KV_CHUNK;
-        convert_rows64(k_rows + t0, offset, m, maxlen - t0, conv_buf, conv_rows, fmt);
+        convert_rows64(k_rows + t0, offset, m, maxlen - t0, conv_buf, conv_rows, offset, 8 * 8 * es, fmt);
         float *sr = scores;
         for (int64_t r = 0; r < nrows; sr += group * lens[r], r++) {
             const int64_t len = lens[r], mr = len - t0 < KV_CHUNK ? len - t0 : KV_CHUNK;
@@ -407,7 +418,7 @@ ALWAYS_INLINE int attend_rows64(const float *q, int64_t q_stride, const uint8_t 
     for (int64_t i = 0; i < nrows * group * 64; i++) acc[i] = 0.0f;
     for (int64_t t0 = 0; t0 < maxlen; t0 += KV_CHUNK) {
         const int64_t m = maxlen - t0 < KV_CHUNK ? maxlen - t0 : KV_CHUNK;
-        convert_rows64(v_rows + t0, offset, m, maxlen - t0, conv_buf, conv_rows, fmt);
+        convert_rows64(v_rows + t0, offset, m, maxlen - t0, conv_buf, conv_rows, offset, 8 * 8 * es, fmt);
         sr = scores;
         for (int64_t r = 0; r < nrows; sr += group * lens[r], r++) {
             const int64_t len = lens[r], mr = len - t0 < KV_CHUNK ? len - t0 : KV_CHUNK;
