@@ -201,6 +201,20 @@ ALWAYS_INLINE void pv_head(const float *p, int64_t len, const uint8_t *const *v_
     }
 }
 
+/* k_rows[t], v_rows[t] = where context token t's K and V rows are (bytes), t in [0, len): block by block, without a
+ * division per token. */
+ALWAYS_INLINE void row_pointers(const int32_t *blocks, int64_t len, int64_t block_size, int64_t row,
+                                const uint8_t *key_cache, const uint8_t *value_cache, const uint8_t **k_rows,
+                                const uint8_t **v_rows) {
+    for (int64_t b = 0, t = 0; t < len; b++) {
+        const int64_t first = (int64_t)blocks[b] * block_size * row;
+        for (int64_t i = 0; i < block_size && t < len; i++, t++) {
+            k_rows[t] = key_cache + first + i * row;
+            v_rows[t] = value_cache + first + i * row;
+        }
+    }
+}
+
 /* sh[0, len) = softmax(sh[0, len)), len >= 1. Not inlined: the decode and the multi-row kernels run the same
  * machine code (the vector expf and sum gcc makes of it), so their probabilities are the same bits. */
 __attribute__((noinline)) static void softmax_row(float *sh, int64_t len) {
@@ -257,11 +271,7 @@ ALWAYS_INLINE int attend_seq(float *qs, const float *cos_sin, const int64_t *slo
     if (k_rows == NULL) return -1;
     const uint8_t **v_rows = k_rows + n;
     float *scores = (float *)(k_rows + 2 * n);
-    for (int64_t t = 0; t < len; t++) {
-        const int64_t s = (int64_t)blocks[t / block_size] * block_size + t % block_size;
-        k_rows[t] = key_cache + s * row;
-        v_rows[t] = value_cache + s * row;
-    }
+    row_pointers(blocks, len, block_size, row, key_cache, value_cache, k_rows, v_rows);
 #if defined(KV_SIMD)
     const uint8_t **conv_rows = (const uint8_t **)(scores + num_heads * n);
     float *conv_buf = (float *)(conv_rows + KV_CHUNK), *conv_acc = conv_buf + KV_CHUNK * 64;
@@ -395,11 +405,7 @@ ALWAYS_INLINE int attend_rows64(const float *q, int64_t q_stride, const uint8_t 
     if (k_rows == NULL) return -1;
     const uint8_t **v_rows = k_rows + maxlen, **conv_rows = v_rows + maxlen;
     float *scores = (float *)(conv_rows + KV_CHUNK), *conv_buf = scores + nscores, *acc = conv_buf + KV_CHUNK * 64;
-    for (int64_t t = 0; t < maxlen; t++) {
-        const int64_t s = (int64_t)blocks[t / block_size] * block_size + t % block_size;
-        k_rows[t] = key_cache + s * row;
-        v_rows[t] = value_cache + s * row;
-    }
+    row_pointers(blocks, maxlen, block_size, row, key_cache, value_cache, k_rows, v_rows);
     for (int64_t t0 = 0; t0 < maxlen; t0 += KV_CHUNK) { /* scores: row r's [group, lens[r]] after row r - 1's */
         const int64_t m = maxlen - t0 < KV_CHUNK ? maxlen - t0 : KV_CHUNK;
         convert_rows64(k_rows + t0, offset, m, maxlen - t0, conv_buf, conv_rows, offset, 8 * 8 * es, fmt);
