@@ -30,7 +30,7 @@
  * the context is taken KV_CHUNK tokens at a time (each of the task's KV heads in turn, the whole rows prefetched into
  * L2 a few KB ahead), a KV head's rows for all the query heads that share it:
  * bf16 and fp8 rows converted to fp32 once into an L1 buffer, fp32 rows read where they are (the prefetch brings
- * them to L1), and the fp32 loops run on them: the same sums as over an fp32 cache holding the dequantized values,
+ * them close), and the fp32 loops run on them: the same sums as over an fp32 cache holding the dequantized values,
  * bit for bit, at a third of the conversions and cache misses (SmolLM2: 3 query heads per KV head).
  */
 #include <math.h>
