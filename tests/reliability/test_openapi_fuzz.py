@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from reliability_utils import assert_server_intact
+from reliability_utils import MODEL_NAME, assert_server_intact, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import fuzz_openapi  # noqa: E402
@@ -47,6 +47,22 @@ def test_openapi_document_describes_the_request_bodies(shared_server):
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
 
 
+def test_log_alarms_are_the_lines_a_bug_logs_never_a_quoted_request(shared_server):
+    """A request field named like an alarm is quoted by the ignored-fields WARNING (as schemathesis once drew
+    "internal error"): no alarm. An exception's ERROR line (ours, or uvicorn's) and its traceback are alarms."""
+    log_start = len(shared_server.log())
+    odd = {"internal error": 1, "Traceback (most recent call last):": 2, "ERROR": 3}
+    response = shared_server.http.post("/v1/completions",
+                                       json={"model": MODEL_NAME, "prompt": "hello", "max_tokens": 1, **odd})
+    assert response.status_code == 200, response.text[:300]
+    assert wait_for(lambda: "internal error" in shared_server.log()[log_start:], 5.0)
+    assert fuzz_openapi.log_alarms(shared_server.log()[log_start:]) == []
+    bug = ("ERROR 12-03 11:33:05 [pagedllm.entrypoints.openai.errors] internal error 7: KeyError: 'x'\n"
+           "Traceback (most recent call last):\n  File \"app.py\", line 1\n"
+           "ERROR:    Exception in ASGI application\n")
+    assert fuzz_openapi.log_alarms(bug) == [bug.splitlines()[i] for i in (0, 1, 3)]
+
+
 def test_schemathesis_finds_no_server_error(shared_server):
     server = shared_server
     engine_pid = server.engine_pid()
@@ -61,6 +77,6 @@ def test_schemathesis_finds_no_server_error(shared_server):
     assert statuses.get(200, 0) >= num_cases // 10 and statuses.get(400, 0) >= num_cases // 10, statuses
     assert server.proc.poll() is None
     log = server.log()[log_start:]
-    alarms = [line for line in log.splitlines() if any(alarm in line for alarm in fuzz_openapi.LOG_ALARMS)]
+    alarms = fuzz_openapi.log_alarms(log)
     assert not alarms, "\n".join(alarms[:20])
     assert_server_intact(server, engine_pid)
