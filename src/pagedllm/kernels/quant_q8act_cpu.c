@@ -158,13 +158,17 @@ static inline __attribute__((always_inline)) void tile(
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define WIDE 1
-/* tile() for two groups at once (16 outputs: group a's 8 in lanes 0-7, b's in 8-15) with AVX-512 VNNI: vpdpbusd
- * adds each lane's 4 unsigned weight x signed activation byte products straight into its int32 sum, so one
- * broadcast of 4 activation bytes and one op serve 16 outputs. The int32 block sums are the same integers as
- * tile()'s (exact either way) and the fp32 part runs the same op sequence per lane: the same bits. S8 negates
- * the activation bytes where the weight byte is negative (AVX-512 has no byte sign; where a weight is 0 its |w| is
- * too, so the product is 0 either way). Two int32 sums per row (lo and hi nibbles, or even and odd quads) halve
- * the vpdpbusd dependency chain. */
+#define MRW 4  /* activation rows per wide tile */
+/* tile() for P pairs of groups at once with AVX-512 VNNI (a zmm holds a pair's 8 + 8 outputs; U4 and U5: P = 2,
+ * 32 outputs in two zmm, or P = 1 at the edge of a chunk; S8: P = 1): vpdpbusd adds each lane's 4 unsigned weight
+ * x signed activation byte products straight into its int32 sum, so one broadcast of 4 activation bytes serves P
+ * ops and a block's decoded weights serve MRW rows (two zmm of outputs x 4 rows: 8 int32 sums, 8 fp32 sums and
+ * the decoded weights fit the 32 registers; 6 rows spilled and measured no faster). The int32 block sums are the
+ * same integers as tile()'s (exact in any order) and the fp32 part runs the same op sequence per lane: the same
+ * bits whatever the tile. S8 negates the activation bytes where the weight byte is negative (AVX-512 has no byte
+ * sign; where a weight is 0 its |w| is too, so the product is 0 either way); 32 outputs measured no faster for it,
+ * the per-row negation being the cost. P = 1 keeps two int32 sums per row (lo and hi nibbles, or even and odd
+ * quads) so that enough independent vpdpbusd chains cover its latency; P = 2 has two per row already. */
 static inline __attribute__((always_inline)) __m512i load_pair256(const uint8_t *a, const uint8_t *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
                               _mm256_loadu_si256((const __m256i *)b), 1);
@@ -174,81 +178,110 @@ static inline __attribute__((always_inline)) __m512 load_pair_f(const float *a, 
     return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
 }
 
-static inline __attribute__((always_inline)) void tile16(
-        int wtype, int R, const uint8_t *wa, const uint8_t *wb_, const float *da_w, const float *db_w,
-        const float *ma, const float *mb, const int8_t *qa, const float *da, const float *sa, int64_t nb,
-        int64_t K, float *out, int64_t ld) {
+static inline __attribute__((always_inline)) void tile_wide(
+        int wtype, int R, int P, const uint8_t *wg, const float *dg, const float *mg, const int8_t *qa,
+        const float *da, const float *sa, int64_t nb, int64_t K, float *out, int64_t ld) {
     const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10), zi = _mm512_setzero_si512();
-    const int64_t bytes = wtype == W_S8 ? 256 : wtype == W_U5 ? 160 : 128;
-    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    const int64_t bytes = wtype == W_S8 ? 256 : wtype == W_U5 ? 160 : 128, gs = nb * bytes, fs = nb * 8;
+    const __m512 zf = _mm512_setzero_ps();
+    __m512 c00 = zf, c01 = zf, c10 = zf, c11 = zf, c20 = zf, c21 = zf, c30 = zf, c31 = zf;
 #define ROWS(X) X(0) X(1) X(2) X(3)
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *pa = wa + b * bytes, *pb = wb_ + b * bytes;
-        const int8_t *ab = qa + b * QK;
-        __m512i s0 = zi, s1 = zi, s2 = zi, s3 = zi, u0 = zi, u1 = zi, u2 = zi, u3 = zi;
+        const uint8_t *wb = wg + b * bytes;  /* group i of the tile: wb + i * gs */
+        const int8_t *ab = qa + b * QK;      /* row r's block: ab + r * K */
+        /* P = 2: the sums of pair 0 and pair 1; P = 1: two halves of pair 0's */
+        __m512i s00 = zi, s01 = zi, s10 = zi, s11 = zi, s20 = zi, s21 = zi, s30 = zi, s31 = zi;
         if (wtype == W_S8)
             for (int q = 0; q < 8; q++) {
-                const __m512i w = load_pair256(pa + q * 32, pb + q * 32), wabs = _mm512_abs_epi8(w);
+                const __m512i w = load_pair256(wb + q * 32, wb + gs + q * 32), wabs = _mm512_abs_epi8(w);
                 const __mmask64 neg = _mm512_movepi8_mask(w);
 #define S8_ROW(r)                                                                                                  \
                 if (R > r) {                                                                                       \
                     const __m512i a = _mm512_set1_epi32(load4(ab + r * K + q * 4));                                \
-                    const __m512i signed_a = _mm512_mask_sub_epi8(a, neg, zi, a);                                  \
-                    if (q % 2) u##r = _mm512_dpbusd_epi32(u##r, wabs, signed_a);                                   \
-                    else s##r = _mm512_dpbusd_epi32(s##r, wabs, signed_a);                                         \
+                    if (q % 2) s##r##1 = _mm512_dpbusd_epi32(s##r##1, wabs, _mm512_mask_sub_epi8(a, neg, zi, a));  \
+                    else s##r##0 = _mm512_dpbusd_epi32(s##r##0, wabs, _mm512_mask_sub_epi8(a, neg, zi, a));        \
                 }
                 ROWS(S8_ROW)
 #undef S8_ROW
             }
-        const __m512i h = wtype == W_U5 ? load_pair256(pa + 128, pb + 128) : zi;
+        const __m512i h0 = wtype == W_U5 ? load_pair256(wb + 128, wb + gs + 128) : zi;
+        const __m512i h1 = wtype == W_U5 && P == 2 ? load_pair256(wb + 2 * gs + 128, wb + 3 * gs + 128) : zi;
+#pragma GCC unroll 4
         for (int j = 0; j < 4 && wtype != W_S8; j++) {
-            const __m512i packed = load_pair256(pa + j * 32, pb + j * 32);
-            __m512i lo = _mm512_and_si512(packed, low4), hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
-            if (wtype == W_U5) {
-                lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(h, 4 - j), bit4));
-                hi = _mm512_or_si512(hi, _mm512_and_si512(j == 0 ? h : _mm512_srli_epi16(h, j), bit4));
+            /* load j holds quad j in its low nibbles and quad j + 4 in its high ones */
+            const __m512i packed0 = load_pair256(wb + j * 32, wb + gs + j * 32);
+            const __m512i packed1 = P == 2 ? load_pair256(wb + 2 * gs + j * 32, wb + 3 * gs + j * 32) : zi;
+            __m512i lo0 = _mm512_and_si512(packed0, low4), hi0 = _mm512_and_si512(_mm512_srli_epi16(packed0, 4), low4);
+            __m512i lo1 = _mm512_and_si512(packed1, low4), hi1 = _mm512_and_si512(_mm512_srli_epi16(packed1, 4), low4);
+            if (wtype == W_U5) { /* bit q of each byte of h -> 0x10, for q = j and j + 4 */
+                lo0 = _mm512_or_si512(lo0, _mm512_and_si512(_mm512_slli_epi16(h0, 4 - j), bit4));
+                hi0 = _mm512_or_si512(hi0, _mm512_and_si512(j == 0 ? h0 : _mm512_srli_epi16(h0, j), bit4));
+                lo1 = _mm512_or_si512(lo1, _mm512_and_si512(_mm512_slli_epi16(h1, 4 - j), bit4));
+                hi1 = _mm512_or_si512(hi1, _mm512_and_si512(j == 0 ? h1 : _mm512_srli_epi16(h1, j), bit4));
             }
 #define U_ROW(r)                                                                                                   \
             if (R > r) {                                                                                           \
-                s##r = _mm512_dpbusd_epi32(s##r, lo, _mm512_set1_epi32(load4(ab + r * K + j * 4)));                \
-                u##r = _mm512_dpbusd_epi32(u##r, hi, _mm512_set1_epi32(load4(ab + r * K + (j + 4) * 4)));          \
+                const __m512i al = _mm512_set1_epi32(load4(ab + r * K + j * 4));                                   \
+                const __m512i ah = _mm512_set1_epi32(load4(ab + r * K + (j + 4) * 4));                             \
+                s##r##0 = _mm512_dpbusd_epi32(s##r##0, lo0, al);                                                   \
+                if (P == 2) {                                                                                      \
+                    s##r##0 = _mm512_dpbusd_epi32(s##r##0, hi0, ah);                                               \
+                    s##r##1 = _mm512_dpbusd_epi32(s##r##1, lo1, al);                                               \
+                }                                                                                                  \
+                s##r##1 = _mm512_dpbusd_epi32(s##r##1, P == 2 ? hi1 : hi0, ah);                                    \
             }
             ROWS(U_ROW)
 #undef U_ROW
         }
-        const __m512 dw = load_pair_f(da_w + b * 8, db_w + b * 8);
-        const __m512 mw = wtype == W_S8 ? _mm512_setzero_ps() : load_pair_f(ma + b * 8, mb + b * 8);
+        const __m512 dw0 = load_pair_f(dg + b * 8, dg + fs + b * 8);
+        const __m512 dw1 = P == 2 ? load_pair_f(dg + 2 * fs + b * 8, dg + 3 * fs + b * 8) : zf;
+        const __m512 mw0 = wtype == W_S8 ? zf : load_pair_f(mg + b * 8, mg + fs + b * 8);
+        const __m512 mw1 = wtype == W_S8 || P == 1 ? zf : load_pair_f(mg + 2 * fs + b * 8, mg + 3 * fs + b * 8);
+#define FP_ONE(r, p, sum)                                                                                          \
+            c##r##p = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw##p, _mm512_set1_ps(da[r * nb + b])), \
+                                      c##r##p);                                                                    \
+            if (wtype != W_S8) c##r##p = _mm512_fmadd_ps(mw##p, _mm512_set1_ps(sa[r * nb + b]), c##r##p);
 #define FP(r)                                                                                                      \
         if (R > r) {                                                                                               \
-            const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(s##r, u##r));                                    \
-            c##r = _mm512_fmadd_ps(sum, _mm512_mul_ps(dw, _mm512_set1_ps(da[r * nb + b])), c##r);                   \
-            if (wtype != W_S8) c##r = _mm512_fmadd_ps(mw, _mm512_set1_ps(sa[r * nb + b]), c##r);                   \
+            if (P == 2) {                                                                                          \
+                FP_ONE(r, 0, s##r##0)                                                                              \
+                FP_ONE(r, 1, s##r##1)                                                                              \
+            } else {                                                                                               \
+                FP_ONE(r, 0, _mm512_add_epi32(s##r##0, s##r##1))                                                   \
+            }                                                                                                      \
         }
         ROWS(FP)
 #undef FP
+#undef FP_ONE
     }
-#define STORE(r) if (R > r) _mm512_storeu_ps(out + r * ld, c##r);
+#define STORE(r)                                                                                                   \
+    if (R > r) {                                                                                                   \
+        _mm512_storeu_ps(out + r * ld, c##r##0);                                                                   \
+        if (P == 2) _mm512_storeu_ps(out + r * ld + 16, c##r##1);                                                  \
+    }
     ROWS(STORE)
 #undef STORE
 #undef ROWS
 }
 
-typedef void (*tile16_fn)(const uint8_t *wa, const uint8_t *wb, const float *da_w, const float *db_w,
-                          const float *ma, const float *mb, const int8_t *qa, const float *da, const float *sa,
-                          int64_t nb, int64_t K, float *out, int64_t ld);
-#define DEFINE_TILE16(T, R)                                                                                        \
-    static void tile16_##T##_##R(const uint8_t *wa, const uint8_t *wb, const float *da_w, const float *db_w,      \
-                                 const float *ma, const float *mb, const int8_t *qa, const float *da,              \
-                                 const float *sa, int64_t nb, int64_t K, float *out, int64_t ld) {                 \
-        tile16(T, R, wa, wb, da_w, db_w, ma, mb, qa, da, sa, nb, K, out, ld);                                      \
+/* tile_wide over a chunk's `rows` activation rows, MRW at a time: one call per chunk and group pair(s) (a call
+ * per tile cost ~5% at these sizes). */
+typedef void (*tile_wide_fn)(const uint8_t *wg, const float *dg, const float *mg, const int8_t *qa, const float *da,
+                             const float *sa, int64_t nb, int64_t K, float *out, int64_t ld, int64_t rows);
+#define TILE_WIDE_REST(T, P, R) case R: tile_wide(T, R, P, wg, dg, mg, qa, da, sa, nb, K, out, ld); break;
+#define DEFINE_TILE_WIDE(T, P)                                                                                     \
+    static void tile_wide_##T##_##P(const uint8_t *wg, const float *dg, const float *mg, const int8_t *qa,         \
+                                    const float *da, const float *sa, int64_t nb, int64_t K, float *out,           \
+                                    int64_t ld, int64_t rows) {                                                    \
+        for (; rows >= MRW; rows -= MRW, qa += MRW * K, da += MRW * nb, sa += MRW * nb, out += MRW * ld)          \
+            tile_wide(T, MRW, P, wg, dg, mg, qa, da, sa, nb, K, out, ld);                                          \
+        switch (rows) { TILE_WIDE_REST(T, P, 1) TILE_WIDE_REST(T, P, 2) TILE_WIDE_REST(T, P, 3) }                  \
     }
-#define DEFINE_TILES16(T) DEFINE_TILE16(T, 1) DEFINE_TILE16(T, 2) DEFINE_TILE16(T, 3) DEFINE_TILE16(T, 4)
-DEFINE_TILES16(0) DEFINE_TILES16(1) DEFINE_TILES16(2)  /* W_U4, W_U5, W_S8 */
-#undef DEFINE_TILES16
-#undef DEFINE_TILE16
-#define TILES16_OF(T) {tile16_##T##_1, tile16_##T##_2, tile16_##T##_3, tile16_##T##_4}
-static const tile16_fn TILES16[3][MR] = {TILES16_OF(0), TILES16_OF(1), TILES16_OF(2)};
-#undef TILES16_OF
+DEFINE_TILE_WIDE(0, 1) DEFINE_TILE_WIDE(0, 2) DEFINE_TILE_WIDE(1, 1) DEFINE_TILE_WIDE(1, 2) DEFINE_TILE_WIDE(2, 1)
+#undef DEFINE_TILE_WIDE
+#undef TILE_WIDE_REST
+static const tile_wide_fn TILES_WIDE[3][2] = {{tile_wide_0_1, tile_wide_0_2}, {tile_wide_1_1, tile_wide_1_2},
+                                              {tile_wide_2_1, NULL}};  /* [W_U4, W_U5, W_S8][P - 1] */
 #else
 #define WIDE 0
 #endif
@@ -297,7 +330,7 @@ int q8act_linear_f32(int wtype, const uint8_t *wq, const float *d, const float *
     {
         const int64_t nth = omp_get_num_threads();
         int64_t chunk = (num_groups + nth * CHUNKS_PER_THREAD - 1) / (nth * CHUNKS_PER_THREAD);
-        if (WIDE) chunk += chunk % 2;  /* chunks of whole group pairs: pairs (2i, 2i + 1) whatever the threads */
+        if (WIDE) chunk = (chunk + 3) / 4 * 4;  /* chunks of whole group quads, whatever the threads */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t first = 0; first < num_groups; first += chunk) {
             const int64_t last = first + chunk < num_groups ? first + chunk : num_groups;
@@ -306,15 +339,14 @@ int q8act_linear_f32(int wtype, const uint8_t *wq, const float *d, const float *
                 for (int64_t g = first; g < last; g++) {
                     const int64_t n0 = g * 8, valid = N - n0 < 8 ? N - n0 : 8;
 #if WIDE
-                    if (g + 1 < last && n0 + 16 <= N) {  /* two full groups: 16 outputs */
-                        for (int64_t m = m0; m < m1; m += MR) {
-                            const int rows = m1 - m < MR ? (int)(m1 - m) : MR;
-                            TILES16[wtype][rows - 1](wq + g * nb * bytes, wq + (g + 1) * nb * bytes, d + g * nb * 8,
-                                                     d + (g + 1) * nb * 8, mn ? mn + g * nb * 8 : NULL,
-                                                     mn ? mn + (g + 1) * nb * 8 : NULL,
-                                                     qa + m * K, da + m * nb, sa + m * nb, nb, K, out + m * N + n0, N);
-                        }
-                        g++;
+                    /* four full groups (32 outputs), or two (16), or one in tile() below */
+                    const int pairs = wtype != W_S8 && g + 3 < last && n0 + 32 <= N ? 2
+                                      : g + 1 < last && n0 + 16 <= N ? 1 : 0;
+                    if (pairs) {
+                        TILES_WIDE[wtype][pairs - 1](wq + g * nb * bytes, d + g * nb * 8, mn ? mn + g * nb * 8 : NULL,
+                                                     qa + m0 * K, da + m0 * nb, sa + m0 * nb, nb, K, out + m0 * N + n0,
+                                                     N, m1 - m0);
+                        g += 2 * pairs - 1;
                         continue;
                     }
 #endif
