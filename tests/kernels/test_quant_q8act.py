@@ -124,9 +124,9 @@ def test_rows_independent_of_batch_and_threads(qtype):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q8_0], ids=lambda t: t.name)
 def test_an_output_group_has_the_same_bits_in_the_wide_tile(qtype):
-    """With AVX-512 VNNI, four groups of 8 outputs run at once (U4, U5), or two (S8, and U4, U5 where fewer than four
-    are left), a last odd group alone: 7 groups are a quad, a pair and a single one (S8: three pairs and a single
-    one), and the rows rolled by 8 move every group's weights into the next tile kind."""
+    """With AVX-512 VNNI, four groups of 8 outputs run at once, or two where fewer than four are left, a last odd
+    group alone: 7 groups are a quad, a pair and a single one, and the rows rolled by 8 move every group's weights
+    into the next tile kind."""
     n, k = 56, 512
     raw = random_gguf(qtype, n, k, seed=4)
     rolled = np.roll(raw.reshape(n, -1), 8, axis=0).reshape(-1)

@@ -159,16 +159,16 @@ static inline __attribute__((always_inline)) void tile(
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define WIDE 1
 #define MRW 4  /* activation rows per wide tile */
-/* tile() for P pairs of groups at once with AVX-512 VNNI (a zmm holds a pair's 8 + 8 outputs; U4 and U5: P = 2,
- * 32 outputs in two zmm, or P = 1 at the edge of a chunk; S8: P = 1): vpdpbusd adds each lane's 4 unsigned weight
- * x signed activation byte products straight into its int32 sum, so one broadcast of 4 activation bytes serves P
- * ops and a block's decoded weights serve MRW rows (two zmm of outputs x 4 rows: 8 int32 sums, 8 fp32 sums and
- * the decoded weights fit the 32 registers; 6 rows spilled and measured no faster). The int32 block sums are the
- * same integers as tile()'s (exact in any order) and the fp32 part runs the same op sequence per lane: the same
- * bits whatever the tile. S8 negates the activation bytes where the weight byte is negative (AVX-512 has no byte
- * sign; where a weight is 0 its |w| is too, so the product is 0 either way); 32 outputs measured no faster for it,
- * the per-row negation being the cost. P = 1 keeps two int32 sums per row (lo and hi nibbles, or even and odd
- * quads) so that enough independent vpdpbusd chains cover its latency; P = 2 has two per row already. */
+/* tile() for P pairs of groups at once with AVX-512 VNNI (a zmm holds a pair's 8 + 8 outputs; P = 2: 32 outputs
+ * in two zmm, or P = 1 at the edge of a chunk): vpdpbusd adds each lane's 4 unsigned weight x signed activation
+ * byte products straight into its int32 sum, so one broadcast of 4 activation bytes serves P ops and a block's
+ * decoded weights serve MRW rows (two zmm of outputs x 4 rows: 8 int32 sums, 8 fp32 sums and the decoded weights
+ * fit the 32 registers; 6 rows spilled and measured no faster). S8 weights, signed, enter as the unsigned bytes
+ * w + 128 (an xor per weight vector) and the block's sum drops 128 x the row's activation sum (ia): the same
+ * integer, one op per product (negating the activations by the weights' signs, per row, cost the LM head 1.4x).
+ * The int32 block sums are the same integers as tile()'s (exact in any order) and the fp32 part runs the same op
+ * sequence per lane: the same bits whatever the tile. P = 1 keeps two int32 sums per row (lo and hi nibbles, or
+ * even and odd quads) so that enough independent vpdpbusd chains cover its latency; P = 2 has two per row. */
 static inline __attribute__((always_inline)) __m512i load_pair256(const uint8_t *a, const uint8_t *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
                               _mm256_loadu_si256((const __m256i *)b), 1);
@@ -180,8 +180,9 @@ static inline __attribute__((always_inline)) __m512 load_pair_f(const float *a, 
 
 static inline __attribute__((always_inline)) void tile_wide(
         int wtype, int R, int P, const uint8_t *wg, const float *dg, const float *mg, const int8_t *qa,
-        const float *da, const float *sa, int64_t nb, int64_t K, float *out, int64_t ld) {
+        const float *da, const float *sa, const int32_t *ia, int64_t nb, int64_t K, float *out, int64_t ld) {
     const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10), zi = _mm512_setzero_si512();
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
     const int64_t bytes = wtype == W_S8 ? 256 : wtype == W_U5 ? 160 : 128, gs = nb * bytes, fs = nb * 8;
     const __m512 zf = _mm512_setzero_ps();
     __m512 c00 = zf, c01 = zf, c10 = zf, c11 = zf, c20 = zf, c21 = zf, c30 = zf, c31 = zf;
@@ -192,14 +193,21 @@ static inline __attribute__((always_inline)) void tile_wide(
         /* P = 2: the sums of pair 0 and pair 1; P = 1: two halves of pair 0's */
         __m512i s00 = zi, s01 = zi, s10 = zi, s11 = zi, s20 = zi, s21 = zi, s30 = zi, s31 = zi;
         if (wtype == W_S8)
-            for (int q = 0; q < 8; q++) {
-                const __m512i w = load_pair256(wb + q * 32, wb + gs + q * 32), wabs = _mm512_abs_epi8(w);
-                const __mmask64 neg = _mm512_movepi8_mask(w);
+            for (int q = 0; q < 8; q++) {  /* w + 128 as unsigned bytes (see ia) */
+                const __m512i w0 = _mm512_xor_si512(load_pair256(wb + q * 32, wb + gs + q * 32), bias);
+                const __m512i w1 =
+                    P == 2 ? _mm512_xor_si512(load_pair256(wb + 2 * gs + q * 32, wb + 3 * gs + q * 32), bias) : zi;
 #define S8_ROW(r)                                                                                                  \
                 if (R > r) {                                                                                       \
                     const __m512i a = _mm512_set1_epi32(load4(ab + r * K + q * 4));                                \
-                    if (q % 2) s##r##1 = _mm512_dpbusd_epi32(s##r##1, wabs, _mm512_mask_sub_epi8(a, neg, zi, a));  \
-                    else s##r##0 = _mm512_dpbusd_epi32(s##r##0, wabs, _mm512_mask_sub_epi8(a, neg, zi, a));        \
+                    if (P == 2) {                                                                                  \
+                        s##r##0 = _mm512_dpbusd_epi32(s##r##0, w0, a);                                             \
+                        s##r##1 = _mm512_dpbusd_epi32(s##r##1, w1, a);                                             \
+                    } else if (q % 2) {                                                                            \
+                        s##r##1 = _mm512_dpbusd_epi32(s##r##1, w0, a);                                             \
+                    } else {                                                                                       \
+                        s##r##0 = _mm512_dpbusd_epi32(s##r##0, w0, a);                                             \
+                    }                                                                                              \
                 }
                 ROWS(S8_ROW)
 #undef S8_ROW
@@ -243,6 +251,11 @@ static inline __attribute__((always_inline)) void tile_wide(
             if (wtype != W_S8) c##r##p = _mm512_fmadd_ps(mw##p, _mm512_set1_ps(sa[r * nb + b]), c##r##p);
 #define FP(r)                                                                                                      \
         if (R > r) {                                                                                               \
+            if (wtype == W_S8) {                                                                                   \
+                const __m512i bias_sum = _mm512_set1_epi32(ia[r * nb + b] * 128);                                  \
+                s##r##0 = _mm512_sub_epi32(s##r##0, bias_sum);                                                     \
+                s##r##1 = P == 2 ? _mm512_sub_epi32(s##r##1, bias_sum) : s##r##1;                                  \
+            }                                                                                                      \
             if (P == 2) {                                                                                          \
                 FP_ONE(r, 0, s##r##0)                                                                              \
                 FP_ONE(r, 1, s##r##1)                                                                              \
@@ -267,21 +280,24 @@ static inline __attribute__((always_inline)) void tile_wide(
 /* tile_wide over a chunk's `rows` activation rows, MRW at a time: one call per chunk and group pair(s) (a call
  * per tile cost ~5% at these sizes). */
 typedef void (*tile_wide_fn)(const uint8_t *wg, const float *dg, const float *mg, const int8_t *qa, const float *da,
-                             const float *sa, int64_t nb, int64_t K, float *out, int64_t ld, int64_t rows);
-#define TILE_WIDE_REST(T, P, R) case R: tile_wide(T, R, P, wg, dg, mg, qa, da, sa, nb, K, out, ld); break;
+                             const float *sa, const int32_t *ia, int64_t nb, int64_t K, float *out, int64_t ld,
+                             int64_t rows);
+#define TILE_WIDE_REST(T, P, R) case R: tile_wide(T, R, P, wg, dg, mg, qa, da, sa, ia, nb, K, out, ld); break;
 #define DEFINE_TILE_WIDE(T, P)                                                                                     \
     static void tile_wide_##T##_##P(const uint8_t *wg, const float *dg, const float *mg, const int8_t *qa,         \
-                                    const float *da, const float *sa, int64_t nb, int64_t K, float *out,           \
-                                    int64_t ld, int64_t rows) {                                                    \
-        for (; rows >= MRW; rows -= MRW, qa += MRW * K, da += MRW * nb, sa += MRW * nb, out += MRW * ld)          \
-            tile_wide(T, MRW, P, wg, dg, mg, qa, da, sa, nb, K, out, ld);                                          \
+                                    const float *da, const float *sa, const int32_t *ia, int64_t nb, int64_t K,    \
+                                    float *out, int64_t ld, int64_t rows) {                                        \
+        for (; rows >= MRW; rows -= MRW, qa += MRW * K, da += MRW * nb, sa += MRW * nb, out += MRW * ld,          \
+                            ia += T == W_S8 ? MRW * nb : 0)                                                        \
+            tile_wide(T, MRW, P, wg, dg, mg, qa, da, sa, ia, nb, K, out, ld);                                      \
         switch (rows) { TILE_WIDE_REST(T, P, 1) TILE_WIDE_REST(T, P, 2) TILE_WIDE_REST(T, P, 3) }                  \
     }
 DEFINE_TILE_WIDE(0, 1) DEFINE_TILE_WIDE(0, 2) DEFINE_TILE_WIDE(1, 1) DEFINE_TILE_WIDE(1, 2) DEFINE_TILE_WIDE(2, 1)
+DEFINE_TILE_WIDE(2, 2)
 #undef DEFINE_TILE_WIDE
 #undef TILE_WIDE_REST
 static const tile_wide_fn TILES_WIDE[3][2] = {{tile_wide_0_1, tile_wide_0_2}, {tile_wide_1_1, tile_wide_1_2},
-                                              {tile_wide_2_1, NULL}};  /* [W_U4, W_U5, W_S8][P - 1] */
+                                              {tile_wide_2_1, tile_wide_2_2}};  /* [W_U4, W_U5, W_S8][P - 1] */
 #else
 #define WIDE 0
 #endif
@@ -326,6 +342,21 @@ int q8act_linear_f32(int wtype, const uint8_t *wq, const float *d, const float *
         return -1;
     }
     q8act_quantize_f32(x, M, K, qa, da, sa);
+    int32_t *ia = NULL;  /* S8 in the wide tiles: each row's block sums of qa */
+    if (WIDE && wtype == W_S8) {
+        ia = malloc(sizeof(int32_t) * (size_t)(M * nb));
+        if (ia == NULL) {
+            free(qa);
+            free(da);
+            free(sa);
+            return -1;
+        }
+        for (int64_t i = 0; i < M * nb; i++) {
+            int32_t sum = 0;
+            for (int t = 0; t < QK; t++) sum += qa[i * QK + t];
+            ia[i] = sum;
+        }
+    }
 #pragma omp parallel num_threads(M * N * K >= (1 << 18) ? omp_get_max_threads() : 1)
     {
         const int64_t nth = omp_get_num_threads();
@@ -340,12 +371,12 @@ int q8act_linear_f32(int wtype, const uint8_t *wq, const float *d, const float *
                     const int64_t n0 = g * 8, valid = N - n0 < 8 ? N - n0 : 8;
 #if WIDE
                     /* four full groups (32 outputs), or two (16), or one in tile() below */
-                    const int pairs = wtype != W_S8 && g + 3 < last && n0 + 32 <= N ? 2
+                    const int pairs = g + 3 < last && n0 + 32 <= N ? 2
                                       : g + 1 < last && n0 + 16 <= N ? 1 : 0;
                     if (pairs) {
                         TILES_WIDE[wtype][pairs - 1](wq + g * nb * bytes, d + g * nb * 8, mn ? mn + g * nb * 8 : NULL,
-                                                     qa + m0 * K, da + m0 * nb, sa + m0 * nb, nb, K, out + m0 * N + n0,
-                                                     N, m1 - m0);
+                                                     qa + m0 * K, da + m0 * nb, sa + m0 * nb, ia ? ia + m0 * nb : NULL,
+                                                     nb, K, out + m0 * N + n0, N, m1 - m0);
                         g += 2 * pairs - 1;
                         continue;
                     }
@@ -368,6 +399,7 @@ int q8act_linear_f32(int wtype, const uint8_t *wq, const float *d, const float *
     free(qa);
     free(da);
     free(sa);
+    free(ia);
     return 0;
 }
 
