@@ -9,8 +9,8 @@
  *     da = amax / 127, qa = round(x / da) in [-127, 127], sa = da * sum(qa)
  * so that per block   sum_k x w  ~  d * da * sum_k(q * qa)  +  mn * sa.
  * The integer sums are exact (AVX2 maddubs, unsigned weight bytes x signed activation bytes into int16 pairs,
- * then madd into int32, with no saturation: see tile; or AVX-512 VNNI's vpdpbusd over two output groups at once:
- * see tile16); each block's sum is converted to fp32, scaled and accumulated, blocks in order.
+ * then madd into int32, with no saturation: see tile; or AVX-512 VNNI's vpdpbusd over up to four output groups at
+ * once: see tile_wide); each block's sum is converted to fp32, scaled and accumulated, blocks in order.
  *
  * Packed weight layout: rows in groups of 8 (N padded to a multiple of 8), per group and block of 32 k:
  *   U4  128 bytes: 4 loads of 32; load j, lane n (4 bytes): k = 4j..4j+3 in the low nibbles, 4(j+4).. in the high
