@@ -249,8 +249,9 @@ def sittings_sentence(data: dict) -> str:
 
 
 def n_runs(data: dict) -> str:
-    """The runs actually present (a sweep cut short has fewer than RUNS)."""
-    counts = sorted({len({r["run"] for r in v}) for v in data["serve"].values()}) or [0]
+    """The runs actually present, over every step measured (a sweep cut short has fewer than RUNS)."""
+    groups = [*data["serve"].values(), *data["offline"].values(), *data["prefix"].values()]
+    counts = sorted({len({r["run"] for r in v}) for v in groups}) or [0]
     return str(counts[0]) if counts[0] == counts[-1] else f"{counts[0]}-{counts[-1]}"
 
 
@@ -294,8 +295,9 @@ def engine_sentence(data: dict, engines: list[str]) -> str:
         else:
             flags = " ".join(x for x in (sweep.get("pagedllm_args"), sweep.get("pagedllm_serve_args"),
                                          variants.get(e)) if x)
-            parts.append(f"{e}: `serve {flags}` (the default SmolLM2-135M-Instruct GGUF, run in "
-                         f"{(srv.get(e) or [{}])[0].get('dtype', '?')})")
+            dtype = (srv.get(e) or [{}])[0].get("dtype")  # known from a served run only
+            parts.append(f"{e}: `serve {flags}` (the default SmolLM2-135M-Instruct GGUF"
+                         + (f", run in {dtype})" if dtype else ")"))
     return "; ".join(parts) + "."
 
 

@@ -75,6 +75,18 @@ def test_three_engines_and_two_pagedllm_modes(summarize, tmp_path):
     assert 'PAGEDLLM_EXTRA_FLAGS_FAST="--fast"' in section
 
 
+def test_an_offline_only_sweep_counts_its_runs(summarize, tmp_path):
+    """STEPS=offline: the header counts the offline runs (it said 0) and names no dtype it cannot know."""
+    _write_sweep(tmp_path)
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text("".join(line + "\n" for line in runs.read_text().splitlines()
+                            if json.loads(line)["step"] not in ("serve", "server")))
+    section, summary = summarize.build(summarize.collect(tmp_path), tmp_path)
+    assert "2 run(s) per engine and workload" in section
+    assert "run in ?" not in section and "pagedllm-fast: `serve --dtype auto --fast` (the default" in section
+    assert summary["offline"]["ratios"]["pagedllm-fast/vllm"] == pytest.approx(231.5 / 105)
+
+
 def test_committed_results_give_the_committed_section(summarize):
     """benchmarks/RESULTS.md's generated section is what the script makes of benchmarks/results (STEPS=report)."""
     results = BENCHMARKS / "results"
