@@ -48,8 +48,9 @@ static inline int32_t load4(const int8_t *p) {
     return v;
 }
 
-/* Quantize one row of K = 32 * nb floats: qa [K] int8, da [nb], sa [nb]. */
-static void quantize_row(const float *x, int64_t nb, int8_t *qa, float *da, float *sa) {
+/* Quantize one row of K = 32 * nb floats: qa [K] int8, da [nb], sa [nb], and where ia is not NULL the blocks'
+ * integer sums of qa, ia [nb]. */
+static void quantize_row(const float *x, int64_t nb, int8_t *qa, float *da, float *sa, int32_t *ia) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t b = 0; b < nb; b++) {
@@ -76,6 +77,7 @@ static void quantize_row(const float *x, int64_t nb, int8_t *qa, float *da, floa
         _mm256_storeu_si256((__m256i *)(qa + b * QK), _mm256_permutevar8x32_epi32(p, order));
         da[b] = d;
         sa[b] = d * (float)_mm_cvtsi128_si32(s4);
+        if (ia != NULL) ia[b] = _mm_cvtsi128_si32(s4);
     }
 }
 
@@ -302,11 +304,17 @@ static const tile_wide_fn TILES_WIDE[3][2] = {{tile_wide_0_1, tile_wide_0_2}, {t
 #define WIDE 0
 #endif
 
-/* Quantize x [M, K] per row and block (exposed for tests). */
-void q8act_quantize_f32(const float *x, int64_t M, int64_t K, int8_t *qa, float *da, float *sa) {
+/* Quantize x [M, K] per row and block; ia: NULL, or [M, K / 32] the blocks' integer sums. */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *qa, float *da, float *sa, int32_t *ia) {
     const int64_t nb = K / QK;
 #pragma omp parallel for schedule(static) if (M * K >= 16384)
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, nb, qa + m * K, da + m * nb, sa + m * nb);
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(x + m * K, nb, qa + m * K, da + m * nb, sa + m * nb, ia == NULL ? NULL : ia + m * nb);
+}
+
+/* Quantize x [M, K] per row and block (exposed for tests). */
+void q8act_quantize_f32(const float *x, int64_t M, int64_t K, int8_t *qa, float *da, float *sa) {
+    quantize_rows(x, M, K, qa, da, sa, NULL);
 }
 
 /* tile() with its shape as constants: [wtype][R - 1]. */
@@ -335,28 +343,16 @@ int q8act_linear_f32(int wtype, const uint8_t *wq, const float *d, const float *
     const int64_t bytes = wtype == W_S8 ? 256 : wtype == W_U5 ? 160 : 128;  /* per group and block */
     int8_t *qa = aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
     float *da = malloc(sizeof(float) * (size_t)(M * nb)), *sa = malloc(sizeof(float) * (size_t)(M * nb));
-    if (qa == NULL || da == NULL || sa == NULL) {
+    const int need_ia = WIDE && wtype == W_S8;  /* S8 in the wide tiles: each row's block sums of qa */
+    int32_t *ia = need_ia ? malloc(sizeof(int32_t) * (size_t)(M * nb)) : NULL;
+    if (qa == NULL || da == NULL || sa == NULL || (need_ia && ia == NULL)) {
         free(qa);
         free(da);
         free(sa);
+        free(ia);
         return -1;
     }
-    q8act_quantize_f32(x, M, K, qa, da, sa);
-    int32_t *ia = NULL;  /* S8 in the wide tiles: each row's block sums of qa */
-    if (WIDE && wtype == W_S8) {
-        ia = malloc(sizeof(int32_t) * (size_t)(M * nb));
-        if (ia == NULL) {
-            free(qa);
-            free(da);
-            free(sa);
-            return -1;
-        }
-        for (int64_t i = 0; i < M * nb; i++) {
-            int32_t sum = 0;
-            for (int t = 0; t < QK; t++) sum += qa[i * QK + t];
-            ia[i] = sum;
-        }
-    }
+    quantize_rows(x, M, K, qa, da, sa, ia);
 #pragma omp parallel num_threads(M * N * K >= (1 << 18) ? omp_get_max_threads() : 1)
     {
         const int64_t nth = omp_get_num_threads();
