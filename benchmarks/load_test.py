@@ -597,7 +597,9 @@ async def _timed(client: httpx.AsyncClient, body: dict) -> dict:
 
 
 def _check_overload_results(results: list[dict], rejections: float, max_waiting: int, max_queued: int,
-                            p50_limit_s: float, p99_limit_s: float) -> tuple[dict, list[str]]:
+                            p50_limit_s: float | None, p99_limit_s: float | None) -> tuple[dict, list[str]]:
+    """The overload's figures and what went wrong; the latency limits (None: not checked) are the benchmark's,
+    the tests check only behaviour."""
     rejected = [r for r in results if r["status"] == 503]
     served = [r for r in results if r["status"] == 200]
     latencies = [r["latency_s"] for r in rejected]
@@ -620,16 +622,16 @@ def _check_overload_results(results: list[dict], rejections: float, max_waiting:
         failures.append(f"the waiting queue reached {max_waiting} (cap {max_queued})")
     if rejections != len(rejected):
         failures.append(f"vllm:admission_rejections grew by {rejections:.0f} for {len(rejected)} 503s")
-    if rejected and not figures["reject_p50_ms"] < 1000 * p50_limit_s:
+    if rejected and p50_limit_s is not None and not figures["reject_p50_ms"] < 1000 * p50_limit_s:
         failures.append(f"503 p50 {figures['reject_p50_ms']:.1f} ms (limit {1000 * p50_limit_s:.0f} ms)")
-    if rejected and not figures["reject_p99_ms"] < 1000 * p99_limit_s:
+    if rejected and p99_limit_s is not None and not figures["reject_p99_ms"] < 1000 * p99_limit_s:
         failures.append(f"503 p99 {figures['reject_p99_ms']:.1f} ms (limit {1000 * p99_limit_s:.0f} ms)")
     return figures, failures
 
 
 def run_overload_wave(server, max_num_seqs: int = 4, max_queued: int = 16, factor: int = 3,
-                      max_tokens: int = 300, p50_limit_s: float = 0.05,
-                      p99_limit_s: float = 0.05) -> tuple[dict, list[str]]:
+                      max_tokens: int = 300, p50_limit_s: float | None = 0.05,
+                      p99_limit_s: float | None = 0.05) -> tuple[dict, list[str]]:
     """Fill the server (running + queue) at once, then offer a request every 20 ms: factor x its capacity
     in all, arriving while it is full. Returns (figures, failed checks)."""
     model, _ = model_info(server)

@@ -178,9 +178,9 @@ def assert_error_body(response: httpx.Response, status: int, param: str | None =
     return error
 
 
-def assert_server_intact(server: Server, engine_pid: int, idle_timeout_s: float = 1.0) -> None:
-    """Same engine process, /health 200, a valid request succeeds, then nothing runs or waits (within
-    idle_timeout_s) and every KV block is free."""
+def assert_server_intact(server: Server, engine_pid: int, idle_timeout_s: float = 30.0) -> None:
+    """Same engine process, /health 200, a valid request succeeds, then nothing runs or waits (waiting up to
+    idle_timeout_s for that: a hang guard, not a speed limit) and every KV block is free."""
     assert server.engine_pid() == engine_pid
     assert server.http.get("/health").status_code == 200
     response = server.http.post("/v1/completions", headers=server.headers,

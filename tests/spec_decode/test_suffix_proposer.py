@@ -1,7 +1,6 @@
 """Suffix decoding: the native kernel against the Python reference, hand-made cases of the match and probability
 rules, the global tree of past outputs and its memory bound, and the per-step cost."""
 
-import time
 
 import numpy as np
 import pytest
@@ -123,7 +122,9 @@ def _paths(tree: SuffixTree) -> dict[tuple[int, ...], int]:
 
 
 @pytest.mark.skipif(not cpu_kernels.native_library_available(), reason="no C compiler")
-def test_proposal_time_for_64_requests_of_2k_tokens():
+def test_proposals_for_64_requests_of_2k_tokens_are_repeatable():
+    """64 requests of 1,800 tokens with a global tree: every request gets its drafts, and asking again gives the
+    same drafts (proposing does not change the trees). Its cost is benchmarks/spec_proposer_cost.py's to measure."""
     rng = np.random.default_rng(0)
     buf = rng.integers(0, 49152, size=(64, 2048 + 8)).astype(np.int64)
     buf[:, 1500:1900] = buf[:, 100:500]  # copying: a long match, so drafts are made
@@ -131,14 +132,10 @@ def test_proposal_time_for_64_requests_of_2k_tokens():
     for _ in range(50):
         proposer.request_finished(rng.integers(0, 49152, size=200).tolist())
     rows, num_tokens = np.arange(64), np.full(64, 1800)
-    assert all(len(d) == 4 for d in proposer.propose(buf, rows, num_tokens))
-    best = float("inf")
-    for _ in range(20):
-        start = time.perf_counter()
-        proposer.propose(buf, rows, num_tokens)
-        best = min(best, time.perf_counter() - start)
-    print(f"suffix proposal, 64 requests x 1800 tokens: {best * 1e3:.3f} ms")
-    assert best < 0.05  # generous on a shared machine; measured ~0.5 ms
+    drafts = proposer.propose(buf, rows, num_tokens)
+    assert all(len(d) == 4 for d in drafts)
+    assert all(list(d) == buf[i, 1800:1804].tolist() for i, d in enumerate(drafts))  # the copied continuation
+    assert [list(d) for d in proposer.propose(buf, rows, num_tokens)] == [list(d) for d in drafts]
 
 
 def test_global_tree_counts_equal_brute_force_under_eviction():
