@@ -285,7 +285,11 @@ class ParallelConfig:
     """Replicas of the whole engine behind one API server (`pagedllm serve` only): each its own engine-core
     process with its own executor, KV cache (--kv-cache-memory each) and share of the CPU threads. The API server
     sends each request to the replica that holds the longest cached prefix of it, else to the least loaded
-    (engine/dp_router.py); metrics carry an `engine` label per replica."""
+    (engine/dp_router.py); metrics carry an `engine` label per replica. The replicas fail together, as one engine
+    does and as vLLM's data-parallel engines do: when any replica dies, every open request on every replica fails,
+    /health and new requests answer 503, the dead replica's gauges leave /metrics, and after
+    --engine-death-exit-delay the server stops the other replicas and exits non-zero, so that its orchestrator
+    restarts it whole."""
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
     """How the model's workers run: uni (in the engine process; needs tensor-parallel-size 1), mp (one fresh
     process per rank on this machine), ray (one Ray actor per rank, placed on a Ray cluster by a placement group;
