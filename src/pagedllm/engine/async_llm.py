@@ -406,9 +406,9 @@ class AsyncLLM:
         return list(await asyncio.gather(*(ask(client) for client in self.clients)))
 
     def shutdown(self) -> None:
-        for task in (self._log_task, self._watchdog_task):
+        for task in (self._log_task, self._watchdog_task, *self._pending_sends):
             if task is not None:
-                task.cancel()
+                task.cancel()  # a send still pending is moot: its engine core stops now
         if len(self.clients) > 1:
             for client in self.clients:
                 client.request_stop()
