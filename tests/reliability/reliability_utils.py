@@ -85,6 +85,14 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+ALARMING = ("ERROR", "CRITICAL", "Traceback", "unexpectedly", "killing it")
+
+
+def alarming_lines(log: str) -> list[str]:
+    """The lines of a server log that would alarm an operator at a normal shutdown."""
+    return [line for line in log.splitlines() if any(word in line for word in ALARMING)]
+
+
 def rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -102,7 +110,7 @@ class Server:
     the embedded default model (SmolLM2); flags in `extra_args` override the defaults below (last one wins)."""
 
     def __init__(self, model: Path | None, log_path: Path, *extra_args: str, env: dict[str, str] | None = None,
-                 wait_ready: bool = True, api_key: str | None = None):
+                 wait_ready: bool = True, api_key: str | None = None, new_session: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -111,7 +119,9 @@ class Server:
         self.ready = False
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(serve_command(model, self.port, *extra_args), env=serve_env(env),
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=new_session)
+        """With new_session, a process group of its own: os.killpg signals it as a terminal's Ctrl-C or `kill %1`
+        signals a job."""
         self.http = httpx.Client(base_url=self.url, timeout=30.0)
         self._clients: list[openai.OpenAI] = []
         self._client_cache: dict[tuple, openai.OpenAI] = {}
