@@ -58,6 +58,26 @@ def stream_until_error(client: openai.OpenAI, request: dict, started: threading.
         results.append((outcome, time.monotonic()))
 
 
+def stream_to_its_end(server: Server, results: list, lock: threading.Lock, max_tokens: int = 300) -> None:
+    """A long completion stream read to its end; appends (finish reasons, whether [DONE] came) to `results`, or
+    the httpx error that ended it."""
+    body = {"model": MODEL_NAME, "prompt": "The quick brown fox", "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True}
+    reasons, done = [], False
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = httpx.Response(200, content=line[6:]).json()
+                    reasons += [c["finish_reason"] for c in chunk.get("choices", []) if c["finish_reason"]]
+                done |= line == "data: [DONE]"
+        outcome: tuple | Exception = (reasons, done)
+    except httpx.HTTPError as e:
+        outcome = e
+    with lock:
+        results.append(outcome)
+
+
 def unavailable(server: Server) -> bool:
     """/health answers 503, or the API server is already gone (it may exit after its engine died)."""
     try:

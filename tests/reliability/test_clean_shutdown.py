@@ -11,9 +11,8 @@ import os
 import signal
 import threading
 
-import httpx
 import pytest
-from reliability_utils import MODEL_NAME, alarming_lines, descendants, pid_alive, wait_for
+from reliability_utils import MODEL_NAME, alarming_lines, descendants, pid_alive, stream_to_its_end, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -28,25 +27,6 @@ def servers(launcher) -> dict:
             for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
-def _stream(server, results: list, lock: threading.Lock) -> None:
-    """A long stream; appends (finish reasons, whether [DONE] came) or the error that ended it."""
-    body = {"model": MODEL_NAME, "prompt": "The quick brown fox", "max_tokens": 300, "ignore_eos": True,
-            "stream": True}
-    reasons, done = [], False
-    try:
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: {"):
-                    chunk = httpx.Response(200, content=line[6:]).json()
-                    reasons += [c["finish_reason"] for c in chunk.get("choices", []) if c["finish_reason"]]
-                done |= line == "data: [DONE]"
-        outcome = (reasons, done)
-    except httpx.HTTPError as e:
-        outcome = e
-    with lock:
-        results.append(outcome)
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "group-sigterm"])
 def test_a_signal_to_the_group_shuts_down_cleanly_with_no_process_left(servers, sig):
     server = servers[sig].wait_ready()
@@ -56,7 +36,7 @@ def test_a_signal_to_the_group_shuts_down_cleanly_with_no_process_left(servers, 
     assert chat.status_code == 200, chat.text
     results: list = []
     lock = threading.Lock()
-    threads = [threading.Thread(target=_stream, args=(server, results, lock)) for _ in range(2)]
+    threads = [threading.Thread(target=stream_to_its_end, args=(server, results, lock)) for _ in range(2)]
     for t in threads:
         t.start()
     assert wait_for(lambda: server.kv()["num_running_reqs"] == 2, 60.0), server.kv()
