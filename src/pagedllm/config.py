@@ -19,6 +19,15 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from pagedllm.config_bounds import (
+    CACHE_BOUNDS,
+    MODEL_BOUNDS,
+    PARALLEL_BOUNDS,
+    SCHEDULER_BOUNDS,
+    SPECULATIVE_BOUNDS,
+    STRUCTURED_OUTPUTS_BOUNDS,
+    check_bounds,
+)
 from pagedllm.kv_events_config import KVEventsConfig
 from pagedllm.server_config import ServerConfig, parse_api_keys  # noqa: F401 (defined here before)
 
@@ -62,6 +71,7 @@ class ModelConfig:
     (logged). none: float32 activations (the default, lossless)."""
 
     def __post_init__(self) -> None:
+        check_bounds(self, MODEL_BOUNDS)
         if self.activation_quantization not in ("none", "int8"):
             raise ValueError(f"--activation-quantization must be none or int8; got {self.activation_quantization!r}.")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -102,18 +112,15 @@ class CacheConfig:
         return self.uses_fp8_kv_cache if self.calculate_kv_scales is None else self.calculate_kv_scales
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        check_bounds(self, CACHE_BOUNDS)
+        if self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}.")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError("--gpu-memory-utilization must be in (0, 1].")
         choices = typing.get_args(typing.get_type_hints(CacheConfig)["kv_cache_dtype"])
         if self.kv_cache_dtype not in choices:
             raise ValueError(f"--kv-cache-dtype must be one of {', '.join(choices)}, got {self.kv_cache_dtype!r}.")
         if self.calculate_kv_scales and not self.uses_fp8_kv_cache:
             raise ValueError(f"--calculate-kv-scales needs an fp8 --kv-cache-dtype (fp8, fp8_e4m3, fp8_e5m2), got "
                              f"{self.kv_cache_dtype!r}.")
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError("--num-gpu-blocks-override must be at least 1.")
 
 
 @dataclass
@@ -139,18 +146,9 @@ class SchedulerConfig:
     Retry-After); one that needs more places than the cap on an empty queue, with HTTP 400. Default: no cap."""
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError("--max-num-seqs must be at least 1.")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError("--max-num-batched-tokens must be at least 1.")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError("--long-prefill-token-threshold must be at least 0.")
-        if self.max_prefill_attention_pairs < 0:
-            raise ValueError("--max-prefill-attention-pairs must be at least 0.")
+        check_bounds(self, SCHEDULER_BOUNDS)
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}.")
-        if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 0:
-            raise ValueError("--max-num-queued-reqs must be at least 0.")
 
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
@@ -206,35 +204,18 @@ class SpeculativeConfig:
                              f"mtp need model heads it does not run); supported: {supported}.")
         if self.method == "draft_model" and not self.model:
             raise ValueError('--speculative-config method "draft_model" needs "model": the draft model\'s path.')
-        if self.num_speculative_tokens is None or self.num_speculative_tokens < 1:
-            raise ValueError("--speculative-config needs num_speculative_tokens >= 1, got "
-                             f"{self.num_speculative_tokens!r}.")
+        if self.num_speculative_tokens is None:
+            raise ValueError("--speculative-config needs num_speculative_tokens >= 1.")
+        check_bounds(self, SPECULATIVE_BOUNDS, json_flag="--speculative-config")
         if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
             self.prompt_lookup_min = self.prompt_lookup_max = 5
         elif self.prompt_lookup_min is None:
             self.prompt_lookup_min = self.prompt_lookup_max
         elif self.prompt_lookup_max is None:
             self.prompt_lookup_max = self.prompt_lookup_min
-        if self.prompt_lookup_min < 1 or self.prompt_lookup_min > self.prompt_lookup_max:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"--speculative-config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}.")
-        if self.suffix_decoding_max_tree_depth < 2:
-            raise ValueError("suffix_decoding_max_tree_depth must be at least 2, got "
-                             f"{self.suffix_decoding_max_tree_depth}.")
-        if self.suffix_decoding_max_cached_requests < 0:
-            raise ValueError("suffix_decoding_max_cached_requests must be at least 0, got "
-                             f"{self.suffix_decoding_max_cached_requests}.")
-        if self.suffix_decoding_max_spec_factor <= 0:
-            raise ValueError("suffix_decoding_max_spec_factor must be positive, got "
-                             f"{self.suffix_decoding_max_spec_factor}.")
-        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
-            raise ValueError("suffix_decoding_min_token_prob must be within [0, 1], got "
-                             f"{self.suffix_decoding_min_token_prob}.")
-        if self.verify_cost_per_draft_token is not None and not self.verify_cost_per_draft_token >= 0:
-            raise ValueError("verify_cost_per_draft_token must be at least 0, got "
-                             f"{self.verify_cost_per_draft_token!r}.")
-        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
-            raise ValueError(f"disable_by_batch_size must be at least 2, got {self.disable_by_batch_size}.")
 
     @classmethod
     def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -273,8 +254,7 @@ class StructuredOutputsConfig:
             why = " (xgrammar pulls triton and is not installed with it)" if self.backend == "xgrammar" else ""
             raise ValueError(f"structured outputs backend {self.backend!r} is not supported by this pagedllm build"
                              f"{why}; supported: auto, guidance (llguidance).")
-        if not self.compile_timeout_s > 0:
-            raise ValueError(f"compile_timeout_s must be positive, got {self.compile_timeout_s}.")
+        check_bounds(self, STRUCTURED_OUTPUTS_BOUNDS, json_flag="--structured-outputs-config")
 
     @classmethod
     def parse(cls, value: str | dict | StructuredOutputsConfig | None) -> StructuredOutputsConfig:
@@ -305,7 +285,11 @@ class ParallelConfig:
     """Replicas of the whole engine behind one API server (`pagedllm serve` only): each its own engine-core
     process with its own executor, KV cache (--kv-cache-memory each) and share of the CPU threads. The API server
     sends each request to the replica that holds the longest cached prefix of it, else to the least loaded
-    (engine/dp_router.py); metrics carry an `engine` label per replica."""
+    (engine/dp_router.py); metrics carry an `engine` label per replica. The replicas fail together, as one engine
+    does and as vLLM's data-parallel engines do: when any replica dies, every open request on every replica fails,
+    /health and new requests answer 503, the dead replica's gauges leave /metrics, and after
+    --engine-death-exit-delay the server stops the other replicas and exits non-zero, so that its orchestrator
+    restarts it whole."""
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
     """How the model's workers run: uni (in the engine process; needs tensor-parallel-size 1), mp (one fresh
     process per rank on this machine), ray (one Ray actor per rank, placed on a Ray cluster by a placement group;
@@ -316,12 +300,7 @@ class ParallelConfig:
     new local one (vLLM's behaviour; vLLM has no flag and reads RAY_ADDRESS only)."""
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}.")
-        if self.pipeline_parallel_size < 1:
-            raise ValueError(f"--pipeline-parallel-size must be at least 1, got {self.pipeline_parallel_size}.")
-        if self.data_parallel_size < 1:
-            raise ValueError(f"--data-parallel-size must be at least 1, got {self.data_parallel_size}.")
+        check_bounds(self, PARALLEL_BOUNDS)
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"--distributed-executor-backend must be one of {', '.join(EXECUTOR_BACKENDS)}, got "

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm.config_bounds import KV_EVENTS_BOUNDS, check_bounds
+
 KV_EVENT_PUBLISHERS = ("null", "zmq")
 
 
@@ -38,6 +40,4 @@ class KVEventsConfig:
             self.publisher = "zmq" if self.enable_kv_cache_events else "null"
         if self.publisher not in KV_EVENT_PUBLISHERS:
             raise ValueError(f"--kv-events-config publisher must be null or zmq, got {self.publisher!r}.")
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--kv-events-config {name} must be at least 0, got {getattr(self, name)}.")
+        check_bounds(self, KV_EVENTS_BOUNDS, json_flag="--kv-events-config")

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from pagedllm.config_bounds import SERVER_BOUNDS, check_bounds
+
 
 @dataclass
 class ServerConfig:
@@ -103,13 +105,7 @@ class ServerConfig:
             raise ValueError("--cache-salt-from-api-key needs --api-key (or VLLM_API_KEY): without a key there is "
                              "no tenant to derive a salt from.")
         check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
-        for name in ("max_n", "max_prompts", "max_choices", "max_logit_bias", "max_stop", "max_chat_template_chars",
-                     "max_request_bytes", "max_header_bytes", "max_connections", "max_buffered_outputs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1.")
-        for name in ("header_read_timeout", "body_read_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive.")
+        check_bounds(self, SERVER_BOUNDS)
 
     @property
     def api_keys(self) -> list[str]:

@@ -1,6 +1,6 @@
 """AsyncLLM over two mock engine cores (data parallelism, no process): requests follow their cached prefix or
-go to the less loaded replica, n > 1 children and aborts reach their request's replica, a replica's death ends
-only its own streams, and the metrics carry an `engine` label per replica."""
+go to the less loaded replica, n > 1 children and aborts reach their request's replica, a replica's death fails
+the whole server, and the metrics carry an `engine` label per replica."""
 
 from __future__ import annotations
 
@@ -55,7 +55,10 @@ def test_prefix_then_load_decide_and_children_and_aborts_follow_the_replica(tiny
     _run(scenario, tiny_tokenizer)
 
 
-def test_a_dead_replica_ends_its_streams_and_the_other_keeps_serving(tiny_tokenizer):
+def test_a_dead_replica_fails_the_whole_server_fast(tiny_tokenizer):
+    """Issue 32 item 7 (before: the other replica kept serving, /health 503 for ever, the dead replica's gauges
+    frozen): every open stream fails, on the live replica too, which aborts its request; new requests are refused;
+    on_death stops the server once; the dead replica's gauges leave /metrics, its counters stay."""
     async def scenario(engines, llm):
         deaths: list[str] = []
         llm.on_death = deaths.append
@@ -64,19 +67,29 @@ def test_a_dead_replica_ends_its_streams_and_the_other_keeps_serving(tiny_tokeni
         await asyncio.gather(*(engine.step() for engine in engines))
         assert len((await a.__anext__()).outputs[0].token_ids) == 1
         assert len((await b.__anext__()).outputs[0].token_ids) == 1
+        text = llm.prometheus.render().decode()
+        assert 'vllm:num_requests_running{engine="1",model_name="mock"} 1.0' in text
         engines[1].die()
         with pytest.raises(EngineDeadError, match="exit code -9"):
             await b.__anext__()
-        assert not llm.is_dead and deaths == [] and llm.dead_reason.startswith("engine 1: ")
+        with pytest.raises(EngineDeadError, match="engine 1: .*exit code -9"):
+            await asyncio.wait_for(a.__anext__(), 30.0)  # on the live replica: failed too, and aborted there
+        await asyncio.sleep(0)
+        assert engines[0].aborted == ["a"] and engines[0].running == {}
+        assert llm.is_dead and len(deaths) == 1 and llm.dead_reason.startswith("engine 1: ")
+        assert llm.num_open_requests == 0 and llm.router.loads() == [0, 0]
         with pytest.raises(EngineDeadError, match="engine 1"):
-            await llm.check_health(1.0)  # /health answers 503 while a replica is dead
-        c = llm.add_request("c", OTHER + [2], SamplingParams(max_tokens=3, ignore_eos=True), None, "delta")
-        consumers = [asyncio.ensure_future(collect(stream)) for stream in (a, c)]
-        await engines[0].run_until_idle()
-        outputs = await asyncio.gather(*consumers)
-        assert [o[-1].outputs[0].finish_reason for o in outputs] == ["length", "length"]
-        assert engines[0].added == ["a", "c"] and engines[1].added == ["b"]
-        engines[0].die()
-        assert llm.is_dead and len(deaths) == 1
+            await llm.check_health(1.0)  # /health answers 503
+        with pytest.raises(EngineDeadError, match="engine 1"):
+            llm.add_request("c", OTHER + [2], LONG, None, "delta")  # new requests: 503
+        await asyncio.sleep(0.05)
+        text = llm.prometheus.render().decode()
+        for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                      "pagedllm:kv_cache_free_blocks", "pagedllm:kv_cache_total_blocks"):
+            assert f'{gauge}{{engine="1"' not in text, gauge
+            assert f'{gauge}{{engine="0"' in text, gauge
+        assert 'vllm:prompt_tokens_total{engine="1",model_name="mock"}' in text  # counters keep their totals
+        engines[0].die()  # while stopping: nothing more happens
+        assert len(deaths) == 1
 
     _run(scenario, tiny_tokenizer)

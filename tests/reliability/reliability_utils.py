@@ -58,12 +58,59 @@ def stream_until_error(client: openai.OpenAI, request: dict, started: threading.
         results.append((outcome, time.monotonic()))
 
 
+def stream_to_its_end(server: Server, results: list, lock: threading.Lock, max_tokens: int = 300) -> None:
+    """A long completion stream read to its end; appends (finish reasons, whether [DONE] came) to `results`, or
+    the httpx error that ended it."""
+    body = {"model": MODEL_NAME, "prompt": "The quick brown fox", "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True}
+    reasons, done = [], False
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = httpx.Response(200, content=line[6:]).json()
+                    reasons += [c["finish_reason"] for c in chunk.get("choices", []) if c["finish_reason"]]
+                done |= line == "data: [DONE]"
+        outcome: tuple | Exception = (reasons, done)
+    except httpx.HTTPError as e:
+        outcome = e
+    with lock:
+        results.append(outcome)
+
+
 def unavailable(server: Server) -> bool:
     """/health answers 503, or the API server is already gone (it may exit after its engine died)."""
     try:
         return server.http.get("/health").status_code == 503
     except httpx.ConnectError:
         return server.proc.poll() is not None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process under `pid` (children, grandchildren, ...), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+ALARMING = ("ERROR", "CRITICAL", "Traceback", "unexpectedly", "killing it")
+
+
+def alarming_lines(log: str) -> list[str]:
+    """The lines of a server log that would alarm an operator at a normal shutdown."""
+    return [line for line in log.splitlines() if any(word in line for word in ALARMING)]
 
 
 def rss_bytes(pid: int) -> int:
@@ -83,7 +130,7 @@ class Server:
     the embedded default model (SmolLM2); flags in `extra_args` override the defaults below (last one wins)."""
 
     def __init__(self, model: Path | None, log_path: Path, *extra_args: str, env: dict[str, str] | None = None,
-                 wait_ready: bool = True, api_key: str | None = None):
+                 wait_ready: bool = True, api_key: str | None = None, new_session: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -92,7 +139,9 @@ class Server:
         self.ready = False
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(serve_command(model, self.port, *extra_args), env=serve_env(env),
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=new_session)
+        """With new_session, a process group of its own: os.killpg signals it as a terminal's Ctrl-C or `kill %1`
+        signals a job."""
         self.http = httpx.Client(base_url=self.url, timeout=30.0)
         self._clients: list[openai.OpenAI] = []
         self._client_cache: dict[tuple, openai.OpenAI] = {}

@@ -30,18 +30,19 @@ def servers(launcher) -> dict:
             "drain0": launcher("--drain-timeout", "0", wait_ready=False)}
 
 
-def _session_pids(sid: int) -> list[int]:
-    """Live processes of session `sid` (a server started with start_new_session: itself and its engine)."""
+def _tagged_pids(tag: str) -> list[int]:
+    """Live processes whose environment carries PAGEDLLM_TEST_TAG=tag: a server started with it and every process
+    it started (the engine core and its workers run in sessions of their own, and an orphan has no parent)."""
+    needle = f"PAGEDLLM_TEST_TAG={tag}".encode()
     pids = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
+        if entry.isdigit() and pid_alive(int(entry)):
             try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        pids.append(int(entry))
             except OSError:
                 continue
-            if int(fields[3]) == sid and fields[0] != "Z":
-                pids.append(int(entry))
     return pids
 
 
@@ -64,7 +65,8 @@ def test_startup_failures_exit_fast_with_the_figures(servers, serve_model, tmp_p
         procs[name] = subprocess.Popen(
             [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", *args, "--port", "1",
              "--dtype", "float32", "--disable-log-stats"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            env={**env, "PAGEDLLM_TEST_TAG": f"{os.getpid()}-{name}"}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     for name, proc in procs.items():
         output, _ = proc.communicate(timeout=120)
         elapsed = time.monotonic() - start
@@ -74,8 +76,8 @@ def test_startup_failures_exit_fast_with_the_figures(servers, serve_model, tmp_p
         for needle in cases[name][1]:
             assert needle in output, (name, needle, output[-2000:])
         assert "Traceback" not in output.split("failed to start", 1)[-1], output[-2000:]
-        assert wait_for(lambda proc=proc: not _session_pids(proc.pid), 5.0), ("orphans", name,
-                                                                             _session_pids(proc.pid))
+        tag = f"{os.getpid()}-{name}"
+        assert wait_for(lambda tag=tag: not _tagged_pids(tag), 5.0), ("orphans", name, _tagged_pids(tag))
 
 
 def _in_flight(server, num: int, max_tokens: int) -> tuple[list[threading.Thread], list]:

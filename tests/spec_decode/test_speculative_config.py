@@ -46,7 +46,7 @@ def test_defaults_and_inference_follow_vllm():
     ({"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 1}, "at least 2"),
     ({"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": -1}, "at least 0"),
     ({"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_spec_factor": 0}, "must be positive"),
-    ({"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_min_token_prob": 1.5}, "within [0, 1]"),
+    ({"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_min_token_prob": 1.5}, "at most 1, got 1.5"),
     ({"method": "draft_model", "num_speculative_tokens": 4}, "needs \"model\""),
     ({"method": "ngram"}, "num_speculative_tokens >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},

@@ -3,7 +3,10 @@
 `add_request` validates, sends the request and returns an async iterator of RequestOutputs fed by one
 output handler per engine step (detokenize, stop strings, n > 1 aggregation, stats). Leaving the iterator
 early (client disconnect, cancellation) aborts the request in the engine at once. When the engine dies,
-every open iterator raises EngineDeadError.
+every open iterator raises EngineDeadError. With data parallelism, the death of any replica is the death of the
+whole server (fail fast, as one engine and as vLLM's data-parallel engines): every open request on every replica
+fails, the live replicas abort theirs, the dead replica's gauges are removed from /metrics, and `on_death` stops
+the server, which exits non-zero so that its orchestrator restarts it.
 
 A consumer that stops taking its outputs (a client that no longer reads its stream) costs only its own
 request: past `max_buffered_outputs` outputs waiting for it, the request is aborted in the engine (its blocks
@@ -82,13 +85,14 @@ class AsyncLLM:
         self.last_progress_time = [time.monotonic()] * num_replicas
         """Per replica: when it last finished a step (or got work while idle)."""
         self.on_death: Callable[[str], None] = lambda reason: None
-        """Called once every replica is dead."""
+        """Called once, when the first replica dies: the server stops (fail fast)."""
         self._pending_sends: set[asyncio.Future] = set()
         for replica, client in enumerate(self.clients):
             client.on_message = functools.partial(self._on_message, replica)
             client.on_death = functools.partial(self._on_death, replica)
-            if client.is_dead:  # died while the other replicas were starting
+            if client.is_dead:  # died while the other replicas were starting: see run_server
                 self.router.mark_dead(replica)
+                self.prometheus.remove_engine(replica)
         self._log_task = asyncio.create_task(self._log_loop()) if log_stats else None
         self.watchdog_timeout_s = watchdog_timeout_s
         self._watchdog_task = asyncio.create_task(self._watchdog_loop()) if watchdog_timeout_s else None
@@ -99,8 +103,8 @@ class AsyncLLM:
 
     @property
     def is_dead(self) -> bool:
-        """Every replica is dead: nothing can be served."""
-        return all(client.is_dead for client in self.clients)
+        """A replica is dead (the only one, or one of the data-parallel replicas): the server is dead."""
+        return any(client.is_dead for client in self.clients)
 
     @property
     def dead_reason(self) -> str | None:
@@ -328,20 +332,25 @@ class AsyncLLM:
         self.abort(request_id, error)
 
     def _on_death(self, replica: int, reason: str) -> None:
-        """A replica died: its requests' streams end with EngineDeadError; the server stops (on_death) only when
-        no replica is left."""
+        """A replica died, so the server is dead (fail fast): every open request ends with EngineDeadError, those
+        on live replicas are aborted there, the dead replica's gauges leave /metrics (they would stay at their
+        last values) and on_death stops the server. A later replica's death (while stopping) changes nothing."""
+        first = all(r.alive for r in self.router.replicas)
         self.router.mark_dead(replica)
-        doomed = {request_id for engine_id, request_id in self._engine_to_request.items()
-                  if self.router.replica_of(engine_id) == replica}
-        for request_id, queue in self.queues.items():
-            if request_id in doomed:
-                queue.put_nowait(EngineDeadError(reason))
-        if self.is_dead:
-            self.on_death(reason)
-        else:
-            alive = sum(not c.is_dead for c in self.clients)
-            logger.error("engine %d is dead; %d of %d data-parallel replicas keep serving (/health answers 503)",
-                         replica, alive, len(self.clients))
+        self.prometheus.remove_engine(replica)
+        self.scheduler_stats[replica] = SchedulerStats()
+        if self.log_loggers:
+            self.log_loggers[replica].record(self.scheduler_stats[replica], None)
+        if not first:
+            return
+        error = EngineDeadError(self.dead_reason if len(self.clients) > 1 else reason)
+        open_requests = list(self.queues)
+        for request_id in open_requests:
+            self.abort(request_id, error)
+        if len(self.clients) > 1:
+            logger.error("engine %d is dead, so the server is (data parallelism fails fast): %d open requests "
+                         "failed; the other replicas stop when it exits", replica, len(open_requests))
+        self.on_death(reason)
 
     def _record(self, replica: int, scheduler_stats: SchedulerStats | None, stats: IterationStats | None) -> None:
         self.prometheus.record(scheduler_stats, stats, engine=replica)
@@ -397,9 +406,9 @@ class AsyncLLM:
         return list(await asyncio.gather(*(ask(client) for client in self.clients)))
 
     def shutdown(self) -> None:
-        for task in (self._log_task, self._watchdog_task):
+        for task in (self._log_task, self._watchdog_task, *self._pending_sends):
             if task is not None:
-                task.cancel()
+                task.cancel()  # a send still pending is moot: its engine core stops now
         if len(self.clients) > 1:
             for client in self.clients:
                 client.request_stop()

@@ -5,6 +5,12 @@
 hands it the configuration as JSON on stdin and waits for READY, or raises `EngineStartupError` with the
 engine's own message. The stdin pipe stays open: when this process dies, the engine sees EOF and exits.
 
+The engine core runs in a session of its own, so that the signals meant for the server (Ctrl-C's SIGINT to the
+terminal's foreground group, `kill %1`, `timeout`: SIGTERM to the server's group) reach the API server alone,
+which then stops its engine cores in order (SIGTERM, then the stdin pipe closed) after its own shutdown. Before,
+a group SIGTERM killed the engine core under the server's drain: "engine core process exited unexpectedly",
+exit code 1, and with Ray workers left behind.
+
 Engine death is noticed at once: a thread waits on the child's pid and calls `on_death` on the loop.
 
 `start_engine_cores(config, n)` starts the n replicas of data parallelism at once, each with its share of the
@@ -94,7 +100,7 @@ class EngineCoreClient:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "pagedllm.engine.core_proc", "--input-addr", f"ipc://{socket_dir}/input",
                  "--output-addr", f"ipc://{socket_dir}/output", "--log-level", log_level, *index_args],
-                stdin=subprocess.PIPE, close_fds=True, env=env)
+                stdin=subprocess.PIPE, close_fds=True, env=env, start_new_session=True)
             proc.stdin.write(msgspec.json.encode(config) + b"\n")
             proc.stdin.flush()
             ready = await _wait_ready(proc, output_socket, startup_timeout_s)
@@ -255,11 +261,9 @@ async def _wait_ready(proc: subprocess.Popen, output_socket: zmq.asyncio.Socket,
 
 
 def _stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM (the engine core's orderly stop), then SIGKILL past timeout_s; the stdin pipe is closed last (closed
+    first, the engine core would log that the API server is gone)."""
     if proc.poll() is None:
-        try:
-            proc.stdin.close()
-        except OSError:
-            pass
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout_s)
@@ -267,3 +271,7 @@ def _stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
             logger.warning("engine core did not exit within %.0f s; killing it", timeout_s)
             proc.kill()
             proc.wait()
+    try:
+        proc.stdin.close()
+    except OSError:
+        pass

@@ -2,9 +2,12 @@
 
 Each worker is a fresh interpreter (`python -m pagedllm.executor.worker_proc`; never fork: the engine holds torch
 and threads), given the configuration as JSON on stdin; the pipe stays open, so a worker exits when the engine
-process dies however it dies. The steps go over ipc:// ZMQ sockets in a private directory (executor/zmq_executor.py);
-the ranks' tensors over torch.distributed (gloo; on one host the CPU's all-reduces go through shared memory,
-distributed/shm_communicator.py, whose leftover segments are removed when the workers stop).
+process dies however it dies. Each worker runs in a session of its own, so that a signal to the process group of
+the program that started the engine (Ctrl-C, `kill %1`) reaches the workers only through the engine's orderly
+shutdown, never before it ("worker exited unexpectedly" at a normal Ctrl-C). The steps go over ipc:// ZMQ sockets
+in a private directory (executor/zmq_executor.py); the ranks' tensors over torch.distributed (gloo; on one host the
+CPU's all-reduces go through shared memory, distributed/shm_communicator.py, whose leftover segments are removed
+when the workers stop).
 
 A worker that exits is noticed at once (a thread waits on each pid) and stops the engine.
 """
@@ -53,7 +56,7 @@ class MultiprocExecutor(ZmqExecutor):
                 [sys.executable, "-m", "pagedllm.executor.worker_proc", "--rank", str(rank),
                  "--broadcast-addr", broadcast_addr, "--result-addr", result_addr,
                  "--distributed-init-method", init_method, "--log-level", log_level_name()],
-                stdin=subprocess.PIPE, env=env, close_fds=True)
+                stdin=subprocess.PIPE, env=env, close_fds=True, start_new_session=True)
             self.procs.append(proc)
             proc.stdin.write(config_line)
             proc.stdin.flush()

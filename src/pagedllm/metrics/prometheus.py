@@ -5,6 +5,8 @@ Dashboards and autoscalers written for `vllm serve` read these unchanged.
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedllm.messages import SchedulerStats, SpecDecodingStats
@@ -87,6 +89,16 @@ class PrometheusStatLogger:
             series.request_decode_time.observe(finished.decode_time)
             series.request_prompt_tokens.observe(finished.num_prompt_tokens)
             series.request_generation_tokens.observe(finished.num_generation_tokens)
+
+    def remove_engine(self, engine: int) -> None:
+        """The engine died: remove its gauges (requests running and waiting, KV-cache usage and blocks), which would
+        otherwise show its last values as if it were still serving. Its counters and histograms keep their totals
+        (a counter that vanished would read as a reset)."""
+        values = list(self._labels(engine).values())
+        for family in vars(self.families).values():
+            if isinstance(family, Gauge):
+                with contextlib.suppress(KeyError):
+                    family.remove(*values)
 
     def record_admission_rejection(self) -> None:
         self.admission_rejections.inc()

@@ -77,7 +77,8 @@ class ChatTemplateProcess:
         if self._proc is None or self._proc.returncode is not None:
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", __name__, str(self.memory_limit_bytes), stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, limit=MAX_ANSWER_BYTES)
+                stdout=asyncio.subprocess.PIPE, limit=MAX_ANSWER_BYTES,
+                start_new_session=True)  # Ctrl-C reaches the server alone, which kills it at exit
             try:  # its first line says it is ready: the render timeout does not pay for its start-up
                 ready = await asyncio.wait_for(self._proc.stdout.readline(), STARTUP_TIMEOUT_S)
             except TimeoutError:

@@ -109,6 +109,8 @@ async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:
                             h11_max_incomplete_event_size=sc.max_header_bytes)
     server = DrainingServer(config, state, sc.drain_timeout)
     engine.on_death = lambda reason: server.exit_later(sc.engine_death_exit_delay)
+    if engine.is_dead:  # a replica died while the others were starting: fail fast all the same
+        engine.on_death(engine.dead_reason)
     logger.info("Serving %s on http://%s:%d", names[0], sc.host or "0.0.0.0", sc.port)
     try:
         await server.serve()
