@@ -93,7 +93,7 @@ class InputProcessor:
             raise InvalidRequestError(str(e), param=e.param) from None
         if params.structured_outputs is not None:
             try:
-                check_grammar(params.structured_outputs, limits.grammar_compile_timeout_s)
+                check_grammar(params.structured_outputs, limits.grammar_compile_timeout_s, *json_options(limits))
             except StructuredOutputError as e:
                 raise InvalidRequestError(str(e), param=e.param) from None
         room = limits.max_model_len - num_prompt
@@ -124,6 +124,12 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
         )
+
+
+def json_options(limits: ModelLimits) -> tuple[bool, bool]:
+    """The server's JSON options, as check_grammar and grammar_of take them (disable_any_whitespace,
+    disable_additional_properties)."""
+    return limits.json_disable_any_whitespace, limits.json_disable_additional_properties
 
 
 def check_cache_salt(cache_salt: str | None) -> None:

@@ -179,8 +179,8 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         params = self.sampling_params(request, max_tokens, logprobs, request.prompt_logprobs)
-        params = await with_structured_outputs(request, params, self.grammar_compile_timeout_s)
-        params = await tools.constrain(params, self.grammar_compile_timeout_s)
+        params = await with_structured_outputs(request, params, self.grammar_compile_timeout_s, self.json_options)
+        params = await tools.constrain(params, self.grammar_compile_timeout_s, self.json_options)
         request_id = self.request_id("chatcmpl", request)
         streams = self.add_requests(request_id, [(prompt, token_ids)], params, request,
                                     "delta" if request.stream else "final_only")

@@ -50,7 +50,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = await self._tokenize(request, items)
         params = self.sampling_params(request, request.max_tokens, request.logprobs,
                                       _num_prompt_logprobs_computed(request))
-        params = await with_structured_outputs(request, params, self.grammar_compile_timeout_s)
+        params = await with_structured_outputs(request, params, self.grammar_compile_timeout_s, self.json_options)
         request_id = self.request_id("cmpl", request)
         streams = self.add_requests(request_id, prompts, params, request,
                                     "delta" if request.stream else "final_only")
