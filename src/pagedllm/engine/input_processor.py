@@ -81,6 +81,9 @@ class InputProcessor:
                                       param="prompt")
         if not (isinstance(priority, int) and -(2**63) <= priority < 2**63):
             raise InvalidRequestError(f"priority must fit in 64 bits, got {priority}.", param="priority")
+        if priority != 0 and not limits.priority_scheduling:
+            raise InvalidRequestError(f"Got priority {priority} but priority scheduling is not enabled (start the "
+                                      "server with --scheduling-policy priority).", param="priority")
         num_prompt = len(prompt_token_ids)
         if num_prompt >= limits.max_model_len:
             raise InvalidRequestError(

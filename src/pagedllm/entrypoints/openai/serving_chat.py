@@ -58,6 +58,21 @@ def request_chat_template(request: ChatCompletionRequest, trusted: bool) -> str 
     return source
 
 
+def echo_text(request: ChatCompletionRequest) -> str:
+    """What `echo: true` puts before each choice's content (vLLM's): the last message's content when its role is
+    the response's (the assistant's with add_generation_prompt, else the last message's own), else nothing."""
+    if not request.echo or not request.messages:
+        return ""
+    last = request.messages[-1]
+    role = "assistant" if request.add_generation_prompt else last.get("role")
+    if last.get("role") != role:
+        return ""
+    content = last.get("content") or ""
+    if isinstance(content, list):
+        content = "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content if isinstance(content, str) else ""
+
+
 def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
                 continue_final_message: bool, chat_template: str | None, chat_template_kwargs: dict[str, Any] | None,
                 tools: list | None, timeout_s: float, max_chars: int) -> str:
@@ -195,9 +210,12 @@ class OpenAIServingChat(OpenAIServing):
             await merged.aclose()
         choices = []
         num_completion = 0
+        echo = echo_text(request)
         for output in sorted(final.outputs, key=lambda o: o.index):
             num_completion += len(output.token_ids)
             message, finish_reason = tools.message(output.text, output.finish_reason)
+            if echo:
+                message.content = echo + (message.content or "")
             choices.append(ChatCompletionResponseChoice(
                 index=output.index, message=message,
                 logprobs=self._logprobs(output.token_ids, output.logprobs, request),
@@ -227,15 +245,18 @@ class OpenAIServingChat(OpenAIServing):
                       merged, tools: ToolCalling) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        continuous_usage = bool(request.stream_options and request.stream_options.continuous_usage_stats)
+        echo = echo_text(request)
         started: dict[int, ChoiceStream] = {}
         num_completion = num_cached = 0
         template: SSETemplate | None = None
-        # Chunks of content only (no tool parsing, logprobs or token ids) are written from a template.
-        plain = not (tools.parses_output or request.logprobs or request.return_token_ids)
+        # Chunks of content only (no tool parsing, logprobs, token ids or usage) are written from a template.
+        plain = not (tools.parses_output or request.logprobs or request.return_token_ids or continuous_usage)
 
         def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
+            so_far = usage(len(prompt_token_ids), num_completion, num_cached) if continuous_usage else None
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
-                                                    choices=choices))
+                                                    choices=choices, usage=so_far))
 
         try:
             async for _, output in merged:
@@ -246,6 +267,9 @@ class OpenAIServingChat(OpenAIServing):
                         started[completion.index] = tools.stream()
                         yield chunk([ChatCompletionStreamChoice(
                             index=completion.index, delta=DeltaMessage(role="assistant", content=""))])
+                        if echo:
+                            yield chunk([ChatCompletionStreamChoice(index=completion.index,
+                                                                    delta=DeltaMessage(content=echo))])
                     num_completion += len(completion.token_ids)
                     if not completion.text and not completion.token_ids and completion.finish_reason is None:
                         continue

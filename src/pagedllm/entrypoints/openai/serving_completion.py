@@ -166,6 +166,10 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         n = request.n
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        continuous_usage = bool(request.stream_options and request.stream_options.continuous_usage_stats)
+        num_prompt = sum(len(ids) for _, ids in prompts)
+        templated = not (request.return_token_ids or continuous_usage)
+        """Chunks without logprobs are written from a template (no token ids, no usage in every chunk)."""
         num_completion = 0
         num_cached = [0] * len(prompts)
         echoed: set[int] = set()
@@ -196,7 +200,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     text_offsets[index] = text_offsets.get(index, 0) + len(text)
                     if not text and completion.finish_reason is None and not token_ids:
                         continue
-                    if logprobs is None and not request.return_token_ids:  # the template's fields only
+                    if logprobs is None and templated:  # the template's fields only
                         choices.append((index, text, completion.finish_reason, completion.stop_reason))
                         continue
                     choices.append(CompletionResponseChoice(
@@ -209,10 +213,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     template = template or _chunk_template(request_id, created, self.model_name)
                     yield template.render(*choices[0])
                 elif choices:
+                    so_far = usage(num_prompt, num_completion, sum(num_cached)) if continuous_usage else None
                     yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
-                                                       choices=[_choice(c) for c in choices]))
+                                                       choices=[_choice(c) for c in choices], usage=so_far))
             if include_usage:
-                num_prompt = sum(len(ids) for _, ids in prompts)
                 yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
                                                    choices=[], usage=usage(num_prompt, num_completion,
                                                                            sum(num_cached))))
