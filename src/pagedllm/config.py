@@ -262,16 +262,9 @@ class StructuredOutputsConfig:
     disable_fallback: bool = False
     """vLLM's: no fallback to another backend when one cannot compile a request (there is only one here)."""
     disable_any_whitespace: bool = True
-    """JSON with no free whitespace, for every request: compact, with the separators ", " and ": " (xgrammar's, and
-    json.dumps's), so that a constrained output always ends (with free whitespace a sampled stream could write
-    newlines until max_tokens). A request's `whitespace_pattern` replaces it for that request. pagedllm's default
-    is true (vLLM's is false); false allows llguidance's unbounded whitespace between JSON tokens."""
+    """JSON with no free whitespace (", " and ": " separators) for every request; vLLM's default is false."""
     disable_additional_properties: bool = True
-    """JSON objects closed to keys the schema does not name, for every request: an object schema that names its
-    properties and does not say `additionalProperties` gets `additionalProperties: false` (a free-form
-    `{"type": "object"}` stays open), as vLLM's default backend (xgrammar's strict mode) does. False follows JSON
-    Schema (such objects open) except where the request asks for closed objects (`strict: true`,
-    `disable_additional_properties`)."""
+    """Objects that name their properties are closed to others, as vLLM's default backend (xgrammar) closes them."""
     compile_timeout_s: float = 10.0
     """pagedllm's: a grammar whose validation takes longer is refused with a 400."""
 

@@ -9,6 +9,7 @@ from typing import Any
 from pagedllm.engine.input_processor import is_valid_unicode
 from pagedllm.entrypoints.openai import chat_template as chat_template_module
 from pagedllm.entrypoints.openai import errors
+from pagedllm.entrypoints.openai.chat_echo import echo_text
 from pagedllm.entrypoints.openai.chat_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -20,6 +21,7 @@ from pagedllm.entrypoints.openai.chat_protocol import (
     DeltaMessage,
     TopLogprob,
 )
+from pagedllm.entrypoints.openai.chat_stream_chunks import content_chunk_template, stream_choice
 from pagedllm.entrypoints.openai.chat_template_process import ChatTemplateProcess, ChatTemplateProcessError
 from pagedllm.entrypoints.openai.formatting import (
     SSE_DONE,
@@ -56,21 +58,6 @@ def request_chat_template(request: ChatCompletionRequest, trusted: bool) -> str 
         raise errors.bad_request(f"chat_template must be a string of at most {MAX_REQUEST_CHAT_TEMPLATE_CHARS} "
                                  "characters.", param="chat_template")
     return source
-
-
-def echo_text(request: ChatCompletionRequest) -> str:
-    """What `echo: true` puts before each choice's content (vLLM's): the last message's content when its role is
-    the response's (the assistant's with add_generation_prompt, else the last message's own), else nothing."""
-    if not request.echo or not request.messages:
-        return ""
-    last = request.messages[-1]
-    role = "assistant" if request.add_generation_prompt else last.get("role")
-    if last.get("role") != role:
-        return ""
-    content = last.get("content") or ""
-    if isinstance(content, list):
-        content = "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return content if isinstance(content, str) else ""
 
 
 def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
@@ -288,10 +275,10 @@ class OpenAIServingChat(OpenAIServing):
                         finish_reason=finish_reason, stop_reason=completion.stop_reason,
                         token_ids=list(completion.token_ids) if request.return_token_ids else None))
                 if len(choices) == 1 and isinstance(choices[0], tuple):
-                    template = template or _chunk_template(request_id, created, self.model_name)
+                    template = template or content_chunk_template(request_id, created, self.model_name)
                     yield template.render(*choices[0])
                 elif choices:
-                    yield chunk([_choice(c) for c in choices])
+                    yield chunk([stream_choice(c) for c in choices])
             if include_usage:
                 yield sse(ChatCompletionStreamResponse(
                     id=request_id, created=created, model=self.model_name, choices=[],
@@ -301,24 +288,3 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             await merged.aclose()
         yield SSE_DONE
-
-
-_HOLES = ("index", "content", "finish_reason", "stop_reason")
-
-
-def _chunk_template(request_id: str, created: int, model_name: str) -> SSETemplate:
-    """A stream chunk with one choice whose delta is content only."""
-    marker = SSETemplate.marker
-    choice = ChatCompletionStreamChoice.model_construct(
-        index=marker("index"), delta=DeltaMessage.model_construct(content=marker("content")),
-        finish_reason=marker("finish_reason"), stop_reason=marker("stop_reason"))
-    return SSETemplate(ChatCompletionStreamResponse.model_construct(id=request_id, created=created, model=model_name,
-                                                                    choices=[choice]), _HOLES)
-
-
-def _choice(choice: ChatCompletionStreamChoice | tuple) -> ChatCompletionStreamChoice:
-    if isinstance(choice, tuple):
-        index, content, finish_reason, stop_reason = choice
-        return ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=content),
-                                          finish_reason=finish_reason, stop_reason=stop_reason)
-    return choice

@@ -161,6 +161,18 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # ---- stream -----------------------------------------------------------------------------------------
 
+    def _stream_piece(self, completion: CompletionOutput, prompt: Prompt, output: RequestOutput, echo: bool
+                      ) -> tuple[str, list[int], list[PositionLogprobs | None] | None]:
+        """A choice's new text, token ids and logprobs positions; with `echo` (its first piece), the prompt's
+        before them."""
+        text, token_ids, positions = completion.text, list(completion.token_ids), completion.logprobs
+        if echo:
+            text = self._prompt_text(prompt) + text
+            if positions is not None:
+                token_ids = list(output.prompt_token_ids) + token_ids
+                positions = _prompt_positions(output) + list(positions)
+        return text, token_ids, positions
+
     async def _stream(self, request: CompletionRequest, request_id: str, prompts: list[Prompt],
                       merged) -> AsyncIterator[str]:
         created = int(time.time())
@@ -182,16 +194,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices = []
                 for completion in output.outputs:
                     index = prompt_index * n + completion.index
-                    text = completion.text
-                    token_ids = list(completion.token_ids)
-                    positions = completion.logprobs
                     num_completion += len(completion.token_ids)
-                    if request.echo and index not in echoed:
-                        echoed.add(index)
-                        text = self._prompt_text(prompts[prompt_index]) + text
-                        if positions is not None:
-                            token_ids = list(output.prompt_token_ids) + token_ids
-                            positions = _prompt_positions(output) + list(positions)
+                    echo = request.echo and index not in echoed
+                    echoed.add(index)
+                    text, token_ids, positions = self._stream_piece(completion, prompts[prompt_index], output, echo)
                     logprobs = None
                     if request.logprobs is not None and positions is not None:
                         logprobs = self._logprobs(token_ids, positions, request.logprobs,
