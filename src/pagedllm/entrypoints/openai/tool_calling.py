@@ -26,6 +26,7 @@ import msgspec
 from pagedllm.config import ServerConfig
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest, ChatMessage, DeltaMessage
+from pagedllm.entrypoints.openai.structured_outputs import GUIDED_ALIASES
 from pagedllm.entrypoints.openai.tool_parsers import hermes
 from pagedllm.entrypoints.openai.tool_parsers.partial_calls import PartialCall, scan_calls
 from pagedllm.entrypoints.openai.tool_protocol import (
@@ -213,9 +214,7 @@ def _finish_reason(called: bool, finish_reason: str | None) -> str | None:
 
 
 def _has_output_constraint(request: ChatCompletionRequest) -> bool:
-    """structured_outputs or a JSON response_format (fields of the structured-outputs layer, when present)."""
-    response_format = getattr(request, "response_format", None)
-    response_type = getattr(response_format, "type", None)
-    if isinstance(response_format, dict):
-        response_type = response_format.get("type")
-    return getattr(request, "structured_outputs", None) is not None or response_type not in (None, "text")
+    """structured_outputs, a JSON response_format, or an old guided_* constraint."""
+    response_type = request.response_format.type if request.response_format is not None else None
+    guided = any(getattr(request, name) is not None for name in GUIDED_ALIASES if name != "guided_whitespace_pattern")
+    return request.structured_outputs is not None or response_type not in (None, "text") or guided
