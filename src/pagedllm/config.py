@@ -242,10 +242,10 @@ class StructuredOutputsConfig:
     """auto or guidance: llguidance (vLLM's xgrammar is refused: it is not installed with pagedllm)."""
     disable_fallback: bool = False
     """vLLM's: no fallback to another backend when one cannot compile a request (there is only one here)."""
-    disable_any_whitespace: bool = False
-    """JSON without whitespace between tokens, for every request (a request may also ask for it)."""
-    disable_additional_properties: bool = False
-    """JSON objects without properties the schema does not name, for every request."""
+    disable_any_whitespace: bool = True
+    """JSON with no free whitespace (", " and ": " separators) for every request; vLLM's default is false."""
+    disable_additional_properties: bool = True
+    """Objects that name their properties are closed to others, as vLLM's default backend (xgrammar) closes them."""
     compile_timeout_s: float = 10.0
     """pagedllm's: a grammar whose validation takes longer is refused with a 400."""
 

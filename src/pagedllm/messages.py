@@ -146,6 +146,13 @@ class ModelLimits:
     """SamplingParams defaults from generation_config.json (vLLM's --generation-config auto)."""
     grammar_compile_timeout_s: float = 10.0
     """Structured outputs: a grammar that takes longer to compile is refused (StructuredOutputsConfig)."""
+    priority_scheduling: bool = False
+    """--scheduling-policy priority: a request's `priority` orders the queue; with fcfs a priority other than 0 is
+    refused (vLLM's check)."""
+    json_disable_any_whitespace: bool = True
+    json_disable_additional_properties: bool = True
+    """Structured outputs: the server's JSON options (StructuredOutputsConfig's disable_any_whitespace and
+    disable_additional_properties), so that the frontend checks the grammar the engine will compile."""
 
 
 @dataclass

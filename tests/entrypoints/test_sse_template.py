@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedllm.entrypoints.openai import serving_chat, serving_completion
+from pagedllm.entrypoints.openai import chat_stream_chunks, serving_completion
 from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionStreamResponse
 from pagedllm.entrypoints.openai.formatting import sse
 from pagedllm.entrypoints.openai.protocol import (
@@ -35,8 +35,8 @@ def test_completion_chunk_equals_pydantic(index, text, finish_reason, stop_reaso
 
 @given(index=st.integers(0, 300), content=TEXT, finish_reason=FINISH, stop_reason=STOP)
 def test_chat_chunk_equals_pydantic(index, content, finish_reason, stop_reason):
-    template = serving_chat._chunk_template("chatcmpl-1", 1700000000, "m")
-    choice = serving_chat._choice((index, content, finish_reason, stop_reason))
+    template = chat_stream_chunks.content_chunk_template("chatcmpl-1", 1700000000, "m")
+    choice = chat_stream_chunks.stream_choice((index, content, finish_reason, stop_reason))
     expected = sse(ChatCompletionStreamResponse(id="chatcmpl-1", created=1700000000, model="m", choices=[choice]))
     assert template.render(index, content, finish_reason, stop_reason) == expected
 

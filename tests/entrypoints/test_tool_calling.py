@@ -54,7 +54,7 @@ def test_bad_tool_requests_name_the_field(fields, config, param):
 
 
 @pytest.mark.parametrize("constraint", [{"structured_outputs": {"regex": "a+"}},
-                                        {"response_format": {"type": "json_object"}}])
+                                        {"response_format": {"type": "json_object"}}, {"guided_regex": "a+"}])
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "now"}}])
 def test_named_or_required_with_another_constraint_is_refused(constraint, choice):
     with pytest.raises(APIError) as e:

@@ -10,7 +10,7 @@ import pytest
 from pagedllm.config import EngineConfig, StructuredOutputsConfig
 from pagedllm.sampling_params import StructuredOutputsParams as S
 from pagedllm.structured_output import grammar as grammar_module
-from pagedllm.structured_output.grammar import StructuredOutputError, check_grammar, grammar_of
+from pagedllm.structured_output.grammar import StructuredOutputError, check_grammar
 
 
 def _error(params: S, timeout_s: float = 10.0) -> StructuredOutputError:
@@ -70,18 +70,6 @@ def test_a_grammar_seen_before_is_answered_without_the_worker(monkeypatch):
 ])
 def test_valid_constraints_compile(params):
     assert check_grammar(params, 10.0)
-
-
-def test_disable_additional_properties_closes_every_object_schema():
-    schema = {"type": "object", "properties": {"properties": {"type": "object"}, "b": {"type": "string"}},
-              "$defs": {"d": {"properties": {"x": {"type": "integer"}}}}}
-    closed = grammar_module._no_additional_properties(schema)
-    assert closed["additionalProperties"] is False
-    assert closed["properties"]["properties"]["additionalProperties"] is False  # a property named "properties"
-    assert "additionalProperties" not in closed["properties"]  # the name map itself is not a schema
-    assert closed["$defs"]["d"]["additionalProperties"] is False
-    assert "additionalProperties" not in schema  # the request's own schema is left alone
-    assert grammar_of(S(json=schema, disable_additional_properties=True)) != grammar_of(S(json=schema))
 
 
 def test_backend_choice():

@@ -100,10 +100,14 @@ class EngineCore:
 
     def model_limits(self) -> ModelLimits:
         eos_ids = list(self.model_info.eos_token_ids)
+        so_config = self.config.structured_outputs_config
         return ModelLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len,
                            eos_token_id=eos_ids[0] if eos_ids else None, extra_stop_token_ids=eos_ids[1:],
                            generation_defaults=self._generation_defaults(),
-                           grammar_compile_timeout_s=self.config.structured_outputs_config.compile_timeout_s)
+                           grammar_compile_timeout_s=so_config.compile_timeout_s,
+                           priority_scheduling=self.config.scheduler_config.scheduling_policy == "priority",
+                           json_disable_any_whitespace=so_config.disable_any_whitespace,
+                           json_disable_additional_properties=so_config.disable_additional_properties)
 
     def cache_config_info(self) -> dict[str, str]:
         """The labels of vLLM's `vllm:cache_config_info` gauge (its CacheConfig's names, values as strings): the

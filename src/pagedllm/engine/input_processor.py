@@ -81,6 +81,9 @@ class InputProcessor:
                                       param="prompt")
         if not (isinstance(priority, int) and -(2**63) <= priority < 2**63):
             raise InvalidRequestError(f"priority must fit in 64 bits, got {priority}.", param="priority")
+        if priority != 0 and not limits.priority_scheduling:
+            raise InvalidRequestError(f"Got priority {priority} but priority scheduling is not enabled (start the "
+                                      "server with --scheduling-policy priority).", param="priority")
         num_prompt = len(prompt_token_ids)
         if num_prompt >= limits.max_model_len:
             raise InvalidRequestError(
@@ -93,7 +96,7 @@ class InputProcessor:
             raise InvalidRequestError(str(e), param=e.param) from None
         if params.structured_outputs is not None:
             try:
-                check_grammar(params.structured_outputs, limits.grammar_compile_timeout_s)
+                check_grammar(params.structured_outputs, limits.grammar_compile_timeout_s, *json_options(limits))
             except StructuredOutputError as e:
                 raise InvalidRequestError(str(e), param=e.param) from None
         room = limits.max_model_len - num_prompt
@@ -124,6 +127,12 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
         )
+
+
+def json_options(limits: ModelLimits) -> tuple[bool, bool]:
+    """The server's JSON options, as check_grammar and grammar_of take them (disable_any_whitespace,
+    disable_additional_properties)."""
+    return limits.json_disable_any_whitespace, limits.json_disable_additional_properties
 
 
 def check_cache_salt(cache_salt: str | None) -> None:

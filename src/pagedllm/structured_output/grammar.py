@@ -18,6 +18,7 @@ import msgspec
 from llguidance.gbnf_to_lark import any_to_lark
 
 from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.json_options import close_objects, whitespace_options
 
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 """The StructuredOutputsParams fields of which a request sets exactly one."""
@@ -50,14 +51,15 @@ def constraint_of(params: StructuredOutputsParams) -> str:
     return present[0]
 
 
-def grammar_of(params: StructuredOutputsParams, disable_any_whitespace: bool = False,
-               disable_additional_properties: bool = False) -> str:
+def grammar_of(params: StructuredOutputsParams, disable_any_whitespace: bool = True,
+               disable_additional_properties: bool = True) -> str:
     """The llguidance grammar text for `params` (not yet checked: see `check_grammar`).
 
     Args:
         params: the request's constraint and JSON options.
-        disable_any_whitespace, disable_additional_properties: the server's defaults (StructuredOutputsConfig);
-            a request may also ask for either.
+        disable_any_whitespace, disable_additional_properties: the server's JSON options (StructuredOutputsConfig;
+            the defaults are its defaults: compact JSON, closed objects, see json_options.py); a request may also
+            ask for either.
 
     Raises:
         StructuredOutputError: no constraint, several, or a value of the wrong type.
@@ -67,10 +69,9 @@ def grammar_of(params: StructuredOutputsParams, disable_any_whitespace: bool = F
     if kind in ("json", "json_object"):
         schema = {"type": "object"} if kind == "json_object" else _schema(params.json, param)
         if params.disable_additional_properties or disable_additional_properties:
-            schema = _no_additional_properties(schema)
-        options: dict[str, Any] = {"whitespace_flexible": not (params.disable_any_whitespace or disable_any_whitespace)}
-        if params.whitespace_pattern is not None:
-            options["whitespace_pattern"] = params.whitespace_pattern
+            schema = close_objects(schema)
+        options = whitespace_options(params.disable_any_whitespace or disable_any_whitespace,
+                                     params.whitespace_pattern)
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
         except ValueError as e:
@@ -149,24 +150,3 @@ def _string(value: Any, param: str) -> str:
     if not isinstance(value, str) or not value:
         raise StructuredOutputError(param, f"{param.split('.')[-1]} must be a non-empty string.")
     return value
-
-
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
-def _no_additional_properties(schema: Any) -> Any:
-    """A copy of `schema` in which every object schema without `additionalProperties` gets it false (vLLM's
-    disable_additional_properties)."""
-    if isinstance(schema, list):
-        return [_no_additional_properties(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    result = {}
-    for key, value in schema.items():
-        if key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema: the names are not schemas
-            result[key] = {name: _no_additional_properties(s) for name, s in value.items()}
-        else:
-            result[key] = _no_additional_properties(value)
-    if (result.get("type") == "object" or "properties" in result) and "additionalProperties" not in result:
-        result["additionalProperties"] = False
-    return result

@@ -18,7 +18,6 @@ from pagedllm.entrypoints.openai.protocol import (
     random_uuid,
     range_field,
 )
-from pagedllm.entrypoints.openai.structured_outputs_protocol import ResponseFormat
 from pagedllm.entrypoints.openai.tool_protocol import ChatCompletionToolsParam, DeltaToolCall, ToolCall, ToolChoice
 
 
@@ -38,7 +37,6 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: ToolChoice | None = None
     """none, auto, required or {"type": "function", "function": {"name": ...}}; default: auto with tools, else none."""
     parallel_tool_calls: bool | None = True
-    response_format: ResponseFormat | None = None
 
 
 class ChatMessage(OpenAIBaseModel):

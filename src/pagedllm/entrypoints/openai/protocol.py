@@ -15,7 +15,7 @@ from pydantic_core import PydanticCustomError
 
 from pagedllm.engine.input_processor import MAX_CACHE_SALT_LEN
 from pagedllm.entrypoints.openai.base_model import OpenAIBaseModel
-from pagedllm.entrypoints.openai.structured_outputs_protocol import StructuredOutputsRequest
+from pagedllm.entrypoints.openai.structured_outputs_protocol import StructuredOutputFields
 
 MAX_REQUEST_ID_LEN = 256
 
@@ -102,12 +102,13 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False
+    include_usage: bool | None = Field(False, description="A last chunk with the usage of the whole request.")
+    continuous_usage_stats: bool | None = Field(False, description="vLLM's: every chunk carries the usage so far.")
 
 
-class SamplingFields(OpenAIBaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
+class SamplingFields(StructuredOutputFields):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras; the structured-output
+    ones in StructuredOutputFields)."""
 
     model: str | None = None
     n: Int | None = Field(1, description="Choices per prompt (at most --max-n); null means 1.",
@@ -142,7 +143,6 @@ class SamplingFields(OpenAIBaseModel):
     add_special_tokens: bool | None = None
     prompt_logprobs: Int | None = range_field(0, 20, description="Top-N logprobs of every prompt token (vLLM's); "
                                                             "not with stream=true.")
-    structured_outputs: StructuredOutputsRequest | None = None
 
     @field_validator("n", mode="after")
     @classmethod

@@ -13,7 +13,7 @@ from typing import Any
 
 from pagedllm.config import ServerConfig
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.engine.input_processor import is_valid_unicode
+from pagedllm.engine.input_processor import is_valid_unicode, json_options
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.protocol import MAX_REQUEST_ID_LEN, SamplingFields, random_uuid
 from pagedllm.entrypoints.openai.request_caps import check_request_caps, n_above_cap
@@ -61,6 +61,12 @@ class OpenAIServing:
     @property
     def grammar_compile_timeout_s(self) -> float:
         return self.engine.input_processor.limits.grammar_compile_timeout_s
+
+    @property
+    def json_options(self) -> tuple[bool, bool]:
+        """The server's JSON options (disable_any_whitespace, disable_additional_properties), as the engine
+        compiles grammars with them."""
+        return json_options(self.engine.input_processor.limits)
 
     @property
     def model_name(self) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 from pagedllm.engine.input_processor import is_valid_unicode
 from pagedllm.entrypoints.openai import chat_template as chat_template_module
 from pagedllm.entrypoints.openai import errors
+from pagedllm.entrypoints.openai.chat_echo import echo_text
 from pagedllm.entrypoints.openai.chat_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -20,6 +21,7 @@ from pagedllm.entrypoints.openai.chat_protocol import (
     DeltaMessage,
     TopLogprob,
 )
+from pagedllm.entrypoints.openai.chat_stream_chunks import content_chunk_template, stream_choice
 from pagedllm.entrypoints.openai.chat_template_process import ChatTemplateProcess, ChatTemplateProcessError
 from pagedllm.entrypoints.openai.formatting import (
     SSE_DONE,
@@ -179,8 +181,8 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         params = self.sampling_params(request, max_tokens, logprobs, request.prompt_logprobs)
-        params = await with_structured_outputs(request, params, self.grammar_compile_timeout_s)
-        params = await tools.constrain(params, self.grammar_compile_timeout_s)
+        params = await with_structured_outputs(request, params, self.grammar_compile_timeout_s, self.json_options)
+        params = await tools.constrain(params, self.grammar_compile_timeout_s, self.json_options)
         request_id = self.request_id("chatcmpl", request)
         streams = self.add_requests(request_id, [(prompt, token_ids)], params, request,
                                     "delta" if request.stream else "final_only")
@@ -195,9 +197,12 @@ class OpenAIServingChat(OpenAIServing):
             await merged.aclose()
         choices = []
         num_completion = 0
+        echo = echo_text(request)
         for output in sorted(final.outputs, key=lambda o: o.index):
             num_completion += len(output.token_ids)
             message, finish_reason = tools.message(output.text, output.finish_reason)
+            if echo:
+                message.content = echo + (message.content or "")
             choices.append(ChatCompletionResponseChoice(
                 index=output.index, message=message,
                 logprobs=self._logprobs(output.token_ids, output.logprobs, request),
@@ -227,15 +232,18 @@ class OpenAIServingChat(OpenAIServing):
                       merged, tools: ToolCalling) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        continuous_usage = bool(request.stream_options and request.stream_options.continuous_usage_stats)
+        echo = echo_text(request)
         started: dict[int, ChoiceStream] = {}
         num_completion = num_cached = 0
         template: SSETemplate | None = None
-        # Chunks of content only (no tool parsing, logprobs or token ids) are written from a template.
-        plain = not (tools.parses_output or request.logprobs or request.return_token_ids)
+        # Chunks of content only (no tool parsing, logprobs, token ids or usage) are written from a template.
+        plain = not (tools.parses_output or request.logprobs or request.return_token_ids or continuous_usage)
 
         def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
+            so_far = usage(len(prompt_token_ids), num_completion, num_cached) if continuous_usage else None
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
-                                                    choices=choices))
+                                                    choices=choices, usage=so_far))
 
         try:
             async for _, output in merged:
@@ -246,6 +254,9 @@ class OpenAIServingChat(OpenAIServing):
                         started[completion.index] = tools.stream()
                         yield chunk([ChatCompletionStreamChoice(
                             index=completion.index, delta=DeltaMessage(role="assistant", content=""))])
+                        if echo:
+                            yield chunk([ChatCompletionStreamChoice(index=completion.index,
+                                                                    delta=DeltaMessage(content=echo))])
                     num_completion += len(completion.token_ids)
                     if not completion.text and not completion.token_ids and completion.finish_reason is None:
                         continue
@@ -264,10 +275,10 @@ class OpenAIServingChat(OpenAIServing):
                         finish_reason=finish_reason, stop_reason=completion.stop_reason,
                         token_ids=list(completion.token_ids) if request.return_token_ids else None))
                 if len(choices) == 1 and isinstance(choices[0], tuple):
-                    template = template or _chunk_template(request_id, created, self.model_name)
+                    template = template or content_chunk_template(request_id, created, self.model_name)
                     yield template.render(*choices[0])
                 elif choices:
-                    yield chunk([_choice(c) for c in choices])
+                    yield chunk([stream_choice(c) for c in choices])
             if include_usage:
                 yield sse(ChatCompletionStreamResponse(
                     id=request_id, created=created, model=self.model_name, choices=[],
@@ -277,24 +288,3 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             await merged.aclose()
         yield SSE_DONE
-
-
-_HOLES = ("index", "content", "finish_reason", "stop_reason")
-
-
-def _chunk_template(request_id: str, created: int, model_name: str) -> SSETemplate:
-    """A stream chunk with one choice whose delta is content only."""
-    marker = SSETemplate.marker
-    choice = ChatCompletionStreamChoice.model_construct(
-        index=marker("index"), delta=DeltaMessage.model_construct(content=marker("content")),
-        finish_reason=marker("finish_reason"), stop_reason=marker("stop_reason"))
-    return SSETemplate(ChatCompletionStreamResponse.model_construct(id=request_id, created=created, model=model_name,
-                                                                    choices=[choice]), _HOLES)
-
-
-def _choice(choice: ChatCompletionStreamChoice | tuple) -> ChatCompletionStreamChoice:
-    if isinstance(choice, tuple):
-        index, content, finish_reason, stop_reason = choice
-        return ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=content),
-                                          finish_reason=finish_reason, stop_reason=stop_reason)
-    return choice

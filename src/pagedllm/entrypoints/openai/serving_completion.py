@@ -50,7 +50,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = await self._tokenize(request, items)
         params = self.sampling_params(request, request.max_tokens, request.logprobs,
                                       _num_prompt_logprobs_computed(request))
-        params = await with_structured_outputs(request, params, self.grammar_compile_timeout_s)
+        params = await with_structured_outputs(request, params, self.grammar_compile_timeout_s, self.json_options)
         request_id = self.request_id("cmpl", request)
         streams = self.add_requests(request_id, prompts, params, request,
                                     "delta" if request.stream else "final_only")
@@ -161,11 +161,27 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # ---- stream -----------------------------------------------------------------------------------------
 
+    def _stream_piece(self, completion: CompletionOutput, prompt: Prompt, output: RequestOutput, echo: bool
+                      ) -> tuple[str, list[int], list[PositionLogprobs | None] | None]:
+        """A choice's new text, token ids and logprobs positions; with `echo` (its first piece), the prompt's
+        before them."""
+        text, token_ids, positions = completion.text, list(completion.token_ids), completion.logprobs
+        if echo:
+            text = self._prompt_text(prompt) + text
+            if positions is not None:
+                token_ids = list(output.prompt_token_ids) + token_ids
+                positions = _prompt_positions(output) + list(positions)
+        return text, token_ids, positions
+
     async def _stream(self, request: CompletionRequest, request_id: str, prompts: list[Prompt],
                       merged) -> AsyncIterator[str]:
         created = int(time.time())
         n = request.n
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        continuous_usage = bool(request.stream_options and request.stream_options.continuous_usage_stats)
+        num_prompt = sum(len(ids) for _, ids in prompts)
+        templated = not (request.return_token_ids or continuous_usage)
+        """Chunks without logprobs are written from a template (no token ids, no usage in every chunk)."""
         num_completion = 0
         num_cached = [0] * len(prompts)
         echoed: set[int] = set()
@@ -178,16 +194,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices = []
                 for completion in output.outputs:
                     index = prompt_index * n + completion.index
-                    text = completion.text
-                    token_ids = list(completion.token_ids)
-                    positions = completion.logprobs
                     num_completion += len(completion.token_ids)
-                    if request.echo and index not in echoed:
-                        echoed.add(index)
-                        text = self._prompt_text(prompts[prompt_index]) + text
-                        if positions is not None:
-                            token_ids = list(output.prompt_token_ids) + token_ids
-                            positions = _prompt_positions(output) + list(positions)
+                    echo = request.echo and index not in echoed
+                    echoed.add(index)
+                    text, token_ids, positions = self._stream_piece(completion, prompts[prompt_index], output, echo)
                     logprobs = None
                     if request.logprobs is not None and positions is not None:
                         logprobs = self._logprobs(token_ids, positions, request.logprobs,
@@ -196,7 +206,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     text_offsets[index] = text_offsets.get(index, 0) + len(text)
                     if not text and completion.finish_reason is None and not token_ids:
                         continue
-                    if logprobs is None and not request.return_token_ids:  # the template's fields only
+                    if logprobs is None and templated:  # the template's fields only
                         choices.append((index, text, completion.finish_reason, completion.stop_reason))
                         continue
                     choices.append(CompletionResponseChoice(
@@ -209,10 +219,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     template = template or _chunk_template(request_id, created, self.model_name)
                     yield template.render(*choices[0])
                 elif choices:
+                    so_far = usage(num_prompt, num_completion, sum(num_cached)) if continuous_usage else None
                     yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
-                                                       choices=[_choice(c) for c in choices]))
+                                                       choices=[_choice(c) for c in choices], usage=so_far))
             if include_usage:
-                num_prompt = sum(len(ids) for _, ids in prompts)
                 yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
                                                    choices=[], usage=usage(num_prompt, num_completion,
                                                                            sum(num_cached))))

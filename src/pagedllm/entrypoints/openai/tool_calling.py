@@ -26,6 +26,7 @@ import msgspec
 from pagedllm.config import ServerConfig
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest, ChatMessage, DeltaMessage
+from pagedllm.entrypoints.openai.structured_outputs import GUIDED_ALIASES
 from pagedllm.entrypoints.openai.tool_parsers import hermes
 from pagedllm.entrypoints.openai.tool_parsers.partial_calls import PartialCall, scan_calls
 from pagedllm.entrypoints.openai.tool_protocol import (
@@ -38,6 +39,7 @@ from pagedllm.entrypoints.openai.tool_protocol import (
 )
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.structured_output.grammar import StructuredOutputError, check_grammar
+from pagedllm.structured_output.json_options import close_objects
 
 
 class ToolCalling:
@@ -80,13 +82,12 @@ class ToolCalling:
         """vLLM's JSON schema for `required` (each call object closed to other keys) and a named function (None for
         none and auto)."""
         if self.mode == "named":
-            parameters = next(t.function.parameters for t in self.tools if t.function.name == self.function_name)
-            return parameters if parameters is not None else {"type": "object", "properties": {}}
+            return _parameters(next(t for t in self.tools if t.function.name == self.function_name))
         if self.mode != "required":
             return None
         items, defs = [], {}
         for tool in self.tools:
-            parameters = copy.deepcopy(tool.function.parameters) or {"type": "object", "properties": {}}
+            parameters = _parameters(tool)
             for name, schema in parameters.pop("$defs", {}).items():
                 if defs.setdefault(name, schema) != schema:
                     raise errors.bad_request(f"Tool definition '{name}' has multiple schemas, which is not "
@@ -103,16 +104,19 @@ class ToolCalling:
             schema["$defs"] = defs
         return schema
 
-    async def constrain(self, params: SamplingParams, timeout_s: float) -> SamplingParams:
+    async def constrain(self, params: SamplingParams, timeout_s: float,
+                        json_options: tuple[bool, bool] = (True, True)) -> SamplingParams:
         """`params`, for required and named with the tools' schema as their structured output (enforced by the
-        backend), once it compiles within timeout_s (in a worker thread); raises APIError(400, param tools)."""
+        backend), once it compiles within timeout_s (in a worker thread) with the server's JSON options
+        (disable_any_whitespace, disable_additional_properties); raises APIError(400, param tools)."""
         if self.schema is None:
             return params
-        # compact JSON: with flexible whitespace a weak model (a random one always) writes whitespace until
-        # max_tokens instead of the call (vLLM leaves whitespace free here)
+        # compact JSON whatever the server's option: with flexible whitespace a weak model (a random one always)
+        # writes whitespace until max_tokens instead of the call (vLLM leaves whitespace free here)
         constraint = StructuredOutputsParams(json=self.schema, disable_any_whitespace=True)
         try:
-            await asyncio.get_running_loop().run_in_executor(None, check_grammar, constraint, timeout_s)
+            await asyncio.get_running_loop().run_in_executor(None, check_grammar, constraint, timeout_s,
+                                                             *json_options)
         except StructuredOutputError as e:
             raise errors.bad_request(f"The tools' parameters cannot be enforced: {e}", param="tools") from None
         return msgspec.structs.replace(params, structured_outputs=constraint)
@@ -137,8 +141,8 @@ class ToolCalling:
             try:
                 calls = json.loads(text)
                 return "", [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
-            except (ValueError, TypeError, KeyError):  # not the schema's shape (cut by max_tokens): plain text
-                return text, []
+            except (ValueError, TypeError, KeyError):  # cut by max_tokens: the calls begun, as a stream sent them
+                return "", [(c.name, c.arguments) for c in scan_calls(text, "parameters", in_array=True) if c.name]
         if self.mode == "auto":
             return hermes.extract_tool_calls(text) or (text, [])
         return text, []
@@ -163,7 +167,7 @@ class ChoiceStream:
         self.text += new_text
         finished = finish_reason is not None
         content, calls = self._state(finished)
-        if finished and not self.sent_args and not any(call.name for call in calls):
+        if finished and self.tools.mode == "auto" and not self.sent_args and not any(call.name for call in calls):
             content, calls = self.text, []  # no call after all: the whole output is content, as when not streamed
         if not self.tools.parallel:
             calls = calls[:1]
@@ -196,14 +200,21 @@ class ChoiceStream:
         return DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments[len(sent):]))
 
 
+def _parameters(tool) -> dict[str, Any]:
+    """A tool's `parameters` as its calls must follow them: no parameters is an empty object, and a `strict`
+    tool's objects are closed to keys they do not name (OpenAI's strict mode)."""
+    parameters = tool.function.parameters
+    if parameters is None:
+        return {"type": "object", "properties": {}}
+    return close_objects(parameters) if tool.function.strict else copy.deepcopy(parameters)
+
+
 def _finish_reason(called: bool, finish_reason: str | None) -> str | None:
     return "tool_calls" if called and finish_reason != "length" else finish_reason
 
 
 def _has_output_constraint(request: ChatCompletionRequest) -> bool:
-    """structured_outputs or a JSON response_format (fields of the structured-outputs layer, when present)."""
-    response_format = getattr(request, "response_format", None)
-    response_type = getattr(response_format, "type", None)
-    if isinstance(response_format, dict):
-        response_type = response_format.get("type")
-    return getattr(request, "structured_outputs", None) is not None or response_type not in (None, "text")
+    """structured_outputs, a JSON response_format, or an old guided_* constraint."""
+    response_type = request.response_format.type if request.response_format is not None else None
+    guided = any(getattr(request, name) is not None for name in GUIDED_ALIASES if name != "guided_whitespace_pattern")
+    return request.structured_outputs is not None or response_type not in (None, "text") or guided
