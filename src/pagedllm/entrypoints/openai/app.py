@@ -51,7 +51,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.openapi = lambda: openapi_document(app)
     app.add_middleware(GuardMiddleware, state=state)
     _add_error_handlers(app)
-    # one set of tokenizer threads for every route: a big text in any of them delays no small one (nor chat renders)
+    # one set of tokenizer threads for every route: a big text in any of them delays no small one in another
     serving = (state.engine, state.served_model_names, state.config, TokenizerThreads())
     completions = OpenAIServingCompletion(*serving)
     chat = OpenAIServingChat(*serving)

@@ -42,18 +42,18 @@ class OpenAIServing:
         self.tokenizer_threads = tokenizer_threads if tokenizer_threads is not None else TokenizerThreads()
         """Shared by every route of one app (app.py), so that a big text delays no small one anywhere."""
 
-    async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """The token ids of `text`, tokenized in a worker thread (tokenizer_threads.py): the event loop serves
         every other route meanwhile. A text too long to fit in max_model_len tokens however it tokenizes is
-        refused first (400, context_length_exceeded, naming `param`)."""
-        self.check_text_length(len(text), param)
+        refused first (400, context_length_exceeded)."""
+        self.check_text_length(len(text))
         return await self.tokenizer_threads.run(len(text), self.tokenizer.encode, text,
                                                 add_special_tokens=add_special_tokens)
 
-    def check_text_length(self, num_chars: int, param: str = "prompt") -> None:
+    def check_text_length(self, num_chars: int) -> None:
         """Raises APIError(400) for a text of num_chars characters that no tokenization fits in max_model_len."""
         if num_chars > self.max_prompt_chars:
-            raise prompt_too_long(num_chars, self.engine.max_model_len, param)
+            raise prompt_too_long(num_chars, self.engine.max_model_len)
 
     @property
     def grammar_compile_timeout_s(self) -> float:
@@ -159,11 +159,11 @@ def max_prompt_chars(max_model_len: int, tokenizer) -> int:
     return max_model_len * longest_token_chars(tokenizer) * PROMPT_CHARS_MARGIN
 
 
-def prompt_too_long(num_chars: int, max_model_len: int, param: str = "prompt") -> errors.APIError:
+def prompt_too_long(num_chars: int, max_model_len: int) -> errors.APIError:
     return errors.bad_request(
         f"This model's maximum context length is {max_model_len} tokens. However, your prompt is "
         f"{num_chars} characters long, more than {max_model_len} tokens of this tokenizer can hold.",
-        param=param, code="context_length_exceeded")
+        param="prompt", code="context_length_exceeded")
 
 
 def longest_token_chars(tokenizer) -> int:
