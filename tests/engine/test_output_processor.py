@@ -156,3 +156,13 @@ def test_an_error_while_making_the_output_fails_the_request_alone(tiny_tokenizer
     assert [(o.request_id, o.error is not None, o.finished) for o in result.request_outputs] == [
         ("bad", True, True), ("good", False, True)]
     assert result.reqs_failed == ["bad"] and not processor.has_unfinished_requests()
+
+
+def test_finish_requests_fails_a_request_whose_last_output_raises(tiny_tokenizer):
+    """The drain timeout ends every open request: one that cannot be flushed fails instead of stopping the drain."""
+    processor = OutputProcessor(tiny_tokenizer)
+    processor.add_request(_request("r"), None, output_kind="cumulative")
+    processor.request_states["r"].detokenizer._tokens.append(None)  # a padded id held back, as if undecoded
+    (output,), engine_ids = processor.finish_requests("r", "abort")
+    assert engine_ids == ["r"] and output.finished and "error id" in output.error
+    assert not processor.has_unfinished_requests()

@@ -120,11 +120,19 @@ class OutputProcessor:
         request_outputs: list[RequestOutput] = []
         finished = []
         for rid, state in list(self.request_states.items()):
+            if rid not in self.request_states:  # failed below with a sibling
+                continue
             if rid == req_id or (state.parent is not None and state.parent.request_id == req_id):
                 if state.parent is not None:
                     state.parent.pending.clear()
                 state.finish_reason = finish_reason
-                request_output = self._make_request_output(state)
+                try:
+                    request_output = self._make_request_output(state)
+                except Exception as e:  # the last flush of its text raised: it fails instead
+                    request_output, failed = self._fail(state, e)
+                    finished.extend(failed)
+                    request_outputs.append(request_output)
+                    continue
                 del self.request_states[rid]
                 finished.append(rid)
                 if request_output is not None:
