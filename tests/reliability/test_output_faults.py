@@ -59,7 +59,7 @@ def _failing_requests_fail_alone(server: Server, bad: dict, good: dict | None = 
     fields in `good`) run to their end; then the server is whole."""
     results: list = []
     lock = threading.Lock()
-    neighbours = [threading.Thread(target=stream_to_its_end, args=(server, results, lock, 400, good))
+    neighbours = [threading.Thread(target=stream_to_its_end, args=(server, results, lock, 200, good))
                   for _ in range(NUM_NEIGHBOURS)]
     for thread in neighbours:
         thread.start()
