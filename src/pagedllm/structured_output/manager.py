@@ -9,7 +9,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,6 +17,7 @@ import numpy as np
 from pagedllm.config import StructuredOutputsConfig
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.backend_guidance import GuidanceBackend
+from pagedllm.structured_output.bounds import BigStackExecutor
 from pagedllm.structured_output.grammar import grammar_of
 from pagedllm.structured_output.request import StructuredOutputRequest
 
@@ -61,7 +61,7 @@ class StructuredOutputManager:
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self._backend: GuidanceBackend | None = None
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._worker = BigStackExecutor("grammar-compile")  # llguidance recurses natively: see bounds.py
         self._cache: OrderedDict[str, object] = OrderedDict()  # grammar text -> matcher at its start
         self._lock = threading.Lock()
         self._stats = GrammarStats()
@@ -69,12 +69,14 @@ class StructuredOutputManager:
 
     def add_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         """Start compiling a request's grammar in the worker; the request waits (WAITING_FOR_FSM) until it is
-        ready. Raises StructuredOutputError for params that name no grammar (the frontend checked it first)."""
-        grammar = grammar_of(params, self.config.disable_any_whitespace, self.config.disable_additional_properties)
-        return StructuredOutputRequest(self._worker.submit(self._compile, grammar))
+        ready. The grammar is made in the worker too, its bounds checked first (bounds.py), so a request that
+        reaches the engine unchecked (the frontend checks first) fails alone: its compile raises
+        StructuredOutputError, and the request can only end."""
+        return StructuredOutputRequest(self._worker.submit(self._compile, params))
 
-    def _compile(self, grammar: str):
-        """In the worker: a matcher for `grammar` at its start, copied from the cache or compiled."""
+    def _compile(self, params: StructuredOutputsParams):
+        """In the worker: a matcher for `params`' grammar at its start, copied from the cache or compiled."""
+        grammar = grammar_of(params, self.config.disable_any_whitespace, self.config.disable_additional_properties)
         backend = self._get_backend()
         template = self._cache.get(grammar)  # only this thread touches the cache
         if template is not None:
