@@ -47,7 +47,7 @@ MAX_REF_DEPTH = 500
 """`$ref`s followed one after the other (a chain d0 -> d1 -> ... counts its links)."""
 MAX_SCHEMA_DEPTH = 5_000
 """Schema objects on one path through the schema, following `$ref`s (~15 MiB of compile stack at most)."""
-MAX_GRAMMAR_RULES = 2_500
+MAX_GRAMMAR_RULES = 5_000
 """Rules (and terminals) of a Lark grammar."""
 MAX_RULE_DEPTH = 2_500
 """Rules on one chain of rule references (~8 MiB of compile stack at most)."""
