@@ -109,7 +109,7 @@ def test_the_engine_compiles_at_the_bounds_and_fails_past_them_alone(tiny_tokeni
         with pytest.raises(StructuredOutputError, match="chain depth"):
             past.future.result(timeout=60)
         assert past.is_ready() and past.failed
-        assert manager._worker._thread.is_alive()
+        assert manager._small_worker._thread.is_alive()
     finally:
         manager.shutdown()
 

@@ -51,6 +51,10 @@ MAX_GRAMMAR_RULES = 5_000
 """Rules (and terminals) of a Lark grammar."""
 MAX_RULE_DEPTH = 2_500
 """Rules on one chain of rule references (~8 MiB of compile stack at most)."""
+SMALL_GRAMMAR_BYTES = 32 << 10
+"""Grammars up to this size (llguidance's text: a schema of a few hundred properties, a choice of ~1,500 entries;
+milliseconds to compile) are compiled apart from bigger ones, so that they never queue behind them (the API's
+validation children and the engine's compile workers)."""
 STACK_BYTES = 512 << 20
 """The stack of every thread that compiles a grammar."""
 

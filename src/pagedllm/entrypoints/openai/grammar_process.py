@@ -9,8 +9,8 @@ this module) on a big-stack thread; the server awaits its answer without blockin
 given-up compile stops using CPU) or when the client leaves, and starts a fresh one for the next grammar. A child
 that dies answers that request alone with a 400.
 
-Two lanes, each one child, by grammar size: a small grammar (up to SMALL_GRAMMAR_BYTES, which compiles in
-milliseconds) never queues behind a big one. A request's timeout covers its wait for the lane and its compile.
+Two lanes, each one child, by grammar size: a small grammar (up to bounds.SMALL_GRAMMAR_BYTES, which compiles
+in milliseconds) never queues behind a big one. A request's timeout covers its wait for the lane and its compile.
 Requests and answers are JSON lines on the child's stdin and stdout: no pickle.
 """
 
@@ -22,9 +22,8 @@ import os
 import sys
 import weakref
 
-SMALL_GRAMMAR_BYTES = 32 << 10
-"""Grammars up to this size (llguidance's text: a schema of a few hundred properties, a choice of ~1,500
-entries) go to the small lane."""
+from pagedllm.structured_output.bounds import SMALL_GRAMMAR_BYTES
+
 STARTUP_TIMEOUT_S = 30.0
 MAX_ANSWER_BYTES = 16 << 20
 
