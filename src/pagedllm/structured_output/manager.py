@@ -1,4 +1,5 @@
-"""StructuredOutputManager: compiles grammars in a worker thread (with a cache keyed by grammar and tokenizer)
+"""StructuredOutputManager: compiles grammars in two big-stack worker threads, small and big grammars apart (with
+a cache keyed by grammar and tokenizer)
 and, each step, fills the token bitmask of the rows that sample under a grammar (vLLM's
 `StructuredOutputManager`). The engine core owns it; only the busy loop's thread calls `grammar_bitmask`."""
 
