@@ -111,7 +111,8 @@ def check_schema(schema: Any) -> None:
         else:
             items = value
         stack.extend((item, nesting + 1, parent) for item in items)
-    size = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    size = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False, default=str).encode(
+        "utf-8", "surrogatepass"))
     if size > MAX_SCHEMA_BYTES:
         raise _over("The JSON schema's size", size, MAX_SCHEMA_BYTES, " bytes")
     refs: set[int] = set()
@@ -155,8 +156,8 @@ def _pointer(document: Any, ref: str) -> Any:
     return value
 
 
-_LARK_COMMENT = re.compile(r"//[^\n]*")
-_LARK_LITERAL = re.compile(r'"(?:[^"\\\n]|\\.)*"i?|/(?:[^/\\\n]|\\.)+/[imslux]*')
+_LARK_NOT_NAMES = re.compile(r'//[^\n]*|"(?:[^"\\\n]|\\.)*"i?|/(?:[^/\\\n]|\\.)+/[imslux]*')
+"""A comment, a string literal or a regex: whichever starts first (`"http://..."` is a string)."""
 _LARK_RULE = re.compile(r"^[ \t]*[?!]?([A-Za-z_][A-Za-z0-9_]*)(?:\.-?\d+)?[ \t]*:", re.MULTILINE)
 _LARK_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -165,7 +166,7 @@ def check_lark(grammar: str) -> None:
     """Raises ConstraintLimitError for a Lark grammar (as llguidance takes it) with more than MAX_GRAMMAR_RULES
     rules or a chain of rule references deeper than MAX_RULE_DEPTH (a rule referring to another counts one
     step; literals, regexes and comments are not references)."""
-    text = _LARK_LITERAL.sub(" ", _LARK_COMMENT.sub("", grammar))
+    text = _LARK_NOT_NAMES.sub(" ", grammar)
     starts = list(_LARK_RULE.finditer(text))
     if len(starts) > MAX_GRAMMAR_RULES:
         raise _over("The number of grammar rules", len(starts), MAX_GRAMMAR_RULES)

@@ -82,9 +82,8 @@ def _grammar_of(params: StructuredOutputsParams, kind: str, param: str, disable_
     if kind in ("json", "json_object"):
         schema = {"type": "object"} if kind == "json_object" else _schema(params.json, param)
         bounds.check_schema(schema)
-        if params.whitespace_pattern is not None:
-            bounds.check_bytes("whitespace_pattern", _string(params.whitespace_pattern, "whitespace_pattern"),
-                               bounds.MAX_REGEX_BYTES)
+        if isinstance(params.whitespace_pattern, str):
+            bounds.check_bytes("whitespace_pattern", params.whitespace_pattern, bounds.MAX_REGEX_BYTES)
         if params.disable_additional_properties or disable_additional_properties:
             schema = close_objects(schema)
         options = whitespace_options(params.disable_any_whitespace or disable_any_whitespace,

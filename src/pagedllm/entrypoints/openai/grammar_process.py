@@ -17,8 +17,10 @@ Requests and answers are JSON lines on the child's stdin and stdout: no pickle.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
+import signal
 import sys
 import weakref
 
@@ -139,6 +141,11 @@ def main() -> None:
     compiles run on a thread with a bounds.STACK_BYTES stack."""
     from pagedllm.structured_output.bounds import BigStackExecutor
     from pagedllm.structured_output.grammar import validation_error
+
+    try:  # killed with the server, even mid-compile (otherwise it ends when its stdin closes, between grammars)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+    except (AttributeError, OSError):
+        pass
 
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     sys.stdout = sys.stderr  # nothing else may write into the answer stream
