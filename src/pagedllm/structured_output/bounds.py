@@ -3,10 +3,12 @@ big-stack threads its compiles run on.
 
 llguidance compiles a JSON schema's `$ref`s and a Lark grammar's rule references by native recursion: a
 1,000-deep `$ref` chain, or 3,000 chained Lark rules, overflowed the 8 MiB stack of a Python thread and killed
-the process (no exception can catch that). Measured on a thread with the default 8 MiB stack (llguidance 1.x,
-x86-64): a chain of object schemas `d_i = {"properties": {"next": {"$ref": d_{i+1}}}}` crashes from ~930 links
-(~9 KiB of stack per link, ~3 KiB per schema object on the path), a chain of Lark rules `r_i: "t" r_{i+1}` from
-~2,650 rules (~3 KiB per rule); 10,000 such links and 20,000 such rules compile on a 256 MiB stack. So:
+the process (no exception can catch that). Measured on a thread with the default 8 MiB stack (llguidance 1.1,
+x86-64), alike for the validation (no vocabulary) and the engine's compile (with one): a chain of object schemas
+`d_i = {"properties": {"next": {"$ref": d_{i+1}}}}` crashes from ~900-930 links (~9 KiB of stack per link, ~3 KiB
+per schema object on the path), a chain of Lark rules `r_i: "t" r_{i+1}` from ~2,650 rules (~3 KiB per rule). On
+a 512 MiB stack 30,000 chained rules compile, and a 10,000-link chain reaches llguidance's own grammar-size limit
+(an error, not a crash) before the stack's. So:
 
 - every compile (the API's validation child, the offline validation pool, the engine's compile worker) runs on
   a thread with a STACK_BYTES stack (address space reserved, touched only as deep as it is used);
