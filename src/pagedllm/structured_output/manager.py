@@ -1,4 +1,5 @@
-"""StructuredOutputManager: compiles grammars in a worker thread (with a cache keyed by grammar and tokenizer)
+"""StructuredOutputManager: compiles grammars in two big-stack worker threads, small and big grammars apart (with
+a cache keyed by grammar and tokenizer)
 and, each step, fills the token bitmask of the rows that sample under a grammar (vLLM's
 `StructuredOutputManager`). The engine core owns it; only the busy loop's thread calls `grammar_bitmask`."""
 
@@ -9,7 +10,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,8 @@ import numpy as np
 from pagedllm.config import StructuredOutputsConfig
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.backend_guidance import GuidanceBackend
-from pagedllm.structured_output.grammar import grammar_of
+from pagedllm.structured_output.bounds import SMALL_GRAMMAR_BYTES, BigStackExecutor
+from pagedllm.structured_output.grammar import StructuredOutputError, grammar_of
 from pagedllm.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
@@ -61,48 +63,62 @@ class StructuredOutputManager:
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self._backend: GuidanceBackend | None = None
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        # llguidance recurses natively: big stacks (bounds.py); a small grammar never queues behind a big one
+        self._small_worker = BigStackExecutor("grammar-compile")
+        self._big_worker = BigStackExecutor("grammar-compile-big")
         self._cache: OrderedDict[str, object] = OrderedDict()  # grammar text -> matcher at its start
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache, the stats
+        self._backend_lock = threading.Lock()
         self._stats = GrammarStats()
         self._bitmask: np.ndarray | None = None
 
     def add_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         """Start compiling a request's grammar in the worker; the request waits (WAITING_FOR_FSM) until it is
-        ready. Raises StructuredOutputError for params that name no grammar (the frontend checked it first)."""
-        grammar = grammar_of(params, self.config.disable_any_whitespace, self.config.disable_additional_properties)
-        return StructuredOutputRequest(self._worker.submit(self._compile, grammar))
+        ready. Grammars up to SMALL_GRAMMAR_BYTES compile in one worker, bigger ones in another. Params past the
+        bounds of bounds.py (the frontend checks them first) fail that request alone: its compile raises
+        StructuredOutputError, and the request can only end."""
+        try:
+            grammar = grammar_of(params, self.config.disable_any_whitespace,
+                                 self.config.disable_additional_properties)
+        except StructuredOutputError as e:
+            failed: Future = Future()
+            failed.set_exception(e)
+            return StructuredOutputRequest(failed)
+        worker = self._small_worker if len(grammar) <= SMALL_GRAMMAR_BYTES else self._big_worker
+        return StructuredOutputRequest(worker.submit(self._compile, grammar))
 
     def _compile(self, grammar: str):
-        """In the worker: a matcher for `grammar` at its start, copied from the cache or compiled."""
+        """In a worker: a matcher for `grammar` at its start, copied from the cache or compiled."""
         backend = self._get_backend()
-        template = self._cache.get(grammar)  # only this thread touches the cache
-        if template is not None:
-            self._cache.move_to_end(grammar)
-            with self._lock:
+        with self._lock:
+            template = self._cache.get(grammar)
+            if template is not None:
+                self._cache.move_to_end(grammar)
                 self._stats.num_cache_hits += 1
+        if template is not None:
             return template.deep_copy()
         start = time.perf_counter()
         template = backend.compile(grammar)
         seconds = time.perf_counter() - start
         if template.is_error():
             logger.warning("grammar does not compile: %s", template.get_error()[:500])
-        else:
-            self._cache[grammar] = template
-            if len(self._cache) > COMPILE_CACHE_SIZE:
-                self._cache.popitem(last=False)
         with self._lock:
+            if not template.is_error():
+                self._cache[grammar] = template
+                if len(self._cache) > COMPILE_CACHE_SIZE:
+                    self._cache.popitem(last=False)
             self._stats.num_compiles += 1
             self._stats.compile_seconds += seconds
         return template.deep_copy()
 
     def _get_backend(self) -> GuidanceBackend:
-        if self._backend is None:
-            start = time.perf_counter()
-            self._backend = GuidanceBackend(self._load_tokenizer(), self.vocab_size)
-            logger.info("structured outputs: llguidance ready for a vocabulary of %d tokens in %.2f s",
-                        self._backend.vocab_size, time.perf_counter() - start)
-        return self._backend
+        with self._backend_lock:  # both workers may ask first
+            if self._backend is None:
+                start = time.perf_counter()
+                self._backend = GuidanceBackend(self._load_tokenizer(), self.vocab_size)
+                logger.info("structured outputs: llguidance ready for a vocabulary of %d tokens in %.2f s",
+                            self._backend.vocab_size, time.perf_counter() - start)
+            return self._backend
 
     def take_stats(self) -> GrammarStats:
         """The counters since the previous call."""
@@ -156,4 +172,5 @@ class StructuredOutputManager:
         return self._bitmask[:num_rows]
 
     def shutdown(self) -> None:
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        self._small_worker.shutdown(wait=False, cancel_futures=True)
+        self._big_worker.shutdown(wait=False, cancel_futures=True)
