@@ -79,8 +79,11 @@ class ServerConfig:
     """Accept `tool_choice: "auto"` (the default when a request has tools): the --tool-call-parser reads tool
     calls out of the model's free output."""
     tool_call_parser: str | None = None
-    """How tool calls are read out of the output with `tool_choice: "auto"`: `hermes` (`<tool_call>{"name":
-    ..., "arguments": ...}</tool_call>`)."""
+    """How tool calls are read out of the output with `tool_choice: "auto"` (vLLM's parser names): `hermes`
+    (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`), `llama3_json` or `llama4_json` (`{"name": ...,
+    "parameters": ...}`, `;`-separated, optionally after `<|python_tag|>`), `mistral` (`[TOOL_CALLS][{"name":
+    ..., "arguments": ...}]`), `qwen3_xml` or `qwen3_coder` (`<tool_call><function=NAME><parameter=KEY>VALUE
+    </parameter></function></tool_call>`)."""
     exclude_tools_when_tool_choice_none: bool = False
     """Do not pass a request's tools to the chat template when its tool_choice is `none`."""
     max_request_bytes: int = 16 << 20
@@ -115,14 +118,23 @@ class ServerConfig:
         return parse_api_keys(self.api_key)
 
 
-TOOL_CALL_PARSERS = ("hermes",)
-"""The --tool-call-parser values (entrypoints/openai/tool_parsers/)."""
+TOOL_CALL_PARSERS = {
+    "hermes": "hermes",
+    "llama3_json": "llama3_json",
+    "llama4_json": "llama3_json",
+    "mistral": "mistral",
+    "qwen3_xml": "qwen3_xml",
+    "qwen3_coder": "qwen3_xml",
+}
+"""The tool call parsers: each --tool-call-parser value (vLLM's names) and its module under
+`pagedllm.entrypoints.openai.tool_parsers` (one module a format; a new parser is a module and a line here)."""
 
 
 def check_tool_flags(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:
     """vLLM's start-up checks of --enable-auto-tool-choice and --tool-call-parser (ValueError)."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
-        raise ValueError(f"--tool-call-parser {tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}.")
+        raise ValueError(f"--tool-call-parser {tool_call_parser!r} is not a registered tool call parser; the "
+                         f"registered ones are {', '.join(TOOL_CALL_PARSERS)}.")
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser to be set.")
 

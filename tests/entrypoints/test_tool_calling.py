@@ -12,6 +12,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
 from pagedllm.config import ServerConfig
+from pagedllm.server_config import TOOL_CALL_PARSERS
 from pagedllm.entrypoints.openai import chat_template
 from pagedllm.entrypoints.openai.chat_protocol import (
     ChatCompletionRequest,
@@ -261,5 +262,9 @@ def test_load_chat_template(tmp_path):
 def test_tool_flags_are_checked_at_start_up():
     with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
         ServerConfig(enable_auto_tool_choice=True)
-    with pytest.raises(ValueError, match="--tool-call-parser 'mistral' is not one of hermes"):
-        ServerConfig(tool_call_parser="mistral")
+    with pytest.raises(ValueError) as e:
+        ServerConfig(enable_auto_tool_choice=True, tool_call_parser="mistral_v2")
+    assert str(e.value) == ("--tool-call-parser 'mistral_v2' is not a registered tool call parser; the registered "
+                            "ones are hermes, llama3_json, llama4_json, mistral, qwen3_xml, qwen3_coder.")
+    for name in TOOL_CALL_PARSERS:
+        ServerConfig(enable_auto_tool_choice=True, tool_call_parser=name)

@@ -6,7 +6,8 @@ deltas shaped as the OpenAI SDK reassembles them.
 - `none` (the default without tools): plain text; the tools still go to the template unless
   --exclude-tools-when-tool-choice-none.
 - `auto` (the default with tools): needs --enable-auto-tool-choice and --tool-call-parser; the parser reads calls
-  out of free text (`tool_parsers/hermes.py`).
+  out of free text (the parser --tool-call-parser names, `tool_parsers/`; with any parser, required and named
+  below constrain the output to plain JSON, which is read without it).
 - `required`: the output must be a JSON array of at least one `{"name", "parameters"}`, one schema per tool
   (at most one item with parallel_tool_calls false).
 - a named function: the output is that function's arguments, constrained by its `parameters` schema.
@@ -26,7 +27,7 @@ from pagedllm.config import ServerConfig
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest, ChatMessage, DeltaMessage
 from pagedllm.entrypoints.openai.structured_outputs import GUIDED_ALIASES, check_grammar_in_child
-from pagedllm.entrypoints.openai.tool_parsers import hermes
+from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
 from pagedllm.entrypoints.openai.tool_parsers.partial_calls import PartialCall, scan_calls
 from pagedllm.entrypoints.openai.tool_protocol import (
     ChatCompletionNamedToolChoiceParam,
@@ -72,6 +73,8 @@ class ToolCalling:
                                      param="tool_choice")
         self.mode: str = choice
         """none, auto, required or named."""
+        self.parser = get_tool_parser(config.tool_call_parser) if choice == "auto" else None
+        """The --tool-call-parser module that reads auto's calls (None for the other modes)."""
         self.template_tools = None if self.tools is None or (
             choice == "none" and config.exclude_tools_when_tool_choice_none) else [
             tool.model_dump(exclude_none=True) for tool in self.tools]
@@ -111,6 +114,8 @@ class ToolCalling:
         """`params`, for required and named with the tools' schema as their structured output (enforced by the
         backend), once it compiles within timeout_s (in a worker thread) with the server's JSON options
         (disable_any_whitespace, disable_additional_properties); raises APIError(400, param tools)."""
+        if self.parser is not None and not getattr(self.parser, "SKIP_SPECIAL_TOKENS", True):
+            params = msgspec.structs.replace(params, skip_special_tokens=False)  # the parser's markers are special
         if self.schema is None:
             return params
         # compact JSON whatever the server's option: with flexible whitespace a weak model (a random one always)
@@ -145,7 +150,7 @@ class ToolCalling:
             except (ValueError, TypeError, KeyError):  # cut by max_tokens: the calls begun, as a stream sent them
                 return "", [(c.name, c.arguments) for c in scan_calls(text, "parameters", in_array=True) if c.name]
         if self.mode == "auto":
-            return hermes.extract_tool_calls(text) or (text, [])
+            return self.parser.extract_tool_calls(text, self.tools) or (text, [])
         return text, []
 
     def stream(self) -> ChoiceStream:
@@ -185,7 +190,7 @@ class ChoiceStream:
             return None, [PartialCall(name=self.tools.function_name, arguments=self.text)]
         if self.tools.mode == "required":
             return None, scan_calls(self.text, "parameters", in_array=True)
-        return hermes.stream_state(self.text, finished)
+        return self.tools.parser.stream_state(self.text, finished, self.tools.tools)
 
     def _call_delta(self, index: int, call: PartialCall) -> DeltaToolCall | None:
         if call.name is None:

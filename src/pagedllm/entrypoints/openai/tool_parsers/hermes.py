@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 import re
 
-from pagedllm.entrypoints.openai.tool_parsers.partial_calls import PartialCall, scan_calls
+from pagedllm.entrypoints.openai.tool_parsers.partial_calls import PartialCall, partial_marker_len, scan_calls
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
 
-def extract_tool_calls(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
+def extract_tool_calls(text: str, tools=None) -> tuple[str | None, list[tuple[str, str]]] | None:
     """(content, [(name, arguments JSON)]) of a finished output; None when it has no call or a block that is
     not a JSON object with a string name (the output is then plain content)."""
     if TOOL_CALL_START not in text:
@@ -34,12 +34,12 @@ def extract_tool_calls(text: str) -> tuple[str | None, list[tuple[str, str]]] | 
     return content or None, calls
 
 
-def stream_state(text: str, finished: bool) -> tuple[str, list[PartialCall]]:
+def stream_state(text: str, finished: bool, tools=None) -> tuple[str, list[PartialCall]]:
     """(content that may be sent so far, calls so far) of a growing output: the content stops before the first
     block, and before a tail that may still become `<tool_call>` while the output is unfinished."""
     start = text.find(TOOL_CALL_START)
     if start < 0:
-        return (text if finished else text[:len(text) - _partial_start_len(text)]), []
+        return (text if finished else text[:len(text) - partial_marker_len(text, TOOL_CALL_START)]), []
     calls = []
     for block in text[start:].split(TOOL_CALL_START)[1:]:
         found = scan_calls(block.split(TOOL_CALL_END, 1)[0], "arguments", in_array=False)
@@ -47,10 +47,3 @@ def stream_state(text: str, finished: bool) -> tuple[str, list[PartialCall]]:
             calls.append(found[0])
     return text[:start], calls
 
-
-def _partial_start_len(text: str) -> int:
-    """Length of the longest end of `text` that begins TOOL_CALL_START."""
-    for n in range(min(len(TOOL_CALL_START) - 1, len(text)), 0, -1):
-        if TOOL_CALL_START.startswith(text[-n:]):
-            return n
-    return 0

@@ -26,17 +26,18 @@ class PartialCall:
     """The call's object has closed."""
 
 
-def scan_calls(text: str, args_key: str, in_array: bool) -> list[PartialCall]:
-    """The call objects in `text`: top-level objects, or (in_array) the objects of a top-level array."""
+def scan_calls(text: str, args_key: str | tuple[str, ...], in_array: bool) -> list[PartialCall]:
+    """The call objects in `text`: top-level objects, or (in_array) the objects of a top-level array; `args_key`
+    names the member that holds the arguments (a tuple: any of these names)."""
     scanner = _Scanner(text, args_key, 2 if in_array else 1)
     scanner.run()
     return scanner.calls
 
 
 class _Scanner:
-    def __init__(self, text: str, args_key: str, member_depth: int):
+    def __init__(self, text: str, args_key: str | tuple[str, ...], member_depth: int):
         self.text = text
-        self.args_key = args_key
+        self.args_keys = (args_key,) if isinstance(args_key, str) else args_key
         self.member_depth = member_depth
         """Nesting depth of a call object's members: 1 for a bare object, 2 inside an array."""
         self.calls: list[PartialCall] = []
@@ -107,7 +108,7 @@ class _Scanner:
             self.expect, self.value_start = "after", None
 
     def _record(self, value_text: str) -> None:
-        if self.key == self.args_key and self.calls:
+        if self.key in self.args_keys and self.calls:
             self.calls[-1].arguments = value_text.rstrip()
 
 
@@ -117,3 +118,12 @@ def _loads_str(literal: str) -> str | None:
     except ValueError:
         return None
     return value if isinstance(value, str) else None
+
+
+def partial_marker_len(text: str, *markers: str) -> int:
+    """Length of the longest end of `text` that begins one of `markers` (text a stream holds back while it may
+    still become a marker)."""
+    for n in range(min(max(map(len, markers)) - 1, len(text)), 0, -1):
+        if any(marker.startswith(text[-n:]) for marker in markers):
+            return n
+    return 0
