@@ -8,12 +8,13 @@
     </function>
     </tool_call>
 
-Text before the first `<tool_call>` (or `<function=`) is the message's content; text after the calls is dropped.
-A parameter's value loses one leading and one trailing newline and is converted by the type its tool's schema
-gives it (strings stay text, integers and numbers are parsed, booleans are `true`/`false`, objects and arrays are
-read as JSON (text where they are not JSON); `null` is null; a parameter the schema does not name stays text), as vLLM's parser does. The
-arguments are the JSON object of the parameters in order; a stream sends `{`, then each parameter once it has
-closed, then `}` once the function has, so the pieces add up to the non-streamed arguments exactly.
+Text before the first `<tool_call>` (or `<function=`) is the message's content; text after the calls is
+dropped. A parameter's value loses one leading and one trailing newline and is converted by the type its tool's
+schema gives it, as vLLM's parser does: strings stay text, integers and numbers are parsed, booleans are
+`true`/`false`, objects and arrays are read as JSON (text where they are not JSON), `null` is null, and a
+parameter the schema does not name stays text. The arguments are the JSON object of the parameters in order; a
+stream sends `{`, then each parameter once it has closed, then `}` once the function has, so the pieces add up to
+the non-streamed arguments exactly.
 """
 
 from __future__ import annotations
