@@ -10,6 +10,7 @@ vocabulary spends a token per 2 characters of JSON: the 5 tools rendered take ~1
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -44,8 +45,10 @@ def server(tiny_llama_dir):
 @pytest.fixture(scope="module")
 def hermes_client():
     """SmolLM2 (the embedded default), which the shipped template is for: the tools' instructions alone would
-    overflow the tiny model's context."""
-    server = RemoteServer(None, "--chat-template", "tool_chat_template_hermes.jinja", "--max-model-len", "1024")
+    overflow the tiny model's context. Its --tool-call-parser is llama3_json: not the template's format, but one
+    more server only to show the flag picks the parser would cost CI ~25 s."""
+    server = RemoteServer(None, "--chat-template", "tool_chat_template_hermes.jinja", "--max-model-len", "1024",
+                          "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
     yield server.client()
     server.close()
 
@@ -103,6 +106,29 @@ def test_auto_parses_hermes_output_stream_and_not(client):
         "city": "Paris", "unit": "celsius"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not any(choice.delta.content for chunk in chunks for choice in chunk.choices)
+
+
+def forced(text: str) -> dict:
+    """extra_body forcing the output to `text` (a regex of it): what a model that calls a tool writes."""
+    return {"structured_outputs": {"regex": re.escape(text)}}
+
+
+def test_tool_call_parser_flag_selects_the_parser(hermes_client):
+    # --tool-call-parser llama3_json reads Llama's JSON calls, and hermes blocks are plain text to it
+    llama_call = '{"name": "now", "parameters": {"tz": "utc"}}'
+    hermes_call = '<tool_call>\n{"name": "now", "arguments": {"tz": "utc"}}\n</tool_call>'
+    whole = create(hermes_client, tools=[SMALL_TOOL], tool_choice="auto", extra_body=forced(llama_call)).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls] == [
+        ("now", {"tz": "utc"})]
+    chunks = list(create(hermes_client, stream=True, tools=[SMALL_TOOL], tool_choice="auto",
+                         extra_body=forced(llama_call)))
+    deltas = [tc for chunk in chunks for choice in chunk.choices for tc in choice.delta.tool_calls or []]
+    assert deltas[0].function.name == "now" and len(deltas) > 1
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {"tz": "utc"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    hermes = create(hermes_client, tools=[SMALL_TOOL], tool_choice="auto", extra_body=forced(hermes_call)).choices[0]
+    assert hermes.message.content == hermes_call and not hermes.message.tool_calls
 
 
 def test_auto_without_a_call_is_plain_text(client):
