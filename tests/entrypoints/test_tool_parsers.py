@@ -59,6 +59,10 @@ CASES = [
     ("mistral", 'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}, '
                 '{"name": "now", "arguments": {}}]', "Sure. ", [ROME, CALL_NOW]),
     ("mistral", '[TOOL_CALLS][{name: "now"}]', '[TOOL_CALLS][{name: "now"}]', []),
+    ("mistral", '[TOOL_CALLS]get_weather{"city": "Paris", "days": 2}', None, [PARIS]),  # tokenizer v11
+    ("mistral", 'Sure. [TOOL_CALLS]get_weather[ARGS] {"city": "Rome"}[TOOL_CALLS]now[ARGS]{}', "Sure. ",
+     [ROME, CALL_NOW]),  # v13
+    ("mistral", '[TOOL_CALLS]{"city": "Rome"}', '[TOOL_CALLS]{"city": "Rome"}', []),
 
     ("qwen3_xml", "Plain <b>text</b> < function.", "Plain <b>text</b> < function.", []),
     ("qwen3_xml", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n"
@@ -133,6 +137,8 @@ def test_extraction_and_stream(parser, text, content, calls):
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": }}'),
     ("mistral", '[TOOL_CALLS][{"name": "now", "arguments": {]'),
     ("mistral", '[TOOL_CALLS]{"name": "now", "arguments": {}}'),  # not an array
+    ("mistral", '[TOOL_CALLS]now{"a": }'),
+    ("mistral", '[TOOL_CALLS]now[ARGS][1]'),  # arguments not an object
 ])
 def test_bad_arguments_leave_the_output_as_content(parser, text):
     # (a stream has sent the call's name by the time its arguments go wrong, as vLLM's has)
@@ -169,8 +175,9 @@ def test_the_flag_selects_the_parser(parser):
     tools = tool_calling(parser)
     assert tools.parser is get_tool_parser(parser)
     # each parser reads its own format only
-    own = {"hermes": CASES[1][1], "llama4_json": CASES[5][1], "llama3_json": CASES[5][1], "mistral": CASES[11][1],
-           "qwen3_xml": CASES[15][1], "qwen3_coder": CASES[15][1]}
+    one_call = {text: p for p, text, _, calls in CASES if len(calls) == 1 and calls[0] == PARIS}
+    own = {name: next(text for text, p in one_call.items() if get_tool_parser(p) is get_tool_parser(name))
+           for name in TOOL_CALL_PARSERS}
     for name, text in own.items():
         calls = tools.message(text, "stop")[0].tool_calls
         assert bool(calls) == (get_tool_parser(name) is tools.parser), (name, text)
