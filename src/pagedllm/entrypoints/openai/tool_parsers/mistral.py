@@ -8,8 +8,9 @@
 vLLM picks the format from the tokenizer; here the text after the first `[TOOL_CALLS]` does (`[` opens the array).
 
 `[TOOL_CALLS]` is a special token: with this parser an auto tool choice request keeps special tokens in the output
-(`SKIP_SPECIAL_TOKENS`), as vLLM's parser asks. Text before it is the message's content; text after the array is
-dropped. An array that does not parse, or an item without a string `name`, leaves the output plain content.
+(`SKIP_SPECIAL_TOKENS`), as vLLM's parser asks. Text before it is the message's content; text after the array
+(or after a call's arguments) is dropped. An array that does not parse, an item without a string `name`, or a v11
+call without a name or whose arguments are not a JSON object leaves the output plain content.
 """
 
 from __future__ import annotations
