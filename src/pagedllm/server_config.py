@@ -82,8 +82,8 @@ class ServerConfig:
     """How tool calls are read out of the output with `tool_choice: "auto"` (vLLM's parser names): `hermes`
     (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`), `llama3_json` or `llama4_json` (`{"name": ...,
     "parameters": ...}`, `;`-separated, optionally after `<|python_tag|>`), `mistral` (`[TOOL_CALLS][{"name":
-    ..., "arguments": ...}]`, or `[TOOL_CALLS]NAME{...}` from tokenizer v11 on), `qwen3_xml` or `qwen3_coder` (`<tool_call><function=NAME><parameter=KEY>VALUE
-    </parameter></function></tool_call>`)."""
+    ..., "arguments": ...}]`, or `[TOOL_CALLS]NAME{...}` from tokenizer v11 on), `qwen3_xml` or `qwen3_coder`
+    (`<tool_call><function=NAME><parameter=KEY>VALUE</parameter></function></tool_call>`)."""
     exclude_tools_when_tool_choice_none: bool = False
     """Do not pass a request's tools to the chat template when its tool_choice is `none`."""
     max_request_bytes: int = 16 << 20
