@@ -1,7 +1,8 @@
 """Tool calls read from JSON text that may still be growing: the calls a stream has produced so far.
 
-Two shapes carry calls: a hermes block holds one object `{"name": ..., "arguments": {...}}`, and the output of
-`tool_choice: "required"` is an array of `{"name": ..., "parameters": {...}}`. `scan_calls` walks the text once
+Two shapes carry calls: bare objects `{"name": ..., "arguments": {...}}` (a hermes block holds one, llama3_json's
+output `;`-separated ones), and arrays of them (mistral's `[TOOL_CALLS][...]`, and the output of
+`tool_choice: "required"`, whose objects have `"parameters"`). `scan_calls` walks the text once
 (strings, escapes and nesting tracked) and returns, per call object begun, its name once the name's string has
 closed and the raw text of its arguments so far. The arguments text only ever grows by appending as the text
 grows (trailing whitespace is held back), so a stream can send the new part of it as the next fragment.
