@@ -175,3 +175,18 @@ def test_unsupported_rope_scaling_is_refused_at_load_by_name(rope_type):
               "rope_scaling": {"type": rope_type, "factor": 4.0, "original_max_position_embeddings": 512}}
     with pytest.raises(ModelLoadError, match=f"rope scaling '{rope_type}' is not supported"):
         model_info_from_hf_config(config, {}, "qwen")
+
+
+@pytest.mark.slow  # two worker processes
+def test_tensor_parallel_2_matches_transformers(family):
+    """TP=2: q/k/v biases and heads split across the ranks, the q/k norm weights replicated; 2 KV heads, one each."""
+    folder, hf = family
+    prompts = _prompts(hf.config.vocab_size)[:2]
+    llm = _llm(folder, tensor_parallel_size=2)
+    try:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                               use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    for out, prompt in zip(outputs, prompts, strict=True):
+        _assert_matches(list(out.outputs[0].token_ids), _reference(hf, prompt, NEW_TOKENS))
