@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from paged_runner import PagedRunner
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig
@@ -166,6 +167,57 @@ def test_native_decode_step_only_where_it_fits(qwen2_dir, qwen3_dir, caplog, mon
     monkeypatch.setenv(llama_native_step.SWITCH_ENV, "0")
     step, modules2 = run(qwen2_dir)
     assert step is None and modules2 == native2
+
+
+def _write_gguf(path: Path, folder: Path, arch: str) -> None:
+    """The folder's safetensors as an F32 GGUF laid out as llama.cpp's convert_hf_to_gguf.py writes these families
+    (its converter is not available offline): gguf's own tensor-name map, key_length / value_length from
+    head_dim, no output.weight when the head is tied, and Q/K rows not permuted (llama.cpp runs Qwen2 and Qwen3
+    with its rotate-half rotary, so their converters, unlike Llama's, leave Q/K as they are)."""
+    import json
+
+    import gguf
+    from safetensors import safe_open
+
+    cfg = json.loads((folder / "config.json").read_text())
+    names = gguf.get_tensor_name_map({"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[arch],
+                                     cfg["num_hidden_layers"])
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        for name in f.keys():
+            w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), f.get_tensor(name).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("fixture, arch", [("qwen2_dir", "qwen2"), ("qwen3_dir", "qwen3")])
+def test_gguf_gives_the_folders_logits(request, tmp_path, fixture, arch):
+    """general.architecture "qwen2" / "qwen3" loads as its family, with its biases or q/k norms, tied or not,
+    Q/K rows as stored: the same logits as the safetensors folder."""
+    folder = request.getfixturevalue(fixture)
+    _write_gguf(tmp_path / f"{arch}.gguf", folder, arch)
+    hf_model = load_model(ModelConfig(model=str(folder)), CPU, torch.float32)
+    gguf_model = load_model(ModelConfig(model=str(tmp_path / f"{arch}.gguf")), CPU, torch.float32)
+    assert type(gguf_model) is type(hf_model) and gguf_model.info.head_dim == hf_model.info.head_dim
+    assert gguf_model.info.tie_word_embeddings == (arch == "qwen2")
+    ids = _prompts(256)[0]
+    a = PagedRunner(hf_model).step([("a", ids)])
+    b = PagedRunner(gguf_model).step([("a", ids)])
+    assert (a - b).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "longrope"])
