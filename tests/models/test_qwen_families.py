@@ -169,11 +169,12 @@ def test_native_decode_step_only_where_it_fits(qwen2_dir, qwen3_dir, caplog, mon
     assert step is None and modules2 == native2
 
 
-def _write_gguf(path: Path, folder: Path, arch: str) -> None:
-    """The folder's safetensors as an F32 GGUF laid out as llama.cpp's convert_hf_to_gguf.py writes these families
-    (its converter is not available offline): gguf's own tensor-name map, key_length / value_length from
-    head_dim, no output.weight when the head is tied, and Q/K rows not permuted (llama.cpp runs Qwen2 and Qwen3
-    with its rotate-half rotary, so their converters, unlike Llama's, leave Q/K as they are)."""
+def _write_gguf(path: Path, folder: Path, arch: str, qtype=None) -> dict[str, torch.Tensor]:
+    """The folder's safetensors as a GGUF (F32, or `qtype` for every matrix) laid out as llama.cpp's
+    convert_hf_to_gguf.py writes these families (its converter is not available offline): gguf's own tensor-name
+    map, key_length / value_length from head_dim, no output.weight when the head is tied, and Q/K rows not
+    permuted (llama.cpp runs Qwen2 and Qwen3 with its rotate-half rotary, so their converters, unlike Llama's,
+    leave Q/K as they are). Returns the weights as stored, dequantized, by Hugging Face name."""
     import json
 
     import gguf
@@ -195,13 +196,22 @@ def _write_gguf(path: Path, folder: Path, arch: str) -> None:
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
+    stored = {}
     with safe_open(folder / "model.safetensors", framework="pt") as f:
         for name in f.keys():
-            w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), f.get_tensor(name).numpy())
+            gname, a = names.get_name(name, try_suffixes=(".weight", ".bias")), f.get_tensor(name).numpy()
+            if qtype is None or a.ndim != 2:
+                w.add_tensor(gname, a)
+                stored[name] = torch.from_numpy(a.copy())
+            else:
+                codes = gguf.quants.quantize(a, qtype)
+                w.add_tensor(gname, codes, raw_dtype=qtype)
+                stored[name] = torch.from_numpy(gguf.quants.dequantize(codes, qtype).reshape(a.shape).copy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return stored
 
 
 @pytest.mark.parametrize("fixture, arch", [("qwen2_dir", "qwen2"), ("qwen3_dir", "qwen3")])
@@ -218,6 +228,33 @@ def test_gguf_gives_the_folders_logits(request, tmp_path, fixture, arch):
     a = PagedRunner(hf_model).step([("a", ids)])
     b = PagedRunner(gguf_model).step([("a", ids)])
     assert (a - b).abs().max().item() < 1e-5
+
+
+@pytest.mark.skipif(not cpu_kernels.available(torch.float32, CPU), reason="native CPU kernels unavailable")
+@pytest.mark.parametrize("fixture, arch", [("qwen2_dir", "qwen2"), ("qwen3_dir", "qwen3")])
+def test_q8_0_gguf_matches_transformers_on_its_dequantized_weights(request, tmp_path, fixture, arch):
+    """Every matrix Q8_0, kept quantized and run by the native kernels (decode steps: the native decode step for
+    Qwen2, the modules for Qwen3): transformers' logits on the file's dequantized weights, prefill and decodes."""
+    from gguf import GGMLQuantizationType
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.models.llama_native_step import LlamaNativeDecodeStep
+
+    folder = request.getfixturevalue(fixture)
+    stored = _write_gguf(tmp_path / "q8.gguf", folder, arch, GGMLQuantizationType.Q8_0)
+    model = load_model(ModelConfig(model=str(tmp_path / "q8.gguf")), CPU, torch.float32)
+    assert model.model.layers[0].self_attn.qkv_proj.quant_weight is not None
+    step = LlamaNativeDecodeStep.build(model)
+    assert (step is not None) == (arch == "qwen2")
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    hf.load_state_dict(stored, strict=False)  # a tied head shares the embedding's (dequantized) tensor
+    runner, ids = PagedRunner(model, native_step=step), _prompts(256)[1]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(runner.step([("a", ids[:-2])]), want[:-2], atol=1e-4, rtol=1e-4)
+        for i in (-2, -1):
+            torch.testing.assert_close(runner.step([("a", [ids[i]])])[0], want[i], atol=1e-4, rtol=1e-4)
+    assert runner.native_steps == (2 if step is not None else 0)
 
 
 @pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "longrope"])
