@@ -1,9 +1,10 @@
 """GGUF files: metadata -> ModelInfo, tensors -> dequantized float32 arrays (or, for quantized execution, the
 linear and embedding weights as QuantizedWeight: codes and scales, never dequantized) under Hugging Face names.
 
-llama.cpp stores Q and K projections with their rows permuted for its interleaved rotary layout;
+llama.cpp stores a Llama's Q and K projections with their rows permuted for its interleaved rotary layout;
 `unpermute_qk` undoes that (as transformers' GGUF loader does) so the rotate-half layout applies; a quantized
-weight's rows (codes, scales and offsets alike) are permuted the same way.
+weight's rows (codes, scales and offsets alike) are permuted the same way. Families llama.cpp runs with its
+rotate-half ("NEOX") rotary, such as Qwen2 and Qwen3, are stored unpermuted (`GGUFArchitecture.rotary_permuted`).
 Every tensor's byte size is checked against its type and shape, and quantized blocks' fp16 scales must be finite,
 so a truncated or corrupt file fails the load, not a later step.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +29,20 @@ from pagedllm.models.quantized_codes import QuantizedWeight
 
 SUPPORTED_TYPES = tuple(GGMLQuantizationType[name] for name in (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"))
-# llama.cpp writes Llama, Mistral and SmolLM2 as "llama".
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    architecture: str  # the Hugging Face architectures name (models/registry.py)
+    rotary_permuted: bool = True  # Q/K rows permuted by llama.cpp's converter (its interleaved rotary)
+
+
+# general.architecture -> the model it is. llama.cpp writes Llama, Mistral and SmolLM2 as "llama".
+GGUF_ARCHITECTURES = {
+    "llama": GGUFArchitecture("LlamaForCausalLM"),
+    "qwen2": GGUFArchitecture("Qwen2ForCausalLM", rotary_permuted=False),
+    "qwen3": GGUFArchitecture("Qwen3ForCausalLM", rotary_permuted=False),
+}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -38,7 +52,7 @@ _GLOBAL_NAMES = {
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -95,7 +109,7 @@ def gguf_model_info(reader: GGUFFile, path: Path) -> ModelInfo:
     if rope_freqs is not None:
         freq_factors = tuple(float(x) for x in dequantize_tensor(rope_freqs, path).reshape(-1))
     info = ModelInfo(
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture=GGUF_ARCHITECTURES[arch].architecture,
         num_layers=_int_field(reader, f"{arch}.block_count", path),
         hidden_size=hidden,
         intermediate_size=_int_field(reader, f"{arch}.feed_forward_length", path),
@@ -167,7 +181,7 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def hf_name(gguf_name: str) -> str | None:
-    """Hugging Face name for a llama.cpp tensor name; None when the name is not a Llama weight."""
+    """Hugging Face name for a llama.cpp tensor name; None when the name is not a weight of a Llama-shaped model."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
@@ -185,26 +199,27 @@ def runs_quantized(hf_weight_name: str) -> bool:
 def gguf_tensors(reader: GGUFFile, info: ModelInfo, path: Path, quantized: bool = False,
                  keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
     """Yield (Hugging Face name, weight) for every tensor (`keep`: only those whose name it accepts, the others
-    never read: a pipeline stage's), Q/K rotary permutation undone.
+    never read: a pipeline stage's), Q/K rotary permutation undone where the architecture has it.
 
     A weight is a float32 array, or with `quantized` a QuantizedWeight where the tensor's type is in
     UNPACKED_TYPES and `runs_quantized(name)`.
     """
+    permuted = GGUF_ARCHITECTURES[reader.metadata["general.architecture"]].rotary_permuted
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             continue  # folded into ModelInfo.rope_freq_factors
         name = hf_name(tensor.name)
         if name is None:
-            raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} for a llama model")
+            raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} for a {info.architecture} model")
         if keep is not None and not keep(name):
             continue
         if quantized and tensor.tensor_type in UNPACKED_TYPES and runs_quantized(name):
             w: np.ndarray | QuantizedWeight = unpack_tensor(tensor, path)
         else:
             w = dequantize_tensor(tensor, path)
-        if ".q_proj." in name:
+        if permuted and ".q_proj." in name:
             w = _unpermute(w, info.num_heads)
-        elif ".k_proj." in name:
+        elif permuted and ".k_proj." in name:
             w = _unpermute(w, info.num_kv_heads)
         yield name, w
 

@@ -2,9 +2,14 @@
 
 Parameter names are Hugging Face's, with q/k/v fused into `qkv_proj` and gate/up into `gate_up_proj`
 (the loader concatenates them, in that order). Built on the meta device, then loaded with assign=True.
+
+Families whose decoder is Llama's but for a few switches (qkv biases, per-head q/k norms) are subclasses that
+set `decoder_options` (a `DecoderOptions`): models/qwen2.py, models/qwen3.py.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -20,25 +25,52 @@ from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.model_info import ModelInfo
 
 
+@dataclass(frozen=True)
+class DecoderOptions:
+    """How a Llama-shaped family's decoder differs from Llama's; the defaults are Llama."""
+
+    qkv_bias: bool | None = None  # biases on q/k/v (None: config.json's attention_bias, as Llama)
+    o_bias: bool | None = None  # a bias on o_proj (None: config.json's attention_bias)
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k before rotary (`q_norm`, `k_norm`: Qwen3)
+
+
 class LlamaAttention(nn.Module):
     """With tensor parallelism: this rank's query heads and KV heads (qkv_proj column-parallel), o_proj
     row-parallel over them, then one all-reduce."""
 
-    def __init__(self, info: ModelInfo, layer_idx: int, tp: TensorParallelGroup):
+    def __init__(self, info: ModelInfo, layer_idx: int, tp: TensorParallelGroup,
+                 options: DecoderOptions = DecoderOptions()):
         super().__init__()
         self.tp = tp
         first_kv, end_kv = tp.kv_heads(info.num_kv_heads)
         self.num_heads, self.num_kv_heads, self.head_dim = info.num_heads // tp.size, end_kv - first_kv, info.head_dim
         self.q_size = self.num_heads * info.head_dim
         self.kv_size = self.num_kv_heads * info.head_dim
-        self.qkv_proj = Linear(info.hidden_size, self.q_size + 2 * self.kv_size, bias=info.attention_bias)
-        self.o_proj = Linear(self.q_size, info.hidden_size, bias=info.attention_bias)
+        qkv_bias = info.attention_bias if options.qkv_bias is None else options.qkv_bias
+        o_bias = info.attention_bias if options.o_bias is None else options.o_bias
+        self.qkv_proj = Linear(info.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, info.hidden_size, bias=o_bias)
+        if options.qk_norm:  # one weight per head dimension, shared by every head (replicated across TP ranks)
+            self.q_norm = RMSNorm(info.head_dim, info.rms_norm_eps)
+            self.k_norm = RMSNorm(info.head_dim, info.rms_norm_eps)
+        self.qk_norm = options.qk_norm
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, info.head_dim, layer_idx)
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]; cos_sin: [T, 2, D / 2] -> [T, hidden]
         # rotary inside the attention: fused with the decode attention
-        return self.tp.all_reduce(self.o_proj(self.attn(self.qkv_proj(x), cos_sin)))
+        qkv = self.qkv_proj(x)  # [T, (H + 2 * Hkv) * D]
+        if self.qk_norm:
+            qkv = self._norm_qk(qkv)
+        return self.tp.all_reduce(self.o_proj(self.attn(qkv, cos_sin)))
+
+    def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv with each head of q and of k RMS-normalized over its head_dim (Qwen3), v unchanged."""
+        t, d = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=1)
+        q = self.q_norm(q.reshape(-1, d))  # [T * H, D]; reshape copies the strided slice: contiguous
+        k = self.k_norm(k.reshape(-1, d))  # [T * Hkv, D]
+        return torch.cat([q.view(t, self.q_size), k.view(t, self.kv_size), v], dim=1)
 
 
 class LlamaMLP(nn.Module):
@@ -58,9 +90,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, info: ModelInfo, layer_idx: int, tp: TensorParallelGroup):
+    def __init__(self, info: ModelInfo, layer_idx: int, tp: TensorParallelGroup,
+                 options: DecoderOptions = DecoderOptions()):
         super().__init__()
-        self.self_attn = LlamaAttention(info, layer_idx, tp)
+        self.self_attn = LlamaAttention(info, layer_idx, tp, options)
         self.mlp = LlamaMLP(info, tp)
         self.input_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps)
@@ -90,7 +123,8 @@ class LlamaModel(nn.Module):
     the parameter names keep the checkpoint's layer numbers); the embedding on the first stage (and the last when
     the LM head is tied to it), the final norm on the last. Layer i caches in this stage's KV cache i - start."""
 
-    def __init__(self, info: ModelInfo, tp: TensorParallelGroup, pp: PipelineParallelGroup):
+    def __init__(self, info: ModelInfo, tp: TensorParallelGroup, pp: PipelineParallelGroup,
+                 options: DecoderOptions = DecoderOptions()):
         super().__init__()
         self.pp = pp
         self.start_layer, self.end_layer = pp.layers(info.num_layers)
@@ -103,7 +137,7 @@ class LlamaModel(nn.Module):
             if tp.size > 1:
                 self.embed_tokens.shard(tp, vocab_start)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(info, i - self.start_layer, tp) if self.start_layer <= i < self.end_layer
+            LlamaDecoderLayer(info, i - self.start_layer, tp, options) if self.start_layer <= i < self.end_layer
             else nn.Identity() for i in range(info.num_layers))
         if pp.is_last:
             self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps)
@@ -131,6 +165,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    decoder_options = DecoderOptions()  # a family's switches (subclasses set them)
+
     # checkpoint name fragment -> (fused parameter fragment, shard index in the fused order)
     packed_modules = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -149,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
         self.info = info
         self.tp = tp = tp or TensorParallelGroup.single()
         self.pp = pp = pp or PipelineParallelGroup.single()
-        self.model = LlamaModel(info, tp, pp)
+        self.model = LlamaModel(info, tp, pp, self.decoder_options)
         start, end = self.model.start_layer, self.model.end_layer
         self.num_layers = end - start
         """Layers this stage runs and caches (all of them at pipeline-parallel size 1)."""

@@ -11,9 +11,10 @@ module path (tests/models/test_llama_native_step.py); the embedding lookup, the 
 plan and the LM head stay in Python, shared with the module path.
 
 When it runs (`forward` returns None otherwise, and the runner runs the model's modules):
-- built (`build`): a LlamaForCausalLM on the CPU in float32 with the native kernels, every linear of every layer
-  a quantized weight run by the native kernels (GGUF codes, `--quantization fp8`, or the int8-activation weights
-  of `--activation-quantization int8`), and `PAGEDLLM_NATIVE_STEP` not "0";
+- built (`build`): a LlamaForCausalLM (or a family without per-head q/k norms: Qwen2, not Qwen3; logged) on the
+  CPU in float32 with the native kernels, every linear of every layer a quantized weight run by the native
+  kernels (GGUF codes, `--quantization fp8`, or the int8-activation weights of `--activation-quantization int8`),
+  and `PAGEDLLM_NATIVE_STEP` not "0";
 - per step: every scheduled row is a decode (verify rows of speculative decoding included: each a decode row
   of its own length) and the attention plan runs the native decode kernel (a KV cache dtype it reads: fp32,
   bf16, fp8), the batch unpadded. Prefill and mixed steps, oneDNN float weights and CUDA keep the module path.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 
 import torch
@@ -38,6 +40,7 @@ from pagedllm.layers.linear import Linear
 from pagedllm.layers.quantized_weight import PackedWeight
 from pagedllm.models.llama import LlamaForCausalLM
 
+logger = logging.getLogger(__name__)
 SWITCH_ENV = "PAGEDLLM_NATIVE_STEP"  # "0": never build the native step (the module path runs every step)
 
 LINEAR_PACKED, LINEAR_Q8ACT = 0, 1  # decode_linear.kind in the C file
@@ -137,6 +140,10 @@ class LlamaNativeDecodeStep:
             keep.extend(m.weight for m in norms)
             c_layer.input_norm, c_layer.post_attention_norm = (m.weight.data_ptr() for m in norms)
             c_layer.qkv, c_layer.o, c_layer.gate_up, c_layer.down = linears
+        if model.decoder_options.qk_norm:  # the C loop has no per-head q/k norms
+            logger.info("%s: the native decode step has no per-head q/k norms; decode steps run the model's "
+                        "modules", model.info.architecture)
+            return None
         scale = layers[0].self_attn.attn.scale if len(layers) else 1.0
         c_model = _Model(len(layers), info.hidden_size, info.num_heads, info.num_kv_heads, info.head_dim,
                          info.intermediate_size, norm.eps, scale, norm.weight.data_ptr())

@@ -1,0 +1,281 @@
+"""Qwen2/2.5 and Qwen3 (models/qwen2.py, models/qwen3.py) against transformers' own classes, fp32, greedy.
+
+Each family is a tiny random model built with transformers' config and model classes and saved as safetensors:
+Qwen2 with random q/k/v biases and a tied LM head (as the small Qwen2.5 models), Qwen3 with random per-head q/k
+norm weights and an explicit head_dim (32, not hidden / heads = 16). pagedllm's offline LLM must give
+transformers' greedy tokens, through a batch of prompts longer than a few KV blocks with n > 1, a prefix cache
+hit and chunked prefill. A divergence is allowed only where the reference's top-2 logit gap is below 1e-4.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from paged_runner import PagedRunner
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import ModelConfig
+from pagedllm.kernels import cpu_kernels
+from pagedllm.models import llama_native_step
+from pagedllm.models.loader import load_model
+from pagedllm.models.model_info import ModelLoadError, model_info_from_hf_config
+
+GAP = 1e-4
+NEW_TOKENS = 12
+CPU = torch.device("cpu")
+
+
+def _save(folder: Path, model, randomize: tuple[str, ...]) -> None:
+    """Randomize the parameters whose names end with `randomize` (transformers initializes biases to 0 and norms
+    to 1, which would hide a bias or a norm left out), then save as safetensors."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(randomize):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    tiny_tokenizer.save_pretrained(folder)
+    vocab = len(tiny_tokenizer)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.08,
+                         use_sliding_window=False, sliding_window=4096, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    _save(folder, Qwen2ForCausalLM(config).float(), (".bias",))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-qwen3")
+    tiny_tokenizer.save_pretrained(folder)
+    vocab = len(tiny_tokenizer)
+    config = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.08,
+                         attention_bias=False, use_sliding_window=False, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(1)
+    _save(folder, Qwen3ForCausalLM(config).float(), ())
+    return folder
+
+
+FAMILIES = ["qwen2_dir", "qwen3_dir"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    """(folder, the transformers model loaded from it in fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = request.getfixturevalue(request.param)
+    return folder, AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def _reference(hf, prompt: list[int], num_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens, and at each the gap between its top two logits."""
+    ids, out, gaps = torch.tensor([prompt]), [], []
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            top = hf(ids).logits[0, -1].topk(2)
+            out.append(int(top.indices[0]))
+            gaps.append(float(top.values[0] - top.values[1]))
+            ids = torch.cat([ids, top.indices[:1].view(1, 1)], dim=1)
+    return out, gaps
+
+
+def _assert_matches(got: list[int], want: tuple[list[int], list[float]]) -> None:
+    tokens, gaps = want
+    for i, (a, b) in enumerate(zip(got, tokens, strict=True)):
+        if a != b:
+            assert gaps[i] < GAP, f"token {i}: {a} != transformers' {b} (top-2 gap {gaps[i]:.2e})\n{got}\n{tokens}"
+            return  # past a near-tie the continuations may differ
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    """4 prompts of 40-70 tokens (3-5 KV blocks of 16), sharing a 36-token prefix."""
+    rng = random.Random(0)
+    shared = [rng.randrange(vocab) for _ in range(36)]
+    return [shared + [rng.randrange(vocab) for _ in range(rng.randrange(4, 34))] for _ in range(4)]
+
+
+def _llm(folder: Path, **kwargs) -> LLM:
+    return LLM(str(folder), dtype="float32", max_model_len=256, num_gpu_blocks_override=128, **kwargs)
+
+
+def test_registered_by_architecture(qwen2_dir, qwen3_dir):
+    for folder, cls, head_dim in ((qwen2_dir, "Qwen2ForCausalLM", 16), (qwen3_dir, "Qwen3ForCausalLM", 32)):
+        model = load_model(ModelConfig(model=str(folder)), CPU, torch.float32)
+        assert type(model).__name__ == cls and model.info.head_dim == head_dim
+    assert model.model.layers[0].self_attn.q_norm.weight.shape == (32,)
+
+
+def test_greedy_matches_transformers_batched_n2_prefix_cache_and_chunked(family):
+    """A batch of 4 prompts with n=2; the same batch again (its shared prefix and whole prompts now cached);
+    then chunked prefill (16-token budget): every sequence is transformers' greedy."""
+    folder, hf = family
+    prompts = _prompts(hf.config.vocab_size)
+    want = [_reference(hf, p, NEW_TOKENS) for p in prompts]
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, n=2)
+    llm = _llm(folder)
+    for run in range(2):
+        outputs = llm.generate(prompts, greedy, use_tqdm=False)
+        if run == 1:
+            assert all(o.num_cached_tokens >= 32 for o in outputs)  # the second run hits the prefix cache
+        for out, ref in zip(outputs, want, strict=True):
+            assert len(out.outputs) == 2
+            for completion in out.outputs:
+                _assert_matches(list(completion.token_ids), ref)
+    chunked = _llm(folder, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=False)
+    for out, ref in zip(chunked.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                                                 ignore_eos=True), use_tqdm=False), want, strict=True):
+        _assert_matches(list(out.outputs[0].token_ids), ref)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(torch.float32, CPU), reason="native CPU kernels unavailable")
+def test_native_decode_step_only_where_it_fits(qwen2_dir, qwen3_dir, caplog, monkeypatch):
+    """--quantization fp8 makes every linear a native-kernel weight: Qwen2's qkv biases run in the native decode
+    step (tokens equal to the module path's); Qwen3's per-head q/k norms are not in it, so it is not built, with a
+    line at load, and the modules decode."""
+    prompts = _prompts(256)[:2]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def run(folder):
+        llm = _llm(folder, quantization="fp8")
+        return llm.llm_engine.engine_core.runner.native_step, [
+            o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+    with caplog.at_level(logging.INFO, logger=llama_native_step.__name__):
+        step2, native2 = run(qwen2_dir)
+        step3, _ = run(qwen3_dir)
+    assert step2 is not None and step3 is None
+    assert "Qwen3ForCausalLM: the native decode step has no per-head q/k norms" in caplog.text
+    assert "Qwen2ForCausalLM" not in caplog.text
+    monkeypatch.setenv(llama_native_step.SWITCH_ENV, "0")
+    step, modules2 = run(qwen2_dir)
+    assert step is None and modules2 == native2
+
+
+def _write_gguf(path: Path, folder: Path, arch: str, qtype=None) -> dict[str, torch.Tensor]:
+    """The folder's safetensors as a GGUF (F32, or `qtype` for every matrix) laid out as llama.cpp's
+    convert_hf_to_gguf.py writes these families (its converter is not available offline): gguf's own tensor-name
+    map, key_length / value_length from head_dim, no output.weight when the head is tied, and Q/K rows not
+    permuted (llama.cpp runs Qwen2 and Qwen3 with its rotate-half rotary, so their converters, unlike Llama's,
+    leave Q/K as they are). Returns the weights as stored, dequantized, by Hugging Face name."""
+    import json
+
+    import gguf
+    from safetensors import safe_open
+
+    cfg = json.loads((folder / "config.json").read_text())
+    names = gguf.get_tensor_name_map({"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[arch],
+                                     cfg["num_hidden_layers"])
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    stored = {}
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        for name in f.keys():
+            gname, a = names.get_name(name, try_suffixes=(".weight", ".bias")), f.get_tensor(name).numpy()
+            if qtype is None or a.ndim != 2:
+                w.add_tensor(gname, a)
+                stored[name] = torch.from_numpy(a.copy())
+            else:
+                codes = gguf.quants.quantize(a, qtype)
+                w.add_tensor(gname, codes, raw_dtype=qtype)
+                stored[name] = torch.from_numpy(gguf.quants.dequantize(codes, qtype).reshape(a.shape).copy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+@pytest.mark.parametrize("fixture, arch", [("qwen2_dir", "qwen2"), ("qwen3_dir", "qwen3")])
+def test_gguf_gives_the_folders_logits(request, tmp_path, fixture, arch):
+    """general.architecture "qwen2" / "qwen3" loads as its family, with its biases or q/k norms, tied or not,
+    Q/K rows as stored: the same logits as the safetensors folder."""
+    folder = request.getfixturevalue(fixture)
+    _write_gguf(tmp_path / f"{arch}.gguf", folder, arch)
+    hf_model = load_model(ModelConfig(model=str(folder)), CPU, torch.float32)
+    gguf_model = load_model(ModelConfig(model=str(tmp_path / f"{arch}.gguf")), CPU, torch.float32)
+    assert type(gguf_model) is type(hf_model) and gguf_model.info.head_dim == hf_model.info.head_dim
+    assert gguf_model.info.tie_word_embeddings == (arch == "qwen2")
+    ids = _prompts(256)[0]
+    a = PagedRunner(hf_model).step([("a", ids)])
+    b = PagedRunner(gguf_model).step([("a", ids)])
+    assert (a - b).abs().max().item() < 1e-5
+
+
+@pytest.mark.skipif(not cpu_kernels.available(torch.float32, CPU), reason="native CPU kernels unavailable")
+@pytest.mark.parametrize("fixture, arch", [("qwen2_dir", "qwen2"), ("qwen3_dir", "qwen3")])
+def test_q8_0_gguf_matches_transformers_on_its_dequantized_weights(request, tmp_path, fixture, arch):
+    """Every matrix Q8_0, kept quantized and run by the native kernels (decode steps: the native decode step for
+    Qwen2, the modules for Qwen3): transformers' logits on the file's dequantized weights, prefill and decodes."""
+    from gguf import GGMLQuantizationType
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.models.llama_native_step import LlamaNativeDecodeStep
+
+    folder = request.getfixturevalue(fixture)
+    stored = _write_gguf(tmp_path / "q8.gguf", folder, arch, GGMLQuantizationType.Q8_0)
+    model = load_model(ModelConfig(model=str(tmp_path / "q8.gguf")), CPU, torch.float32)
+    assert model.model.layers[0].self_attn.qkv_proj.quant_weight is not None
+    step = LlamaNativeDecodeStep.build(model)
+    assert (step is not None) == (arch == "qwen2")
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    hf.load_state_dict(stored, strict=False)  # a tied head shares the embedding's (dequantized) tensor
+    runner, ids = PagedRunner(model, native_step=step), _prompts(256)[1]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(runner.step([("a", ids[:-2])]), want[:-2], atol=1e-4, rtol=1e-4)
+        for i in (-2, -1):
+            torch.testing.assert_close(runner.step([("a", [ids[i]])])[0], want[i], atol=1e-4, rtol=1e-4)
+    assert runner.native_steps == (2 if step is not None else 0)
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "longrope"])
+def test_unsupported_rope_scaling_is_refused_at_load_by_name(rope_type):
+    config = {"architectures": ["Qwen2ForCausalLM"], "num_attention_heads": 4, "hidden_size": 64,
+              "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 384,
+              "rope_scaling": {"type": rope_type, "factor": 4.0, "original_max_position_embeddings": 512}}
+    with pytest.raises(ModelLoadError, match=f"rope scaling '{rope_type}' is not supported"):
+        model_info_from_hf_config(config, {}, "qwen")
+
+
+@pytest.mark.slow  # two worker processes
+def test_tensor_parallel_2_matches_transformers(family):
+    """TP=2: q/k/v biases and heads split across the ranks, the q/k norm weights replicated; 2 KV heads, one each."""
+    folder, hf = family
+    prompts = _prompts(hf.config.vocab_size)[:2]
+    llm = _llm(folder, tensor_parallel_size=2)
+    try:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                               use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    for out, prompt in zip(outputs, prompts, strict=True):
+        _assert_matches(list(out.outputs[0].token_ids), _reference(hf, prompt, NEW_TOKENS))
