@@ -16,17 +16,14 @@ accept (111 MB of log in 45 s). Now:
   closes after its response; past those, a new connection gets a JSON 503 at once and is closed. (Before, the
   cap counted /health like the rest: 4,500 half-open connections made /health answer 503 for 10-14 s.)
 - the descriptor soft limit is raised to the hard limit at start, and the cap is kept under it;
-- the loop's repeated error reports (a failed accept) are logged once per interval, not once per attempt.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import logging
 import resource
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -279,32 +276,3 @@ def effective_max_connections(max_connections: int, fd_limit: int) -> int:
         return room
     return max_connections
 
-
-class RateLimitedLoopErrors:
-    """An asyncio exception handler that reports each kind of error at most once per `interval_s`.
-
-    A failed accept (EMFILE: out of descriptors) is reported on one line, without a traceback; asyncio's
-    selector loop reports it (and the retries it schedules) hundreds of times a second."""
-
-    def __init__(self, interval_s: float = 10.0):
-        self.interval_s = interval_s
-        self._last: dict[tuple[str, str], float] = {}
-        self._suppressed: dict[tuple[str, str], int] = {}
-
-    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        exception = context.get("exception")
-        message = context.get("message", "")
-        if message.startswith("Exception in callback"):
-            message = message.split("(", 1)[0]  # the callback's arguments differ between repeats
-        key = (message, type(exception).__name__)
-        now = time.monotonic()
-        if now - self._last.get(key, -self.interval_s) < self.interval_s:
-            self._suppressed[key] = self._suppressed.get(key, 0) + 1
-            return
-        self._last[key] = now
-        repeats = self._suppressed.pop(key, 0)
-        more = f" ({repeats} more like it in the last {self.interval_s:g} s)" if repeats else ""
-        if isinstance(exception, OSError) and exception.errno in (errno.EMFILE, errno.ENFILE):
-            logger.error("%s: %s%s; new connections wait until descriptors are free", message, exception, more)
-        else:
-            loop.default_exception_handler({**context, "message": context.get("message", "") + more})

@@ -18,11 +18,11 @@ from pagedllm.entrypoints.openai.chat_template import load_chat_template
 from pagedllm.entrypoints.openai.connection_limits import (
     ConnectionLimitedH11Protocol,
     ConnectionLimits,
-    RateLimitedLoopErrors,
     effective_max_connections,
     raise_fd_limit,
 )
 from pagedllm.entrypoints.openai.draining import DrainingServer
+from pagedllm.entrypoints.openai.loop_errors import RateLimitedLoopErrors
 from pagedllm.entrypoints.openai.server_state import ServerState
 
 logger = logging.getLogger(__name__)
