@@ -49,6 +49,19 @@ def test_a_request_without_sampling_fields_gets_the_files_defaults(mistral_dir):
     # the file's EOS list: the tokenizer's EOS is the request's, the others are stop ids (vLLM's split)
     limits = llm.llm_engine.input_processor.limits
     assert (limits.eos_token_id, limits.extra_stop_token_ids) == (2, [7])
+    assert limits.max_tokens_cap is None  # under auto max_new_tokens is a default, not a cap
+
+
+def test_a_named_folder_serves_a_gguf_and_caps_max_tokens(mistral_dir, tiny_llama_gguf):
+    """--generation-config FOLDER: its defaults reach a GGUF model too (they reached only load_model_info), and as
+    in vLLM (override_max_tokens) its max_new_tokens caps the server's requests."""
+    llm = LLM(str(tiny_llama_gguf), generation_config=str(mistral_dir), dtype="float32", max_model_len=256,
+              num_gpu_blocks_override=64)
+    limits = llm.llm_engine.input_processor.limits
+    assert limits.generation_defaults == {"temperature": 0.0, "repetition_penalty": 2.0, "max_new_tokens": 7}
+    assert (limits.eos_token_id, limits.extra_stop_token_ids, limits.max_tokens_cap) == (2, [7], 7)
+    (out,) = llm.generate(["The quick brown fox"], use_tqdm=False)
+    assert len(out.outputs[0].token_ids) <= 7
 
 
 def test_the_mode_picks_the_defaults_and_the_eos_ids_always_come(mistral_dir, tiny_llama_dir):
@@ -80,5 +93,8 @@ def test_the_server_fills_only_the_fields_a_request_leaves_out():
     serving = OpenAIServing(engine, ["m"])
     left_out = serving.sampling_params(CompletionRequest(prompt="x"), None, None)
     assert (left_out.temperature, left_out.repetition_penalty, left_out.max_tokens) == (0.0, 2.0, 7)
-    given = serving.sampling_params(CompletionRequest(prompt="x", temperature=0.5, repetition_penalty=1.0), 3, None)
-    assert (given.temperature, given.repetition_penalty, given.max_tokens) == (0.5, 1.0, 3)
+    given = serving.sampling_params(CompletionRequest(prompt="x", temperature=0.5, repetition_penalty=1.0), 30, None)
+    assert (given.temperature, given.repetition_penalty, given.max_tokens) == (0.5, 1.0, 30)
+    engine.input_processor.limits.max_tokens_cap = 7  # --generation-config FOLDER (vLLM's override_max_tokens)
+    assert serving.sampling_params(CompletionRequest(prompt="x"), 30, None).max_tokens == 7
+    assert serving.sampling_params(CompletionRequest(prompt="x"), 3, None).max_tokens == 3
