@@ -66,7 +66,7 @@ class IncrementalDetokenizer:
         self._decoder = self._backend.decoder if self._backend is not None else None
         self._skip_ids = (frozenset(tokenizer.all_special_ids) if self._backend is not None and self.skip_special_tokens
                           else frozenset())
-        self._num_tokens = len(tokenizer) if self.detokenize and self._backend is None else 0
+        self._num_tokens: int | None = None
         self.output_token_ids: list[int] = []
         self.output_text = ""
         self._last_output_text_offset = 0
@@ -182,10 +182,17 @@ class IncrementalDetokenizer:
             id_to_token, skip_ids = self._backend.id_to_token, self._skip_ids
             # an id past the tokenizer has no token (None): it is "" (vLLM's _replace_none_with_empty)
             return [id_to_token(token_id) or "" for token_id in token_ids if token_id not in skip_ids]
-        convert, skip, num_tokens = self.tokenizer.convert_ids_to_tokens, self.skip_special_tokens, self._num_tokens
-        if all(0 <= token_id < num_tokens for token_id in token_ids):
-            return [token or "" for token in convert(token_ids, skip_special_tokens=skip)]
-        # an id past the tokenizer is "" in place (vLLM's detokenize_incrementally), never looked up
+        convert, skip = self.tokenizer.convert_ids_to_tokens, self.skip_special_tokens
+        try:
+            tokens = convert(token_ids, skip_special_tokens=skip)
+            if None not in tokens:
+                return tokens
+        except (IndexError, KeyError, TypeError, ValueError, OverflowError):  # a slow tokenizer's lookup of an id
+            pass
+        # an id past the tokenizer is "" in place, never looked up (vLLM's detokenize_incrementally)
+        if self._num_tokens is None:
+            self._num_tokens = len(self.tokenizer)  # only now: a slow tokenizer's len() may walk its vocabulary
+        num_tokens = self._num_tokens
         return [token or "" for token_id in token_ids
                 for token in (convert([token_id], skip_special_tokens=skip) if 0 <= token_id < num_tokens else [""])]
 
