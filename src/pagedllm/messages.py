@@ -144,6 +144,9 @@ class ModelLimits:
     """Further EOS ids from generation_config.json; they stop a request like EOS."""
     generation_defaults: dict = field(default_factory=dict)
     """SamplingParams defaults from generation_config.json (vLLM's --generation-config auto)."""
+    max_tokens_cap: int | None = None
+    """The server caps every request's max_tokens at this (vLLM's override_max_tokens: a --generation-config folder's
+    max_new_tokens; under auto the file's max_new_tokens is only the default of a request that sets none)."""
     grammar_compile_timeout_s: float = 10.0
     """Structured outputs: a grammar that takes longer to compile is refused (StructuredOutputsConfig)."""
     priority_scheduling: bool = False

@@ -160,9 +160,20 @@ def test_finish_all_aborted_ends_streams_with_abort(tokenizer):
     _run(scenario, tokenizer)
 
 
-def test_a_request_whose_output_handling_raises_fails_alone(tokenizer):
-    """A padded-vocab model (512 rows, 384 tokens) sampled id 500 for one request: its detokenizer raises. That
-    request fails (aborted in the engine, counted as an error); the other streams on to its end."""
+def test_a_request_whose_output_handling_raises_fails_alone(tokenizer, monkeypatch):
+    """One request's detokenizer raises (a bug, injected at token 500). That request fails (aborted in the engine,
+    counted as an error); the other streams on to its end."""
+    from pagedllm.engine.detokenizer import IncrementalDetokenizer
+
+    update = IncrementalDetokenizer.update
+
+    def faulty_update(self, new_token_ids):
+        if 500 in new_token_ids:
+            raise TypeError("injected: a detokenizer bug")
+        return update(self, new_token_ids)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "update", faulty_update)
+
     def next_token(request, i):
         return 500 if request.request_id == "bad" and i == 2 else 43 + i
 

@@ -232,3 +232,42 @@ def test_a_tokenizer_with_its_own_methods_is_not_bypassed(tokenizer):
     ids = encode(tokenizer, "hello there")
     detok, deltas, _ = stream(shouting, [1], ids, SamplingParams())
     assert detok._backend is None and "".join(deltas) == "HELLO THERE"
+
+
+def _slow_path(tokenizer, raising: bool = False):
+    """The same tokenizer with its own convert_ids_to_tokens (the detokenizer goes through its methods); `raising`:
+    one that raises IndexError on an id it lacks, as a SentencePiece one does, where the stock one gives None."""
+    class OwnMethods(type(tokenizer)):
+        def convert_ids_to_tokens(self, ids, skip_special_tokens=False):
+            if raising and any(i >= len(self) for i in ids):
+                raise IndexError("piece id is out of range")
+            return super().convert_ids_to_tokens(ids, skip_special_tokens=skip_special_tokens)
+
+        def decode(self, ids, **kwargs):
+            if raising and any(i >= len(self) for i in ids):
+                raise IndexError("piece id is out of range")
+            return super().decode(ids, **kwargs)
+
+    own = copy.copy(tokenizer)
+    own.__class__ = OwnMethods
+    return own
+
+
+@pytest.mark.parametrize("path", ["backend", "methods", "raising"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_ids_past_the_tokenizer_decode_to_nothing(tokenizer, path, skip):
+    """A model whose vocab_size is padded past its tokenizer (Qwen2.5: 151,936 rows, 151,665 tokens) can sample
+    an id the tokenizer lacks: it adds no text, as in vLLM (it raised TypeError: None is not a str)."""
+    tok = tokenizer if path == "backend" else _slow_path(tokenizer, raising=path == "raising")
+    padded = [len(tokenizer), len(tokenizer) + 7]
+    text = encode(tokenizer, "Hi 😀 there")
+    ids = text[:2] + [padded[0]] + text[2:] + [padded[1]]
+    params = SamplingParams(skip_special_tokens=skip)
+    for chunk in (1, 3):
+        detok, deltas, _ = stream(tok, padded + encode(tokenizer, "x"), ids, params, chunk)  # in the prompt too
+        assert (detok._backend is None) == (path != "backend")
+        assert detok.output_text == "".join(deltas) == tokenizer.decode(text, skip_special_tokens=skip)
+        assert detok.output_token_ids == ids
+    detok, deltas, _ = stream(tok, [1], [padded[0]], params)  # nothing but a padded id
+    assert detok.output_text == "".join(deltas) == ""
+    assert decode_token(tok, padded[0]) == "" and decode_token(tok, text[0]) == tokenizer.decode(text[:1])

@@ -99,16 +99,20 @@ def test_finish_requests_flushes_the_text_with_the_reason(tiny_tokenizer):
 
 
 PADDED_ID = 500
-"""A token id past the tiny tokenizer's vocabulary (384) that a model with a padded vocab_size (512) can sample:
-the detokenizer raises TypeError on it (decoding it is issue 19's)."""
+"""A token id past the tiny tokenizer's vocabulary (384) that a model with a padded vocab_size (512) can sample."""
 
 
-def test_a_request_whose_output_handling_raises_fails_alone(tiny_tokenizer, caplog):
+def _raise_type_error(*args) -> None:
+    raise TypeError("injected: a detokenizer bug")
+
+
+def test_a_request_whose_output_handling_raises_fails_alone(tiny_tokenizer, caplog, monkeypatch):
     processor = OutputProcessor(tiny_tokenizer)
     processor.add_request(_request("bad"), None, output_kind="delta")
     processor.add_request(_request("good"), None, output_kind="delta")
+    monkeypatch.setattr(processor.request_states["bad"].detokenizer, "update", _raise_type_error)
     with caplog.at_level("ERROR", logger="pagedllm.engine.output_processor"):
-        result = _step(processor, _out("bad", [43, PADDED_ID]), _out("good", TOKENS[:2]))
+        result = _step(processor, _out("bad", [43, 44]), _out("good", TOKENS[:2]))
     bad, good = result.request_outputs
     assert bad.request_id == "bad" and bad.finished and "error id" in bad.error
     assert bad.outputs[0].finish_reason == "error"
@@ -146,7 +150,7 @@ def test_a_failing_child_fails_its_parent_with_every_sibling(tiny_tokenizer, mon
 
 
 def test_an_error_while_making_the_output_fails_the_request_alone(tiny_tokenizer, monkeypatch):
-    """The detokenizer's flush at the end (get_next_output_text) raises too on a padded id."""
+    """An error in the detokenizer's flush at the end (get_next_output_text) fails that request alone too."""
     processor = OutputProcessor(tiny_tokenizer)
     processor.add_request(_request("bad"), None, output_kind="cumulative")
     processor.add_request(_request("good"), None, output_kind="cumulative")
@@ -162,7 +166,7 @@ def test_finish_requests_fails_a_request_whose_last_output_raises(tiny_tokenizer
     """The drain timeout ends every open request: one that cannot be flushed fails instead of stopping the drain."""
     processor = OutputProcessor(tiny_tokenizer)
     processor.add_request(_request("r"), None, output_kind="cumulative")
-    processor.request_states["r"].detokenizer._tokens.append(None)  # a padded id held back, as if undecoded
+    processor.request_states["r"].detokenizer._tokens.append(None)  # a token that cannot be decoded, held back
     (output,), engine_ids = processor.finish_requests("r", "abort")
     assert engine_ids == ["r"] and output.finished and "error id" in output.error
     assert not processor.has_unfinished_requests()

@@ -10,7 +10,7 @@ and in the API server's output path:
 
 - `raise_in_detokenizer[:seed=S][,after_tokens=N]`: the detokenizer of a request sampled with seed S (any request
   without `seed`) raises TypeError once it has been given more than N tokens (default 0), as a padded-vocab
-  token id makes it raise (one request's output handling fails);
+  token id made it raise before it decoded to "" (one request's output handling fails);
 - `raise_in_output_loop:after_steps=N`: the API server's handling of the engine's outputs raises at the N+1-th
   step (the output loop itself fails).
 

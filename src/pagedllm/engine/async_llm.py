@@ -69,7 +69,7 @@ class AsyncLLM:
         num_replicas = len(self.clients)
         self.router = DPRouter(num_replicas, ready.block_size, ready.num_blocks,
                                prefix_caching=ready.cache_config_info.get("enable_prefix_caching") != "False")
-        self.input_processor = InputProcessor(ready.limits)
+        self.input_processor = InputProcessor(ready.limits, getattr(tokenizer, "eos_token_id", None))
         self.output_processor = OutputProcessor(tokenizer)
         self.stats_tracker = RequestStatsTracker()
         self.prometheus = PrometheusStatLogger(model_name, cache_config_info=ready.cache_config_info,

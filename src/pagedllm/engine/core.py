@@ -104,6 +104,7 @@ class EngineCore:
         return ModelLimits(vocab_size=self.vocab_size, max_model_len=self.max_model_len,
                            eos_token_id=eos_ids[0] if eos_ids else None, extra_stop_token_ids=eos_ids[1:],
                            generation_defaults=self._generation_defaults(),
+                           max_tokens_cap=self._max_tokens_cap(),
                            grammar_compile_timeout_s=so_config.compile_timeout_s,
                            priority_scheduling=self.config.scheduler_config.scheduling_policy == "priority",
                            json_disable_any_whitespace=so_config.disable_any_whitespace,
@@ -122,6 +123,12 @@ class EngineCore:
 
     def _generation_defaults(self) -> dict:
         return dict(self.model_info.generation_config or {})  # the loader honours --generation-config
+
+    def _max_tokens_cap(self) -> int | None:
+        if self.config.model_config.generation_config in ("auto", "vllm"):
+            return None
+        cap = self._generation_defaults().get("max_new_tokens")
+        return int(cap) if isinstance(cap, int) and cap > 0 else None
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -11,6 +11,9 @@ ends in "é", which is emitted, and both offsets move forward.
 Decoding follows the tokenizer's own `convert_tokens_to_string`, so the text equals
 `tokenizer.decode(ids, skip_special_tokens=...)`. `spaces_between_special_tokens` is passed to the
 tokenizer's decode; Hugging Face fast tokenizers ignore it (as in vLLM with a fast tokenizer).
+
+An id the tokenizer lacks (a model whose vocab_size is padded past its tokenizer, as Qwen2.5's 151,936 rows over
+151,665 tokens, can sample one) is the empty token "": it adds no text and never fails, as in vLLM.
 """
 
 from __future__ import annotations
@@ -26,8 +29,13 @@ _REPLACEMENT_CHAR = "\ufffd"
 
 
 def decode_token(tokenizer: Any, token_id: int) -> str:
-    """The text of one token alone (for logprobs); a partial UTF-8 byte decodes to U+FFFD."""
-    return tokenizer.decode([token_id])
+    """The text of one token alone (for logprobs); a partial UTF-8 byte decodes to U+FFFD, and an id the
+    tokenizer lacks (a vocab_size padded past the tokenizer, as Qwen2.5's is) to "" (vLLM's
+    convert_ids_list_to_tokens: `tokenizer.decode([id]) or ""`)."""
+    try:
+        return tokenizer.decode([token_id]) or ""
+    except (IndexError, KeyError, TypeError, ValueError, OverflowError):  # a slow tokenizer's lookup of the id
+        return ""
 
 
 class IncrementalDetokenizer:
@@ -58,6 +66,7 @@ class IncrementalDetokenizer:
         self._decoder = self._backend.decoder if self._backend is not None else None
         self._skip_ids = (frozenset(tokenizer.all_special_ids) if self._backend is not None and self.skip_special_tokens
                           else frozenset())
+        self._num_tokens: int | None = None
         self.output_token_ids: list[int] = []
         self.output_text = ""
         self._last_output_text_offset = 0
@@ -171,8 +180,21 @@ class IncrementalDetokenizer:
             return []
         if self._backend is not None:  # what convert_ids_to_tokens does, without its per-call special-token list
             id_to_token, skip_ids = self._backend.id_to_token, self._skip_ids
-            return [id_to_token(token_id) for token_id in token_ids if token_id not in skip_ids]
-        return self.tokenizer.convert_ids_to_tokens(token_ids, skip_special_tokens=self.skip_special_tokens)
+            # an id past the tokenizer has no token (None): it is "" (vLLM's _replace_none_with_empty)
+            return [id_to_token(token_id) or "" for token_id in token_ids if token_id not in skip_ids]
+        convert, skip = self.tokenizer.convert_ids_to_tokens, self.skip_special_tokens
+        try:
+            tokens = convert(token_ids, skip_special_tokens=skip)
+            if None not in tokens:
+                return tokens
+        except (IndexError, KeyError, TypeError, ValueError, OverflowError):  # a slow tokenizer's lookup of an id
+            pass
+        # an id past the tokenizer is "" in place, never looked up (vLLM's detokenize_incrementally)
+        if self._num_tokens is None:
+            self._num_tokens = len(self.tokenizer)  # only now: a slow tokenizer's len() may walk its vocabulary
+        num_tokens = self._num_tokens
+        return [token or "" for token_id in token_ids
+                for token in (convert([token_id], skip_special_tokens=skip) if 0 <= token_id < num_tokens else [""])]
 
     def _to_string(self, tokens: list[str]) -> str:
         if not tokens:

@@ -7,6 +7,7 @@ happens here, before the engine sees it, and raises InvalidRequestError with the
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from pagedllm.messages import EngineCoreRequest, ModelLimits
@@ -36,8 +37,8 @@ class InvalidRequestError(ValueError):
 
 
 class InputProcessor:
-    def __init__(self, limits: ModelLimits):
-        self.limits = limits
+    def __init__(self, limits: ModelLimits, tokenizer_eos_token_id: int | None = None):
+        self.limits = limits if tokenizer_eos_token_id is None else with_tokenizer_eos(limits, tokenizer_eos_token_id)
 
     def default_sampling_params(self) -> SamplingParams:
         """The model's generation-config defaults, or vLLM's when it has none."""
@@ -127,6 +128,18 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
         )
+
+
+def with_tokenizer_eos(limits: ModelLimits, eos_token_id: int) -> ModelLimits:
+    """vLLM's EOS: a request's EOS is the tokenizer's eos_token_id, and the model's EOS ids (generation_config.json's
+    eos_token_id list) other than it are stop token ids (SamplingParams.update_from_generation_config). They differ
+    e.g. for Llama 3.1 Instruct (tokenizer <|eot_id|>, generation config [<|end_of_text|>, <|eom_id|>, <|eot_id|>]):
+    ending on <|eot_id|> is an EOS (stop_reason None), on <|eom_id|> a stop token (stop_reason its id)."""
+    if eos_token_id == limits.eos_token_id:
+        return limits
+    model_ids = [t for t in (limits.eos_token_id, *limits.extra_stop_token_ids) if t is not None]
+    return dataclasses.replace(limits, eos_token_id=eos_token_id,
+                               extra_stop_token_ids=[t for t in dict.fromkeys(model_ids) if t != eos_token_id])
 
 
 def json_options(limits: ModelLimits) -> tuple[bool, bool]:

@@ -24,7 +24,7 @@ class LLMEngine:
         self.config = config
         self.engine_core = EngineCore(config)
         self.tokenizer = get_tokenizer(config.model_config.tokenizer or self.engine_core.resolved_model)
-        self.input_processor = InputProcessor(self.engine_core.model_limits())
+        self.input_processor = InputProcessor(self.engine_core.model_limits(), self.tokenizer.eos_token_id)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def tokenize(self, prompt: str) -> list[int]:

@@ -26,7 +26,13 @@ from pagedllm.layers.linear import pack_linear_weights
 from pagedllm.layers.quantized_weight import PackedWeight
 from pagedllm.models.fp8_codes import quantize_fp8, quantizes_to_fp8
 from pagedllm.models.gguf_loader import gguf_model_info, gguf_tensors, open_gguf
-from pagedllm.models.model_info import ModelInfo, ModelLoadError, model_info_from_hf_config, token_ids
+from pagedllm.models.model_info import (
+    GENERATION_CONFIG_KEYS,
+    ModelInfo,
+    ModelLoadError,
+    model_info_from_hf_config,
+    token_ids,
+)
 from pagedllm.models.quantized_codes import QuantizedWeight
 from pagedllm.models.registry import get_model_class
 from pagedllm.models.resolve import DEFAULT_MODEL_NAME, EMBEDDED_PACKAGE, ResolvedModel  # noqa: F401 (re-exported)
@@ -97,12 +103,23 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ModelLoadError(f"{path}: cannot parse JSON ({e})") from None
 
 
-def _generation_config(model_config: ModelConfig, resolved: ResolvedModel) -> dict[str, Any]:
-    if model_config.generation_config == "vllm":
-        return {}
-    if model_config.generation_config == "auto":
+def _generation_config_file(model_config: ModelConfig, resolved: ResolvedModel) -> dict[str, Any]:
+    """generation_config.json where vLLM's try_get_generation_config reads it: the model folder's under
+    --generation-config auto and vllm, the named folder's otherwise; {} where there is none (a GGUF file)."""
+    if model_config.generation_config in ("auto", "vllm"):
         return _read_json(resolved.folder / "generation_config.json") if resolved.kind == "hf" else {}
     return _read_json(Path(model_config.generation_config) / "generation_config.json")
+
+
+def _apply_generation_config(info: ModelInfo, model_config: ModelConfig, resolved: ResolvedModel) -> ModelInfo:
+    """The file's sampling defaults, except under --generation-config vllm (vLLM's get_diff_sampling_param), and
+    its EOS ids under every mode: vLLM makes a generation config's eos_token_id list stop ids even under vllm."""
+    gen = _generation_config_file(model_config, resolved)
+    info.generation_config = ({} if model_config.generation_config == "vllm" else
+                              {k: gen[k] for k in GENERATION_CONFIG_KEYS if gen.get(k) is not None})
+    if token_ids(gen.get("eos_token_id")):
+        info.eos_token_ids = token_ids(gen.get("eos_token_id"))
+    return info
 
 
 def load_model_info(model_config: ModelConfig) -> ModelInfo:
@@ -114,21 +131,17 @@ def load_model_info(model_config: ModelConfig) -> ModelInfo:
     if resolved.kind == "gguf":
         info = gguf_model_info(open_gguf(resolved.path), resolved.path)
     else:
-        info = _hf_model_info(resolved.path, _generation_config(model_config, resolved))
-    if resolved.kind == "gguf" and model_config.generation_config not in ("auto", "vllm"):
-        info.generation_config = _generation_config(model_config, resolved)
-    return info
+        info = _hf_model_info(resolved.path)
+    return _apply_generation_config(info, model_config, resolved)
 
 
-def _hf_model_info(folder: Path, generation_config: dict[str, Any]) -> ModelInfo:
+def _hf_model_info(folder: Path) -> ModelInfo:
+    """From config.json; the EOS ids are generation_config.json's where it has them (_apply_generation_config),
+    else config.json's (vLLM's fallback, GenerationConfig.from_model_config)."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(f"{folder}: no config.json")
-    info = model_info_from_hf_config(_read_json(config_path), generation_config, str(folder))
-    if not info.eos_token_ids:  # fall back to generation_config.json's eos even under --generation-config vllm
-        gen = _read_json(folder / "generation_config.json")
-        info.eos_token_ids = token_ids(gen.get("eos_token_id"))
-    return info
+    return model_info_from_hf_config(_read_json(config_path), {}, str(folder))
 
 
 def _safetensors_tensors(folder: Path, keep: Callable[[str], bool] | None = None
@@ -307,11 +320,11 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     pack = _packer(model_config, quantized, source)
     if resolved.kind == "gguf":
         reader = open_gguf(resolved.path)
-        info = gguf_model_info(reader, resolved.path)
+        info = _apply_generation_config(gguf_model_info(reader, resolved.path), model_config, resolved)
         tensors: Iterator[tuple[str, Any]] = gguf_tensors(reader, info, resolved.path, quantized=quantized,
                                                           keep=_stage_filter(pp, info))
     else:
-        info = _hf_model_info(resolved.path, _generation_config(model_config, resolved))
+        info = _apply_generation_config(_hf_model_info(resolved.path), model_config, resolved)
         tensors = _safetensors_tensors(resolved.path, _stage_filter(pp, info))
         if runs_fp8(model_config, resolved, device, dtype):
             tensors = _fp8_linears(tensors)

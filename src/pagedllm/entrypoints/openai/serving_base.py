@@ -101,6 +101,9 @@ class OpenAIServing:
                   for name in _DEFAULTABLE}
         if max_tokens is None:
             max_tokens = defaults.get("max_tokens")
+        cap = self.engine.input_processor.limits.max_tokens_cap
+        if cap is not None and (max_tokens is None or max_tokens > cap):
+            max_tokens = cap  # vLLM's get_max_tokens: a --generation-config folder's max_new_tokens caps every request
         stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
         logit_bias = None
         if request.logit_bias:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+from pagedllm.engine.detokenizer import decode_token
 from pagedllm.engine.input_processor import is_valid_unicode
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.formatting import (
@@ -142,7 +143,7 @@ class OpenAIServingCompletion(OpenAIServing):
         result = CompletionLogProbs()
         for token_id, position in zip(token_ids, positions, strict=False):
             if position is None:
-                token_text = self.tokenizer.decode([token_id])
+                token_text = decode_token(self.tokenizer, token_id)
                 result.tokens.append(token_text)
                 result.token_logprobs.append(None)
                 result.top_logprobs.append(None)
