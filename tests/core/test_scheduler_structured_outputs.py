@@ -16,6 +16,9 @@ class FakeGrammar:
 
     def __init__(self):
         self.ready = False
+        self.mask_ready = True
+        self.prepared: list[list[int]] = []
+        """The drafts of each prepare_mask call."""
         self.accepted: list[int] = []
         self.refused: set[int] = set()
         self.validated: list[tuple[list[int], list[int]]] = []
@@ -23,6 +26,12 @@ class FakeGrammar:
 
     def is_ready(self) -> bool:
         return self.ready
+
+    def is_mask_ready(self) -> bool:
+        return self.mask_ready
+
+    def prepare_mask(self, drafts: list[int]) -> None:
+        self.prepared.append(list(drafts))
 
     def accept_tokens(self, token_ids: list[int]) -> None:
         self.accepted.extend(token_ids)

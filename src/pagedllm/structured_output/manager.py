@@ -1,6 +1,12 @@
-"""StructuredOutputManager: compiles grammars in a worker thread (with a cache keyed by grammar and tokenizer)
-and, each step, fills the token bitmask of the rows that sample under a grammar (vLLM's
-`StructuredOutputManager`). The engine core owns it; only the busy loop's thread calls `grammar_bitmask`."""
+"""StructuredOutputManager: compiles grammars in a worker thread (with a cache keyed by grammar and tokenizer),
+computes each constrained request's next mask ahead of its step on a mask thread, and, each step, gathers the
+token bitmask of the rows that sample under a grammar (vLLM's `StructuredOutputManager`). The engine core owns
+it; only the busy loop's thread calls `grammar_bitmask` and `wait_for_masks`.
+
+Masks ahead of the step (issue 32): a grammar whose masks cost tens of milliseconds per token used to stretch
+every step, so one constrained request slowed every stream. Now the engine waits for pending masks at most a
+budget per step (engine/core.py), and the scheduler leaves out of the step a request whose mask is still not
+ready (structured_output/request.py), so only that request waits for its mask."""
 
 from __future__ import annotations
 
@@ -8,8 +14,9 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -66,12 +73,18 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._stats = GrammarStats()
         self._bitmask: np.ndarray | None = None
+        self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        """Computes requests' next masks ahead of their steps (one thread: llguidance drops the GIL in a mask, and
+        a second thread would only take the model's cores)."""
+        self._pending_masks: set[Future] = set()
+        self._pending_lock = threading.Lock()
 
     def add_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         """Start compiling a request's grammar in the worker; the request waits (WAITING_FOR_FSM) until it is
         ready. Raises StructuredOutputError for params that name no grammar (the frontend checked it first)."""
         grammar = grammar_of(params, self.config.disable_any_whitespace, self.config.disable_additional_properties)
-        return StructuredOutputRequest(self._worker.submit(self._compile, grammar))
+        return StructuredOutputRequest(self._worker.submit(self._compile, grammar), self._mask_worker,
+                                       self._compute_mask, self._track_mask)
 
     def _compile(self, grammar: str):
         """In the worker: a matcher for `grammar` at its start, copied from the cache or compiled."""
@@ -104,6 +117,35 @@ class StructuredOutputManager:
                         self._backend.vocab_size, time.perf_counter() - start)
         return self._backend
 
+    def _compute_mask(self, matcher, drafts: Sequence[int]) -> np.ndarray:
+        """On the mask thread: a request's rows for its next step, [1 + len(drafts), words] (as grammar_bitmask
+        fills them: its mask now, then after each draft prefix)."""
+        backend = self._backend  # set by the compile that made the matcher
+        rows = backend.allocate_bitmask(1 + len(drafts))
+        rows.fill(0)
+        backend.fill_bitmask([(matcher, 0, drafts)], rows)
+        return rows
+
+    def _track_mask(self, job: Future) -> None:
+        with self._pending_lock:
+            self._pending_masks.add(job)
+        job.add_done_callback(self._untrack_mask)
+
+    def _untrack_mask(self, job: Future) -> None:
+        with self._pending_lock:
+            self._pending_masks.discard(job)
+
+    def wait_for_masks(self, timeout_s: float, any_one: bool = False) -> bool:
+        """Wait up to timeout_s for every mask being computed (any_one: for the first of them to finish).
+        Returns whether none is pending any more (any_one: whether one finished or none was pending)."""
+        with self._pending_lock:
+            pending = list(self._pending_masks)
+        if not pending:
+            return True
+        done, not_done = wait_futures(pending, timeout=timeout_s,
+                                      return_when=FIRST_COMPLETED if any_one else ALL_COMPLETED)
+        return bool(done) if any_one else not not_done
+
     def take_stats(self) -> GrammarStats:
         """The counters since the previous call."""
         with self._lock:
@@ -119,10 +161,13 @@ class StructuredOutputManager:
         with k drafts scheduled, k rows follow: the masks after each draft prefix (the verify step's rows, vLLM's
         layout), so every token the verify step emits, the bonus token included, is one the grammar allows after
         the tokens before it. A row that would allow nothing gets EOS, so the request can always end.
+        Rows computed ahead on the mask thread are copied; the others (none when the scheduler waited for them)
+        are computed here.
         """
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         rows: dict[str, int] = {}
-        live = []  # (matcher, first row, drafts)
+        live = []  # (matcher, first row, drafts): computed here
+        ahead = []  # (rows computed on the mask thread, first row)
         num_rows = 0
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
@@ -132,7 +177,11 @@ class StructuredOutputManager:
             drafts = spec_tokens.get(req_id, ()) if spec_tokens else ()
             rows[req_id] = num_rows
             if so_request.matcher is not None:
-                live.append((so_request.matcher, num_rows, drafts))
+                ready = so_request.mask_rows(drafts)
+                if ready is None:
+                    live.append((so_request.matcher, num_rows, drafts))
+                else:
+                    ahead.append((ready, num_rows))
             num_rows += 1 + len(drafts)
         if not rows:
             return None
@@ -141,6 +190,8 @@ class StructuredOutputManager:
             return None
         bitmask = self._rows(backend, num_rows)
         bitmask.fill(0)
+        for ready, row in ahead:
+            bitmask[row:row + len(ready)] = ready
         if live:
             backend.fill_bitmask(live, bitmask)
         dead = np.flatnonzero(~bitmask.any(axis=1))
@@ -157,3 +208,4 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
+        self._mask_worker.shutdown(wait=False, cancel_futures=True)
