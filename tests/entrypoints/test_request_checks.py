@@ -13,8 +13,9 @@ from pagedllm.config import ServerConfig
 from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.formatting import json_logprob
-from pagedllm.entrypoints.openai.protocol import CompletionRequest, DetokenizeRequest
+from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.request_caps import precheck_caps
+from pagedllm.entrypoints.openai.tokenize_protocol import DetokenizeRequest
 
 CAPS = ServerConfig()
 

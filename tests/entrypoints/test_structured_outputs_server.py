@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 from pydantic import BaseModel, Field
@@ -112,3 +113,69 @@ def test_a_bad_backend_is_a_startup_error(tiny_llama_dir):
         assert server.proc.wait(timeout=60) != 0
     finally:
         server.close()
+
+
+def _ref_chain(n: int) -> dict:
+    """$defs d0 -> d1 -> ... -> dn, each an object whose one property refers to the next."""
+    defs = {f"d{i}": {"type": "object", "properties": {"next": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["next"]}
+            for i in range(n)}
+    return {"$defs": {**defs, f"d{n}": {"type": "string"}}, "$ref": "#/$defs/d0"}
+
+
+def test_the_bodies_that_crashed_the_server_are_400s_naming_the_limit(server):
+    """A 1,000-deep $ref chain (as a response_format, as a required tool's parameters) and 3,000 chained Lark
+    rules overflowed llguidance's native stack and killed the server; each is now a 400 naming the field and the
+    limit, and the same server (and engine) answers next."""
+    engine = server.child_pids()
+    rules = "start: r0\n" + "\n".join(f'r{i}: "t" r{i + 1}' for i in range(3000)) + '\nr3000: "t"\n'
+    tool = {"type": "function", "function": {"name": "deep", "parameters": _ref_chain(1000)}}
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": _ref_chain(1000)}}},
+         "response_format", "$ref chain depth"),
+        ({"tools": [tool], "tool_choice": "required"}, "tools[0].function.parameters", "$ref chain depth"),
+        ({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "deep"}}},
+         "tools[0].function.parameters", "$ref chain depth"),
+        ({"structured_outputs": {"grammar": rules}}, "structured_outputs.grammar", "rule-reference depth"),
+    ]
+    for body, param, limit in cases:
+        response = server.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES,
+                                                             "max_tokens": 5, **body})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["param"], error["type"]) == (param, "invalid_request_error"), error
+        assert limit in error["message"] and "limit of" in error["message"], error
+    assert server.proc.poll() is None and server.child_pids() == engine
+    response = server.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 5,
+                                                         "structured_outputs": {"choice": ["yes", "no"]}})
+    assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] in ("yes", "no")
+
+
+def test_big_choices_never_starve_small_ones(server):
+    """Six concurrent 100,000-entry choices (a thread each kept compiling after its timeout, and every other
+    client's two-entry choice timed out) are refused by size at once; big choices under the bound compile apart
+    (the big lane), while small ones from other clients all succeed."""
+    import concurrent.futures
+
+    def post(choices: list[str]) -> tuple[int, dict]:
+        response = server.post("/v1/chat/completions", timeout=120.0, json={
+            "model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 8, "structured_outputs": {"choice": choices}})
+        return response.status_code, response.json()
+
+    huge = [f"option number {i}" for i in range(100_000)]
+    big = [f"choice number {i}" for i in range(15_000)]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        huge_results = [pool.submit(post, huge) for _ in range(6)]
+        big_results = [pool.submit(post, big) for _ in range(2)]
+        time.sleep(3.0)  # the big ones arrive first (before the fix they then held every validation thread)
+        small_results = [pool.submit(post, ["yes", "no"]) for _ in range(6)]
+        for future in small_results:
+            status, body = future.result()
+            assert status == 200, body
+            assert body["choices"][0]["message"]["content"] in ("yes", "no")
+        for future in huge_results:
+            status, body = future.result()
+            assert status == 400 and body["error"]["param"] == "structured_outputs.choice", body
+            assert "number of choice entries is 100,000" in body["error"]["message"]
+        for future in big_results:
+            status, body = future.result()  # compiled, or (on a loaded machine) refused for its own compile time
+            assert status == 200 or "longer than" in body["error"]["message"], body

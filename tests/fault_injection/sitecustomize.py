@@ -6,10 +6,18 @@ misbehaves after N successful steps, K times (default 1):
 - hang_in_forward: blocks the busy loop forever;
 - sleep_in_forward: makes the step last S seconds longer (a long step that is not a hang).
 
-Python imports `sitecustomize` at start-up. This one, only when the variable is set, waits for
-`pagedllm.engine.core` to be imported (only the engine-core process imports it) and wraps EngineCore so that
-each new engine's runner gets the faulty execute_model. `tests/server_process.serve_env` puts this folder on
-PYTHONPATH when a test asks for a fault.
+and in the API server's output path:
+
+- `raise_in_detokenizer[:seed=S][,after_tokens=N]`: the detokenizer of a request sampled with seed S (any request
+  without `seed`) raises TypeError once it has been given more than N tokens (default 0), as a padded-vocab
+  token id makes it raise (one request's output handling fails);
+- `raise_in_output_loop:after_steps=N`: the API server's handling of the engine's outputs raises at the N+1-th
+  step (the output loop itself fails).
+
+Python imports `sitecustomize` at start-up. This one, only when the variable is set, waits for the module to
+wrap to be imported (`pagedllm.engine.core`: only the engine-core process imports it; `pagedllm.engine.detokenizer`
+and `pagedllm.engine.async_llm`: the API server) and wraps it. `tests/server_process.serve_env` puts this folder
+on PYTHONPATH when a test asks for a fault.
 """
 
 from __future__ import annotations
@@ -23,16 +31,21 @@ import time
 
 FAULT_INJECT_ENV = "PAGEDLLM_FAULT_INJECT"
 ENGINE_MODULE = "pagedllm.engine.core"
+FORWARD_KINDS = ("raise_in_forward", "hang_in_forward", "sleep_in_forward")
 logger = logging.getLogger("pagedllm.fault_injection")
+
+
+def _parse(spec: str) -> tuple[str, dict[str, str]]:
+    kind, _, options = spec.partition(":")
+    return kind, dict(item.split("=", 1) for item in options.split(",") if item)
 
 
 def install_fault(engine_core, spec: str) -> None:
     """Wrap the runner's execute_model per a PAGEDLLM_FAULT_INJECT spec (see the module docstring)."""
-    kind, _, options = spec.partition(":")
-    opts = dict(item.split("=", 1) for item in options.split(",") if item)
+    kind, opts = _parse(spec)
     after_steps, times = int(opts.get("after_steps", 0)), int(opts.get("times", 1))
     seconds = float(opts.get("seconds", 0))
-    if kind not in ("raise_in_forward", "hang_in_forward", "sleep_in_forward"):
+    if kind not in FORWARD_KINDS:
         raise ValueError(f"unknown {FAULT_INJECT_ENV} kind {kind!r}")
     runner = engine_core.runner
     execute_model = runner.execute_model
@@ -64,11 +77,58 @@ def _wrap_engine_core(module) -> None:
     module.EngineCore.__init__ = __init__
 
 
-class _EngineCoreHook(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: on the import of pagedllm.engine.core, runs the real import, then wraps."""
+def _wrap_detokenizer(module) -> None:
+    """raise_in_detokenizer: see the module docstring."""
+    _, opts = _parse(os.environ[FAULT_INJECT_ENV])
+    seed = int(opts["seed"]) if "seed" in opts else None
+    after_tokens = int(opts.get("after_tokens", 0))
+    cls = module.IncrementalDetokenizer
+    init, update = cls.__init__, cls.update
+
+    def __init__(self, tokenizer, prompt_token_ids, params) -> None:
+        init(self, tokenizer, prompt_token_ids, params)
+        self._fault_armed = seed is None or params.seed == seed
+
+    def faulty_update(self, new_token_ids):
+        if self._fault_armed and len(self.output_token_ids) + len(new_token_ids) > after_tokens:
+            logger.warning("%s: injecting raise_in_detokenizer", FAULT_INJECT_ENV)
+            raise TypeError("injected fault in the detokenizer")
+        return update(self, new_token_ids)
+
+    cls.__init__, cls.update = __init__, faulty_update
+
+
+def _wrap_output_loop(module) -> None:
+    """raise_in_output_loop: see the module docstring."""
+    _, opts = _parse(os.environ[FAULT_INJECT_ENV])
+    after_steps = int(opts.get("after_steps", 0))
+    on_outputs = module.AsyncLLM._on_outputs
+    calls = {"n": 0}
+
+    def faulty_on_outputs(self, replica, message):
+        calls["n"] += 1
+        if calls["n"] == after_steps + 1:
+            logger.warning("%s: injecting raise_in_output_loop at step %d", FAULT_INJECT_ENV, calls["n"])
+            raise RuntimeError("injected fault in the output loop")
+        return on_outputs(self, replica, message)
+
+    module.AsyncLLM._on_outputs = faulty_on_outputs
+
+
+WRAPPERS = {"raise_in_detokenizer": ("pagedllm.engine.detokenizer", _wrap_detokenizer),
+            "raise_in_output_loop": ("pagedllm.engine.async_llm", _wrap_output_loop),
+            **{kind: (ENGINE_MODULE, _wrap_engine_core) for kind in FORWARD_KINDS}}
+
+
+class _ImportHook(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: on the import of `module_name`, runs the real import, then `wrap`s the module."""
+
+    def __init__(self, module_name: str, wrap) -> None:
+        self.module_name = module_name
+        self.wrap = wrap
 
     def find_spec(self, name, path, target=None):
-        if name != ENGINE_MODULE:
+        if name != self.module_name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -76,11 +136,14 @@ class _EngineCoreHook(importlib.abc.MetaPathFinder):
 
         def exec_and_wrap(module) -> None:
             exec_module(module)
-            _wrap_engine_core(module)
+            self.wrap(module)
 
         spec.loader.exec_module = exec_and_wrap
         return spec
 
 
 if os.environ.get(FAULT_INJECT_ENV):
-    sys.meta_path.insert(0, _EngineCoreHook())
+    _kind = _parse(os.environ[FAULT_INJECT_ENV])[0]
+    if _kind not in WRAPPERS:
+        raise ValueError(f"unknown {FAULT_INJECT_ENV} kind {_kind!r}")
+    sys.meta_path.insert(0, _ImportHook(*WRAPPERS[_kind]))

@@ -58,11 +58,12 @@ def stream_until_error(client: openai.OpenAI, request: dict, started: threading.
         results.append((outcome, time.monotonic()))
 
 
-def stream_to_its_end(server: Server, results: list, lock: threading.Lock, max_tokens: int = 300) -> None:
-    """A long completion stream read to its end; appends (finish reasons, whether [DONE] came) to `results`, or
-    the httpx error that ended it."""
+def stream_to_its_end(server: Server, results: list, lock: threading.Lock, max_tokens: int = 300,
+                      extra: dict | None = None) -> None:
+    """A long completion stream (with the request fields in `extra`) read to its end; appends (finish reasons,
+    whether [DONE] came) to `results`, or the httpx error that ended it."""
     body = {"model": MODEL_NAME, "prompt": "The quick brown fox", "max_tokens": max_tokens, "ignore_eos": True,
-            "stream": True}
+            "stream": True, **(extra or {})}
     reasons, done = [], False
     try:
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as response:

@@ -388,31 +388,6 @@ def test_deeply_nested_json_is_400_without_a_traceback(server, engine_pid, path,
     assert_server_intact(server, engine_pid)
 
 
-def test_tokenization_runs_off_the_event_loop(server, engine_pid):
-    """While /tokenize works through 1 MB of text (seconds here), /health answers at once: the tokenizer
-    ran on the event loop and froze every route (a 15 MB /tokenize froze the server for 15 s)."""
-    text = "hello world " * (1_000_000 // 12)
-    result = {}
-
-    def tokenize():
-        result["response"] = server.http.post("/tokenize", json={"model": MODEL_NAME, "prompt": text}, timeout=120)
-
-    worker = threading.Thread(target=tokenize)
-    worker.start()
-    time.sleep(0.3)  # the body is sent and tokenization is under way
-    latencies, answered_first = [], 0
-    for _ in range(3):
-        start = time.perf_counter()
-        assert server.http.get("/health", timeout=30).status_code == 200
-        latencies.append(time.perf_counter() - start)
-        answered_first += "response" not in result
-    worker.join()
-    print(f"FIGURE /health during a 1 MB /tokenize: worst {max(latencies) * 1000:.0f} ms")
-    assert answered_first == 3, latencies  # every /health answered before the tokenization ended
-    assert result["response"].status_code == 200 and result["response"].json()["count"] > 500_000
-    assert_server_intact(server, engine_pid)
-
-
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
 def test_prompt_too_long_for_any_tokenization_is_rejected_before_tokenizing(server, engine_pid, path):
     """900 kB of text cannot fit in max_model_len (512) tokens of at most 13 characters: 400 at once, as

@@ -44,7 +44,7 @@ def test_a_compile_over_the_time_limit_is_refused(monkeypatch):
         time.sleep(0.5)
         return ""
 
-    monkeypatch.setattr(grammar_module, "_validation_error", slow)
+    monkeypatch.setattr(grammar_module, "validation_error", slow)
     error = _error(S(regex="[0-9]+ (the time-limit test)"), timeout_s=0.05)
     assert error.param == "structured_outputs.regex"
     assert "longer than 0.05 s" in str(error)
@@ -57,7 +57,7 @@ def test_a_grammar_seen_before_is_answered_without_the_worker(monkeypatch):
     def busy(grammar: str) -> str:
         raise AssertionError("validated again")
 
-    monkeypatch.setattr(grammar_module, "_validation_error", busy)
+    monkeypatch.setattr(grammar_module, "validation_error", busy)
     assert check_grammar(params, 10.0)  # e.g. the InputProcessor after the request layer: no wait on the pool
 
 

@@ -296,6 +296,13 @@ class AsyncLLM:
             self.stats_tracker.finish(engine_id, "stop", stats)
             self._forget(engine_id)
         self._send_abort(replica, processed.reqs_to_abort)
+        if processed.reqs_failed:  # their output handling raised: failed here alone (vllm:request_success "error")
+            failed_in_engine = []
+            for engine_id in processed.reqs_failed:
+                self.stats_tracker.finish(engine_id, "error", stats)
+                if self._forget(engine_id) is not None:
+                    failed_in_engine.append(engine_id)
+            self._send_abort(replica, failed_in_engine)
         for request in processed.reqs_to_add:
             self._send_add(request)
         for output in outputs.outputs:

@@ -150,6 +150,16 @@ class EngineCoreClient:
     # ---- engine messages and death -----------------------------------------------------------------------
 
     async def _output_loop(self) -> None:
+        """Deliver the engine's messages. If this loop dies (an error outside any one request's output handling,
+        which OutputProcessor contains), no output reaches any request again: the engine is as good as dead, so
+        it is marked dead (every open request fails, /health answers 503, the server exits to be restarted)."""
+        try:
+            await self._receive_outputs()
+        except Exception as e:
+            logger.exception("the output loop failed")
+            self._mark_dead(f"the API server's output loop failed ({type(e).__name__}; see its log)")
+
+    async def _receive_outputs(self) -> None:
         decoder = msgspec.msgpack.Decoder(FromEngine)
         while True:
             frame = await self.output_socket.recv(copy=False)
@@ -166,10 +176,7 @@ class EngineCoreClient:
             elif isinstance(message, EngineFailed):
                 self._mark_dead(f"engine core failed: {message.message}")
             else:
-                try:
-                    self.on_message(message)
-                except Exception:
-                    logger.exception("error while handling engine outputs")
+                self.on_message(message)
 
     def _watch_process(self) -> None:
         code = self.proc.wait()

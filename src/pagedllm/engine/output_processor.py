@@ -3,17 +3,25 @@
 It detokenizes incrementally, checks stop strings (a hit finishes the request here and asks the engine
 to abort it, the same step), converts logprobs, keeps per-request timings for metrics, and aggregates
 the n sibling requests of a parent request.
+
+An error while handling one request's output (its detokenizer raising, say) fails that request alone: it is
+logged with its traceback, the request (with its n siblings) finishes with an error and is aborted in the
+engine, and the other requests of the step go on as if nothing happened.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, decode_token
 from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsEntry
 from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+
+logger = logging.getLogger(__name__)
 
 OutputKind = Literal["cumulative", "delta", "final_only"]
 
@@ -70,6 +78,9 @@ class OutputProcessorOutput:
     """Requests finished here by a stop string: the engine must abort them."""
     reqs_to_add: list[EngineCoreRequest] = field(default_factory=list)
     """Sibling requests released now that their first sibling has cached the prompt."""
+    reqs_failed: list[str] = field(default_factory=list)
+    """Requests (engine ids) failed here by an error in their output handling: the engine must abort those it
+    still runs, and they count as finished with an error."""
 
 
 class OutputProcessor:
@@ -109,11 +120,19 @@ class OutputProcessor:
         request_outputs: list[RequestOutput] = []
         finished = []
         for rid, state in list(self.request_states.items()):
+            if rid not in self.request_states:  # failed below with a sibling
+                continue
             if rid == req_id or (state.parent is not None and state.parent.request_id == req_id):
                 if state.parent is not None:
                     state.parent.pending.clear()
                 state.finish_reason = finish_reason
-                request_output = self._make_request_output(state)
+                try:
+                    request_output = self._make_request_output(state)
+                except Exception as e:  # the last flush of its text raised: it fails instead
+                    request_output, failed = self._fail(state, e)
+                    finished.extend(failed)
+                    request_outputs.append(request_output)
+                    continue
                 del self.request_states[rid]
                 finished.append(rid)
                 if request_output is not None:
@@ -124,22 +143,51 @@ class OutputProcessor:
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
         reqs_to_add: list[EngineCoreRequest] = []
+        reqs_failed: list[str] = []
         now = time.time()
         for out in outputs.outputs:
             state = self.request_states.get(out.request_id)
             if state is None:  # aborted in the frontend already
                 continue
-            if self._update(state, out, now):
+            try:
+                stopped_here = self._update(state, out, now)
+                request_output = self._make_request_output(state)
+            except Exception as e:
+                request_output, failed = self._fail(state, e)
+                reqs_failed.extend(failed)
+                request_outputs.append(request_output)
+                continue
+            if stopped_here:
                 reqs_to_abort.append(out.request_id)
             if state.parent is not None and state.parent.pending and (out.new_token_ids or out.finished):
                 reqs_to_add.extend(state.parent.pending)
                 state.parent.pending.clear()
-            request_output = self._make_request_output(state)
             if state.finish_reason is not None:
                 del self.request_states[out.request_id]
             if request_output is not None:
                 request_outputs.append(request_output)
-        return OutputProcessorOutput(request_outputs, reqs_to_abort, reqs_to_add)
+        return OutputProcessorOutput(request_outputs, reqs_to_abort, reqs_to_add, reqs_failed)
+
+    def _fail(self, state: RequestState, error: Exception) -> tuple[RequestOutput, list[str]]:
+        """One request's output handling raised: log it with its traceback and end the request (all of a
+        parent's children) with an error. Returns its last output and the engine ids it leaves."""
+        error_id = uuid.uuid4().hex[:16]
+        request_id = state.parent.request_id if state.parent is not None else state.request_id
+        logger.error("internal error %s: the output of request %s could not be processed; the request fails, "
+                     "the others go on", error_id, request_id, exc_info=error)
+        failed = []
+        for rid, other in list(self.request_states.items()):
+            if rid == request_id or (other.parent is not None and other.parent.request_id == request_id):
+                del self.request_states[rid]
+                failed.append(rid)
+        if state.parent is not None:
+            state.parent.pending.clear()  # never sent: nothing to abort in the engine
+        message = f"The server had an error while processing the output of this request (error id {error_id})."
+        output = RequestOutput(request_id=request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+                               outputs=[CompletionOutput(index=state.index, text="", token_ids=[],
+                                                         finish_reason="error")],
+                               finished=True, error=message)
+        return output, failed
 
     # ---- per request ----------------------------------------------------------------------------
     def _update(self, state: RequestState, out: EngineCoreOutput, now: float) -> bool:

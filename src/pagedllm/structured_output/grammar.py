@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -18,13 +17,17 @@ import msgspec
 from llguidance.gbnf_to_lark import any_to_lark
 
 from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output import bounds
+from pagedllm.structured_output.bounds import BigStackExecutor, ConstraintLimitError
 from pagedllm.structured_output.json_options import close_objects, whitespace_options
 
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 """The StructuredOutputsParams fields of which a request sets exactly one."""
 
 VALIDATION_CACHE_SIZE = 256
-_validate_pool = ThreadPoolExecutor(4, thread_name_prefix="grammar-validate")
+_validate_pool: BigStackExecutor | None = None
+"""The in-process validation thread (offline LLM, and the server's InputProcessor on a cache miss), started on
+first use; the API server validates in a child process first (entrypoints/openai/grammar_process.py)."""
 _validated: OrderedDict[str, str] = OrderedDict()
 """grammar -> its validation error ("": valid), the most recent VALIDATION_CACHE_SIZE."""
 _validated_lock = threading.Lock()
@@ -62,12 +65,25 @@ def grammar_of(params: StructuredOutputsParams, disable_any_whitespace: bool = T
             ask for either.
 
     Raises:
-        StructuredOutputError: no constraint, several, or a value of the wrong type.
+        StructuredOutputError: no constraint, several, a value of the wrong type, or one past a limit of
+            bounds.py (checked before llguidance sees it: past them, its native recursion could overflow the
+            compile thread's stack).
     """
     kind = constraint_of(params)
     param = f"structured_outputs.{kind}"
+    try:
+        return _grammar_of(params, kind, param, disable_any_whitespace, disable_additional_properties)
+    except ConstraintLimitError as e:
+        raise StructuredOutputError(param, str(e)) from None
+
+
+def _grammar_of(params: StructuredOutputsParams, kind: str, param: str, disable_any_whitespace: bool,
+                disable_additional_properties: bool) -> str:
     if kind in ("json", "json_object"):
         schema = {"type": "object"} if kind == "json_object" else _schema(params.json, param)
+        bounds.check_schema(schema)
+        if isinstance(params.whitespace_pattern, str):
+            bounds.check_bytes("whitespace_pattern", params.whitespace_pattern, bounds.MAX_REGEX_BYTES)
         if params.disable_additional_properties or disable_additional_properties:
             schema = close_objects(schema)
         options = whitespace_options(params.disable_any_whitespace or disable_any_whitespace,
@@ -78,6 +94,7 @@ def grammar_of(params: StructuredOutputsParams, disable_any_whitespace: bool = T
             raise StructuredOutputError(param, f"Invalid JSON schema: {e}") from None
     if kind == "regex":
         regex = _string(params.regex, param)
+        bounds.check_bytes("regex", regex, bounds.MAX_REGEX_BYTES)
         try:
             return llguidance.LLMatcher.grammar_from_regex(regex)
         except Exception as e:  # e.g. a lone surrogate, which Rust strings cannot hold
@@ -86,52 +103,89 @@ def grammar_of(params: StructuredOutputsParams, disable_any_whitespace: bool = T
         choices = params.choice
         if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
             raise StructuredOutputError(param, "choice must be a non-empty list of strings.")
+        bounds.check_choice(choices)
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    text = _string(params.grammar, param)
+    bounds.check_bytes("grammar", text, bounds.MAX_GRAMMAR_BYTES)
     try:  # a Lark grammar or a GBNF (EBNF) one, as llguidance takes them
-        return llguidance.LLMatcher.grammar_from_lark(any_to_lark(_string(params.grammar, param)))
-    except StructuredOutputError:
-        raise
+        lark = any_to_lark(text)
     except Exception as e:
         raise StructuredOutputError(param, f"Invalid grammar: {e}") from None
+    bounds.check_lark(lark)
+    return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
-def check_grammar(params: StructuredOutputsParams, timeout_s: float, disable_any_whitespace: bool = False,
-                  disable_additional_properties: bool = False) -> str:
-    """grammar_of(params), then llguidance's validation of it (the grammar compiled as the engine will,
-    without the vocabulary), within timeout_s.
-
-    Returns:
-        The grammar text.
-
-    Raises:
-        StructuredOutputError: invalid, not supported by the backend, or slower to validate than timeout_s.
-    """
+def prepared_grammar(params: StructuredOutputsParams, disable_any_whitespace: bool = False,
+                     disable_additional_properties: bool = False) -> tuple[str, str]:
+    """grammar_of(params) and the field an error about it names; raises StructuredOutputError (see grammar_of;
+    params that cannot cross to the engine as msgpack)."""
     grammar = grammar_of(params, disable_any_whitespace, disable_additional_properties)
     param = f"structured_outputs.{constraint_of(params)}"
     try:  # the params cross to the engine as msgpack: UTF-8 only
         msgspec.msgpack.encode(params)
     except (UnicodeEncodeError, msgspec.EncodeError, TypeError):
         raise StructuredOutputError(param, "structured_outputs must be valid Unicode (no lone surrogates).") from None
-    error = _validated.get(grammar)
+    return grammar, param
+
+
+def check_grammar(params: StructuredOutputsParams, timeout_s: float, disable_any_whitespace: bool = False,
+                  disable_additional_properties: bool = False) -> str:
+    """grammar_of(params), then llguidance's validation of it (the grammar compiled as the engine will,
+    without the vocabulary), within timeout_s, in this process (on a big-stack thread).
+
+    Returns:
+        The grammar text.
+
+    Raises:
+        StructuredOutputError: invalid, past a limit, not supported by the backend, or slower to validate than
+            timeout_s.
+    """
+    global _validate_pool
+    grammar, param = prepared_grammar(params, disable_any_whitespace, disable_additional_properties)
+    error = cached_validation(grammar)
     if error is None:  # not seen lately: validate in a worker, so that a slow one can be given up on
-        future = _validate_pool.submit(_validation_error, grammar)
+        with _validated_lock:
+            if _validate_pool is None:
+                _validate_pool = BigStackExecutor("grammar-validate")
+        future = _validate_pool.submit(validation_error, grammar)
         try:
             error = future.result(timeout=timeout_s)
         except FutureTimeout:
+            future.cancel()
             raise StructuredOutputError(param, f"The grammar took longer than {timeout_s:g} s to compile.") from None
-    if error:
-        raise StructuredOutputError(param, f"The {param.split('.')[-1]} cannot be compiled: {error.strip()}")
+    raise_for_validation(param, error)
     return grammar
 
 
-def _validation_error(grammar: str) -> str:
-    """llguidance's error message for `grammar` ("" when valid), remembered: a server sees the same schemas again
-    (and the offline LLM and the server's InputProcessor check what the request layer checked)."""
-    error = llguidance.LLMatcher.validate_grammar(grammar, None)
+def raise_for_validation(param: str, error: str) -> None:
+    """Raises StructuredOutputError for llguidance's validation message `error` ("": valid)."""
+    if error:
+        raise StructuredOutputError(param, f"The {param.split('.')[-1]} cannot be compiled: {error.strip()}")
+
+
+def cached_validation(grammar: str) -> str | None:
+    """The remembered validation message of `grammar` ("": valid; None: not seen lately)."""
+    with _validated_lock:
+        error = _validated.get(grammar)
+        if error is not None:
+            _validated.move_to_end(grammar)
+        return error
+
+
+def remember_validation(grammar: str, error: str) -> None:
+    """Remember `grammar`'s validation message: a server sees the same schemas again (and the offline LLM and
+    the server's InputProcessor check what the request layer checked)."""
     with _validated_lock:
         _validated[grammar] = error
         if len(_validated) > VALIDATION_CACHE_SIZE:
             _validated.popitem(last=False)
+
+
+def validation_error(grammar: str) -> str:
+    """llguidance's error message for `grammar` ("" when valid), remembered. Call it on a thread with a
+    bounds.STACK_BYTES stack."""
+    error = llguidance.LLMatcher.validate_grammar(grammar, None)
+    remember_validation(grammar, error)
     return error
 
 

@@ -1,7 +1,8 @@
-"""StructuredOutputManager: compiles grammars in a worker thread (with a cache keyed by grammar and tokenizer),
-computes each constrained request's next mask ahead of its step on a mask thread, and, each step, gathers the
-token bitmask of the rows that sample under a grammar (vLLM's `StructuredOutputManager`). The engine core owns
-it; only the busy loop's thread calls `grammar_bitmask` and `wait_for_masks`.
+"""StructuredOutputManager: compiles grammars in two big-stack worker threads, small and big grammars apart (with
+a cache keyed by grammar and tokenizer), computes each constrained request's next mask ahead of its step on a
+mask thread, and, each step, gathers the token bitmask of the rows that sample under a grammar (vLLM's
+`StructuredOutputManager`). The engine core owns it; only the busy loop's thread calls `grammar_bitmask` and
+`wait_for_masks`.
 
 Masks ahead of the step (issue 32): a grammar whose masks cost tens of milliseconds per token used to stretch
 every step, so one constrained request slowed every stream. Now the engine waits for pending masks at most a
@@ -15,7 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -25,7 +26,8 @@ import numpy as np
 from pagedllm.config import StructuredOutputsConfig
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.backend_guidance import GuidanceBackend
-from pagedllm.structured_output.grammar import grammar_of
+from pagedllm.structured_output.bounds import SMALL_GRAMMAR_BYTES, BigStackExecutor
+from pagedllm.structured_output.grammar import StructuredOutputError, grammar_of
 from pagedllm.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
@@ -68,12 +70,15 @@ class StructuredOutputManager:
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self._backend: GuidanceBackend | None = None
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        # llguidance recurses natively: big stacks (bounds.py); a small grammar never queues behind a big one
+        self._small_worker = BigStackExecutor("grammar-compile")
+        self._big_worker = BigStackExecutor("grammar-compile-big")
         self._cache: OrderedDict[str, object] = OrderedDict()  # grammar text -> matcher at its start
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache, the stats
+        self._backend_lock = threading.Lock()
         self._stats = GrammarStats()
         self._bitmask: np.ndarray | None = None
-        self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        self._mask_worker = BigStackExecutor("grammar-mask")
         """Computes requests' next masks ahead of their steps (one thread: llguidance drops the GIL in a mask, and
         a second thread would only take the model's cores)."""
         self._pending_masks: set[Future] = set()
@@ -81,41 +86,52 @@ class StructuredOutputManager:
 
     def add_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         """Start compiling a request's grammar in the worker; the request waits (WAITING_FOR_FSM) until it is
-        ready. Raises StructuredOutputError for params that name no grammar (the frontend checked it first)."""
-        grammar = grammar_of(params, self.config.disable_any_whitespace, self.config.disable_additional_properties)
-        return StructuredOutputRequest(self._worker.submit(self._compile, grammar), self._mask_worker,
-                                       self._compute_mask, self._track_mask)
+        ready. Grammars up to SMALL_GRAMMAR_BYTES compile in one worker, bigger ones in another. Params past the
+        bounds of bounds.py (the frontend checks them first) fail that request alone: its compile raises
+        StructuredOutputError, and the request can only end."""
+        try:
+            grammar = grammar_of(params, self.config.disable_any_whitespace,
+                                 self.config.disable_additional_properties)
+        except StructuredOutputError as e:
+            failed: Future = Future()
+            failed.set_exception(e)
+            return StructuredOutputRequest(failed)
+        worker = self._small_worker if len(grammar) <= SMALL_GRAMMAR_BYTES else self._big_worker
+        return StructuredOutputRequest(worker.submit(self._compile, grammar), self._mask_worker, self._compute_mask,
+                                       self._track_mask)
 
     def _compile(self, grammar: str):
-        """In the worker: a matcher for `grammar` at its start, copied from the cache or compiled."""
+        """In a worker: a matcher for `grammar` at its start, copied from the cache or compiled."""
         backend = self._get_backend()
-        template = self._cache.get(grammar)  # only this thread touches the cache
-        if template is not None:
-            self._cache.move_to_end(grammar)
-            with self._lock:
+        with self._lock:
+            template = self._cache.get(grammar)
+            if template is not None:
+                self._cache.move_to_end(grammar)
                 self._stats.num_cache_hits += 1
+        if template is not None:
             return template.deep_copy()
         start = time.perf_counter()
         template = backend.compile(grammar)
         seconds = time.perf_counter() - start
         if template.is_error():
             logger.warning("grammar does not compile: %s", template.get_error()[:500])
-        else:
-            self._cache[grammar] = template
-            if len(self._cache) > COMPILE_CACHE_SIZE:
-                self._cache.popitem(last=False)
         with self._lock:
+            if not template.is_error():
+                self._cache[grammar] = template
+                if len(self._cache) > COMPILE_CACHE_SIZE:
+                    self._cache.popitem(last=False)
             self._stats.num_compiles += 1
             self._stats.compile_seconds += seconds
         return template.deep_copy()
 
     def _get_backend(self) -> GuidanceBackend:
-        if self._backend is None:
-            start = time.perf_counter()
-            self._backend = GuidanceBackend(self._load_tokenizer(), self.vocab_size)
-            logger.info("structured outputs: llguidance ready for a vocabulary of %d tokens in %.2f s",
-                        self._backend.vocab_size, time.perf_counter() - start)
-        return self._backend
+        with self._backend_lock:  # both workers may ask first
+            if self._backend is None:
+                start = time.perf_counter()
+                self._backend = GuidanceBackend(self._load_tokenizer(), self.vocab_size)
+                logger.info("structured outputs: llguidance ready for a vocabulary of %d tokens in %.2f s",
+                            self._backend.vocab_size, time.perf_counter() - start)
+            return self._backend
 
     def _compute_mask(self, matcher, drafts: Sequence[int]) -> np.ndarray:
         """On the mask thread: a request's rows for its next step, [1 + len(drafts), words] (as grammar_bitmask
@@ -207,5 +223,6 @@ class StructuredOutputManager:
         return self._bitmask[:num_rows]
 
     def shutdown(self) -> None:
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        self._small_worker.shutdown(wait=False, cancel_futures=True)
+        self._big_worker.shutdown(wait=False, cancel_futures=True)
         self._mask_worker.shutdown(wait=False, cancel_futures=True)

@@ -17,8 +17,12 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as wait_futures
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pagedllm.structured_output.bounds import BigStackExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +30,7 @@ logger = logging.getLogger(__name__)
 class StructuredOutputRequest:
     """Args:
         future: the compile worker's result, a matcher at the grammar's start.
-        mask_pool: where masks are computed ahead of the step (None: the step computes them itself).
+        mask_pool: where masks are computed ahead of the step (its `submit`; None: the step computes them).
         compute_mask: (matcher, drafts) -> the request's rows ([1 + len(drafts), words] int32: its mask now, then
             after each draft prefix; see GuidanceBackend.fill_bitmask); called on `mask_pool`.
         on_mask_submitted: called with each mask job's future (the manager keeps the pending ones).
@@ -35,7 +39,7 @@ class StructuredOutputRequest:
     __slots__ = ("future", "matcher", "failed", "_mask_pool", "_compute_mask", "_on_mask_submitted", "_lock",
                  "_mask", "_mask_drafts")
 
-    def __init__(self, future: Future, mask_pool: Executor | None = None,
+    def __init__(self, future: Future, mask_pool: Executor | BigStackExecutor | None = None,
                  compute_mask: Callable[[object, Sequence[int]], np.ndarray] | None = None,
                  on_mask_submitted: Callable[[Future], None] | None = None):
         self.future = future

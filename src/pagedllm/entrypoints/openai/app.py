@@ -20,26 +20,24 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
-from pagedllm.engine.input_processor import is_valid_unicode
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
 from pagedllm.entrypoints.openai.middleware import API_KEY_SCOPE_KEY, GuardMiddleware, prechecked_route_class
 from pagedllm.entrypoints.openai.openapi import SSE_CONTENT, error_responses, openapi_document
-from pagedllm.entrypoints.openai.protocol import (
-    CompletionRequest,
-    CompletionResponse,
+from pagedllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse, ModelCard, ModelList
+from pagedllm.entrypoints.openai.responses import guard, respond, run_until_disconnect
+from pagedllm.entrypoints.openai.server_state import ServerState
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.entrypoints.openai.tenant_salt import tenant_cache_salt
+from pagedllm.entrypoints.openai.tokenize_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
-    ModelList,
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagedllm.entrypoints.openai.responses import guard, respond, run_until_disconnect
-from pagedllm.entrypoints.openai.server_state import ServerState
-from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
-from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.tenant_salt import tenant_cache_salt
+from pagedllm.entrypoints.openai.tokenizer_threads import TokenizerThreads
 from pagedllm.log_escape import escape_control
 
 logger = logging.getLogger(__name__)
@@ -53,10 +51,14 @@ def build_app(state: ServerState) -> FastAPI:
     app.openapi = lambda: openapi_document(app)
     app.add_middleware(GuardMiddleware, state=state)
     _add_error_handlers(app)
-    completions = OpenAIServingCompletion(state.engine, state.served_model_names, state.config)
-    _add_generation_routes(app, state, completions)
+    # one set of tokenizer threads for every route: a big text in any of them delays no small one in another
+    serving = (state.engine, state.served_model_names, state.config, TokenizerThreads())
+    completions = OpenAIServingCompletion(*serving)
+    chat = OpenAIServingChat(*serving)
+    tokenization = OpenAIServingTokenization(*serving, chat_prompts=chat.chat_prompts)
+    _add_generation_routes(app, state, completions, chat)
     _add_info_routes(app, state)
-    _add_token_routes(app, state, completions)
+    _add_token_routes(app, state, tokenization)
     if state.config.enable_debug_routes:
         _add_debug_routes(app, state)
     return app
@@ -87,10 +89,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         return errors.to_api_error(e, value_error_is_bad_request=False).to_response()
 
 
-def _add_generation_routes(app: FastAPI, state: ServerState, completions: OpenAIServingCompletion) -> None:
+def _add_generation_routes(app: FastAPI, state: ServerState, completions: OpenAIServingCompletion,
+                           chat: OpenAIServingChat) -> None:
     """POST /v1/completions and /v1/chat/completions, their raw bodies prechecked against the request caps."""
     generation = APIRouter(route_class=prechecked_route_class(state.config))
-    chat = OpenAIServingChat(state.engine, state.served_model_names, state.config)
     salt_secret = os.urandom(32)
 
     def apply_tenant_salt(body, request: Request) -> None:
@@ -147,43 +149,20 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         return Response(engine.prometheus.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def _add_token_routes(app: FastAPI, state: ServerState, completions: OpenAIServingCompletion) -> None:
-    """POST /tokenize and /detokenize."""
-    engine = state.engine
-    config = state.config
+def _add_token_routes(app: FastAPI, state: ServerState, tokenization: OpenAIServingTokenization) -> None:
+    """POST /tokenize and /detokenize, their raw bodies prechecked against max_model_len."""
+    tokens = APIRouter(route_class=prechecked_route_class(state.config, tokenization.precheck))
+    token_errors = error_responses(400, 401, 404, 413, 503)
 
-    @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **error_responses(400, 401, 404, 503)})
+    @tokens.post("/tokenize", responses={200: {"model": TokenizeResponse}, **token_errors})
     async def tokenize(body: TokenizeRequest):
-        completions.check_model(body.model)
-        tokenizer = engine.tokenizer
-        if (body.prompt is None) == (body.messages is None):
-            raise errors.bad_request("Give exactly one of prompt and messages.", param="prompt")
-        if body.messages is not None:
-            text = render_chat(tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
-                               None, None, None, config.chat_template_timeout, config.max_chat_template_chars)
-            token_ids = await completions.encode(text, bool(body.add_special_tokens), check_length=False)
-        else:
-            if not is_valid_unicode(body.prompt):
-                raise errors.bad_request("prompt must be valid Unicode (no lone surrogates).", param="prompt")
-            add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            token_ids = await completions.encode(body.prompt, add_special, check_length=False)  # counts any length
+        return Response(await tokenization.tokenize(body), media_type="application/json")
 
-        def response_json() -> str:  # ~1 s for a million tokens: in the tokenizer's thread too
-            token_strs = tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
-            return TokenizeResponse(count=len(token_ids), max_model_len=engine.max_model_len, tokens=token_ids,
-                                    token_strs=token_strs).model_dump_json()
-
-        return Response(await completions.in_tokenizer_thread(response_json), media_type="application/json")
-
-    @app.post("/detokenize", responses={200: {"model": DetokenizeResponse},
-                                         **error_responses(400, 401, 404, 503)})
+    @tokens.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **token_errors})
     async def detokenize(body: DetokenizeRequest):
-        completions.check_model(body.model)
-        vocab_size = engine.input_processor.limits.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise errors.bad_request(f"Token id {bad} is out of vocabulary (size {vocab_size}).", param="tokens")
-        return JSONResponse(DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens)).model_dump())
+        return JSONResponse((await tokenization.detokenize(body)).model_dump())
+
+    app.include_router(tokens)
 
 
 def _add_debug_routes(app: FastAPI, state: ServerState) -> None:

@@ -1,11 +1,13 @@
 """What runs before a route's handler: `GuardMiddleware` (API key, drain, engine death, the body cap) around the
-whole app, and `prechecked_route_class` (the request caps on the raw body) around the generation routes.
+whole app, and `prechecked_route_class` (the request caps on the raw body) around the generation and token routes.
 
 The head's size limit is enforced a level below, in the HTTP protocol (connection_limits.py)."""
 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -96,9 +98,12 @@ class GuardMiddleware:
         return None
 
 
-def prechecked_route_class(caps: ServerConfig) -> type[APIRoute]:
-    """A route whose JSON body is checked against the request caps (precheck_caps) before FastAPI parses and
-    validates it: a list of 100,000 prompts is rejected in milliseconds, not after building 100,000 objects."""
+def prechecked_route_class(caps: ServerConfig,
+                           precheck: Callable[[bytes, ServerConfig], Any] = precheck_caps) -> type[APIRoute]:
+    """A route whose JSON body is checked against the request caps (`precheck`, by default precheck_caps) before
+    FastAPI parses and validates it: a list of 100,000 prompts is rejected in milliseconds, not after building
+    100,000 objects. `precheck` raises the APIError of a cap broken, and returns the parsed body when it had to
+    parse it (else None)."""
 
     class PrecheckedRoute(APIRoute):
         def get_route_handler(self):
@@ -113,7 +118,7 @@ def prechecked_route_class(caps: ServerConfig) -> type[APIRoute]:
                     return Response(status_code=499)
                 try:
                     if body:
-                        parsed = precheck_caps(body, caps)
+                        parsed = precheck(body, caps)
                         if parsed is not None:
                             request._json = parsed  # Starlette's cache of request.json(): FastAPI parses it once
                     return await handler(request)

@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BeforeValidator, Field, WithJsonSchema, field_validator
 from pydantic_core import PydanticCustomError
 
 from pagedllm.engine.input_processor import MAX_CACHE_SALT_LEN
@@ -242,32 +242,3 @@ class ModelCard(OpenAIBaseModel):
 class ModelList(OpenAIBaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class TokenizeRequest(OpenAIBaseModel):
-    model_config = ConfigDict(extra="ignore", json_schema_extra={"oneOf": [{"required": ["prompt"]},
-                                                                          {"required": ["messages"]}]})
-    model: str | None = None
-    prompt: Annotated[str | None, WithJsonSchema({"type": "string"})] = Field(
-        None, description="Text to tokenize; give exactly one of prompt and messages.")
-    messages: Annotated[list[dict[str, Any]] | None, WithJsonSchema(MESSAGES_SCHEMA)] = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    return_token_strs: bool = False
-
-
-class TokenizeResponse(OpenAIBaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeRequest(OpenAIBaseModel):
-    model: str | None = None
-    tokens: list[Int] = Field(json_schema_extra={"items": {"type": "integer", "minimum": 0}})
-
-
-class DetokenizeResponse(OpenAIBaseModel):
-    prompt: str

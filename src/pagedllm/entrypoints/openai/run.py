@@ -96,7 +96,7 @@ async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:
         return 1
     if chat_template is not None:
         tokenizer.chat_template = chat_template
-    names = [mc.served_model_name or clients[0].ready.model_name]
+    names = list(mc.served_model_name or [clients[0].ready.model_name])
     engine = AsyncLLM(clients, tokenizer, names[0], engine_config.scheduler_config.max_num_queued_reqs,
                       log_stats=not sc.disable_log_stats, watchdog_timeout_s=sc.engine_hang_timeout or None,
                       max_buffered_outputs=sc.max_buffered_outputs)

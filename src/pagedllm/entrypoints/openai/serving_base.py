@@ -5,10 +5,8 @@ of several prompts."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pagedllm.config import ServerConfig
@@ -17,6 +15,7 @@ from pagedllm.engine.input_processor import is_valid_unicode, json_options
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.protocol import MAX_REQUEST_ID_LEN, SamplingFields, random_uuid
 from pagedllm.entrypoints.openai.request_caps import check_request_caps, n_above_cap
+from pagedllm.entrypoints.openai.tokenizer_threads import TokenizerThreads
 from pagedllm.log_escape import escape_control
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -33,30 +32,28 @@ _DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], config: ServerConfig | None = None):
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], config: ServerConfig | None = None,
+                 tokenizer_threads: TokenizerThreads | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names
         self.config = config if config is not None else ServerConfig()
-        self.max_prompt_chars = engine.max_model_len * longest_token_chars(self.tokenizer) * PROMPT_CHARS_MARGIN
-        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self.max_prompt_chars = max_prompt_chars(engine.max_model_len, self.tokenizer)
+        self.tokenizer_threads = tokenizer_threads if tokenizer_threads is not None else TokenizerThreads()
+        """Shared by every route of one app (app.py), so that a big text delays no small one anywhere."""
 
-    async def encode(self, text: str, add_special_tokens: bool, check_length: bool = True) -> list[int]:
-        """The token ids of `text`, tokenized in a worker thread: the event loop serves every other route
-        meanwhile (HF tokenizers release the GIL; 15 MB took 15 s). check_length: first reject (400,
-        context_length_exceeded) a text too long to fit in max_model_len tokens however it tokenizes."""
-        if check_length and len(text) > self.max_prompt_chars:
-            max_model_len = self.engine.max_model_len
-            raise errors.bad_request(
-                f"This model's maximum context length is {max_model_len} tokens. However, your prompt is "
-                f"{len(text)} characters long, more than {max_model_len} tokens of this tokenizer can hold.",
-                param="prompt", code="context_length_exceeded")
-        return await self.in_tokenizer_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """The token ids of `text`, tokenized in a worker thread (tokenizer_threads.py): the event loop serves
+        every other route meanwhile. A text too long to fit in max_model_len tokens however it tokenizes is
+        refused first (400, context_length_exceeded)."""
+        self.check_text_length(len(text))
+        return await self.tokenizer_threads.run(len(text), self.tokenizer.encode, text,
+                                                add_special_tokens=add_special_tokens)
 
-    async def in_tokenizer_thread(self, fn, *args, **kwargs):
-        """fn(*args, **kwargs) in the tokenizer's worker thread (one at a time), off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool,
-                                                                functools.partial(fn, *args, **kwargs))
+    def check_text_length(self, num_chars: int) -> None:
+        """Raises APIError(400) for a text of num_chars characters that no tokenization fits in max_model_len."""
+        if num_chars > self.max_prompt_chars:
+            raise prompt_too_long(num_chars, self.engine.max_model_len)
 
     @property
     def grammar_compile_timeout_s(self) -> float:
@@ -154,6 +151,19 @@ class OpenAIServing:
                 self.engine.abort(sub_id)
             raise
         return streams
+
+
+def max_prompt_chars(max_model_len: int, tokenizer) -> int:
+    """The longest text (in characters) that some tokenization may fit in max_model_len tokens: longer ones are
+    refused before they are tokenized, by every route that tokenizes text (completions, chat, /tokenize)."""
+    return max_model_len * longest_token_chars(tokenizer) * PROMPT_CHARS_MARGIN
+
+
+def prompt_too_long(num_chars: int, max_model_len: int) -> errors.APIError:
+    return errors.bad_request(
+        f"This model's maximum context length is {max_model_len} tokens. However, your prompt is "
+        f"{num_chars} characters long, more than {max_model_len} tokens of this tokenizer can hold.",
+        param="prompt", code="context_length_exceeded")
 
 
 def longest_token_chars(tokenizer) -> int:

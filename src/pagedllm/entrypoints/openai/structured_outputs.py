@@ -4,22 +4,30 @@ SamplingParams' StructuredOutputsParams, checked before the request is queued (4
 As vLLM does: `response_format` fills `structured_outputs` (json_object, or json from the json_schema's schema;
 `strict: true` closes its objects), and the `guided_*` fields are aliases of `structured_outputs`' fields. A
 constraint sent in two of these fields is "more than one kind of constraint", a 400. The grammar is compiled once
-here (by llguidance, without the vocabulary, in a worker thread so the event loop serves others) within the
-engine's compile time limit, with the server's JSON options, as the engine will compile it.
+here (by llguidance, without the vocabulary, in a child process: grammar_process.py) within the engine's compile
+time limit, with the server's JSON options, as the engine will compile it; its size and depth are checked first
+(structured_output/bounds.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 
 import msgspec
 
 from pagedllm.config import STRUCTURED_OUTPUT_BACKENDS
 from pagedllm.entrypoints.openai import errors
+from pagedllm.entrypoints.openai.grammar_process import GrammarProcessError, validator
 from pagedllm.entrypoints.openai.structured_outputs_protocol import StructuredOutputFields, StructuredOutputsRequest
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
-from pagedllm.structured_output.grammar import StructuredOutputError, check_grammar, constraint_of
+from pagedllm.structured_output.grammar import (
+    StructuredOutputError,
+    cached_validation,
+    constraint_of,
+    prepared_grammar,
+    raise_for_validation,
+    remember_validation,
+)
 
 GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar", "guided_json_object": "json_object",
@@ -117,7 +125,7 @@ def _several(param: str) -> errors.APIError:
 
 async def with_structured_outputs(request: StructuredOutputFields, params: SamplingParams, timeout_s: float,
                                   json_options: tuple[bool, bool] = (True, True)) -> SamplingParams:
-    """`params` with the request's structured outputs, once their grammar compiles (in a worker thread).
+    """`params` with the request's structured outputs, once their grammar compiles (in a child process).
 
     Args:
         json_options: the server's (disable_any_whitespace, disable_additional_properties).
@@ -129,10 +137,28 @@ async def with_structured_outputs(request: StructuredOutputFields, params: Sampl
     so, param = structured_outputs_of(request)
     if so is None:
         return params
-    check = functools.partial(check_grammar, so, timeout_s, *json_options)
     try:
-        await asyncio.get_running_loop().run_in_executor(None, check)
+        await check_grammar_in_child(so, timeout_s, json_options)
     except StructuredOutputError as e:
         field = param if param in ("response_format", *GUIDED_ALIASES) else e.param
         raise errors.bad_request(str(e), param=field) from None
     return msgspec.structs.replace(params, structured_outputs=so)
+
+
+async def check_grammar_in_child(params: StructuredOutputsParams, timeout_s: float,
+                                 json_options: tuple[bool, bool]) -> None:
+    """grammar.check_grammar, with the grammar made (and its bounds checked) in a worker thread and validated by
+    llguidance in a child process (grammar_process.py): a compile past timeout_s is killed, and a crash fails
+    this request alone. Raises StructuredOutputError."""
+    grammar, param = await asyncio.get_running_loop().run_in_executor(None, prepared_grammar, params,
+                                                                      *json_options)
+    error = cached_validation(grammar)
+    if error is None:
+        try:
+            error = await validator().validate(grammar, timeout_s)
+        except GrammarProcessError as e:
+            if "crashed" in str(e):  # the same grammar again gets the same answer, without a crash
+                remember_validation(grammar, str(e))
+            raise StructuredOutputError(param, str(e)) from None
+        remember_validation(grammar, error)
+    raise_for_validation(param, error)

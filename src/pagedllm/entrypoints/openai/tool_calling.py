@@ -16,7 +16,6 @@ A message with tool calls finishes with `tool_calls` (unless cut by max_tokens: 
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 from typing import Any
@@ -26,7 +25,7 @@ import msgspec
 from pagedllm.config import ServerConfig
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest, ChatMessage, DeltaMessage
-from pagedllm.entrypoints.openai.structured_outputs import GUIDED_ALIASES
+from pagedllm.entrypoints.openai.structured_outputs import GUIDED_ALIASES, check_grammar_in_child
 from pagedllm.entrypoints.openai.tool_parsers import hermes
 from pagedllm.entrypoints.openai.tool_parsers.partial_calls import PartialCall, scan_calls
 from pagedllm.entrypoints.openai.tool_protocol import (
@@ -38,7 +37,8 @@ from pagedllm.entrypoints.openai.tool_protocol import (
     random_tool_call_id,
 )
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
-from pagedllm.structured_output.grammar import StructuredOutputError, check_grammar
+from pagedllm.structured_output.bounds import ConstraintLimitError, check_schema
+from pagedllm.structured_output.grammar import StructuredOutputError
 from pagedllm.structured_output.json_options import close_objects
 
 
@@ -76,6 +76,8 @@ class ToolCalling:
             choice == "none" and config.exclude_tools_when_tool_choice_none) else [
             tool.model_dump(exclude_none=True) for tool in self.tools]
         """The tools as the chat template sees them (OpenAI's `{"type": "function", "function": {...}}`)."""
+        if choice in ("required", "named"):
+            _check_parameters(self.tools)
         self.schema = self._schema()
 
     def _schema(self) -> dict[str, Any] | None:
@@ -115,8 +117,7 @@ class ToolCalling:
         # writes whitespace until max_tokens instead of the call (vLLM leaves whitespace free here)
         constraint = StructuredOutputsParams(json=self.schema, disable_any_whitespace=True)
         try:
-            await asyncio.get_running_loop().run_in_executor(None, check_grammar, constraint, timeout_s,
-                                                             *json_options)
+            await check_grammar_in_child(constraint, timeout_s, json_options)
         except StructuredOutputError as e:
             raise errors.bad_request(f"The tools' parameters cannot be enforced: {e}", param="tools") from None
         return msgspec.structs.replace(params, structured_outputs=constraint)
@@ -207,6 +208,17 @@ def _parameters(tool) -> dict[str, Any]:
     if parameters is None:
         return {"type": "object", "properties": {}}
     return close_objects(parameters) if tool.function.strict else copy.deepcopy(parameters)
+
+
+def _check_parameters(tools) -> None:
+    """Raises APIError(400) naming the tool whose `parameters` schema is past a bound of bounds.py (checked
+    before anything walks it)."""
+    for i, tool in enumerate(tools):
+        if tool.function.parameters is not None:
+            try:
+                check_schema(tool.function.parameters)
+            except ConstraintLimitError as e:
+                raise errors.bad_request(str(e), param=f"tools[{i}].function.parameters") from None
 
 
 def _finish_reason(called: bool, finish_reason: str | None) -> str | None:
