@@ -45,21 +45,23 @@ def anyof_schema(branches: int, salt: int, shape: str = "keys") -> dict:
 
 
 async def stream(client: httpx.AsyncClient, model: str, tokens: int) -> dict:
-    """One unconstrained streamed completion: its chunks' longest gap, its total time and its text."""
+    """One unconstrained streamed completion: its chunks' longest gap (and when it began, from the request's
+start), its total time and its text."""
     body = {"model": model, "prompt": "Once upon a time", "max_tokens": tokens, "ignore_eos": True,
             "stream": True, "temperature": 0.0}
     start = time.monotonic()
-    last, worst, text, chunks = start, 0.0, [], 0
+    last, worst, worst_at, text, chunks = start, 0.0, 0.0, [], 0
     async with client.stream("POST", "/v1/completions", json=body) as response:
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
                 now = time.monotonic()
-                if chunks:
-                    worst = max(worst, now - last)
+                if chunks and now - last > worst:
+                    worst, worst_at = now - last, last - start
                 last = now
                 chunks += 1
                 text.append(json.loads(line[6:])["choices"][0]["text"])
-    return {"max_gap_s": worst, "total_s": last - start, "chunks": chunks, "text": "".join(text)}
+    return {"max_gap_s": worst, "max_gap_at_s": worst_at, "total_s": last - start, "chunks": chunks,
+            "text": "".join(text)}
 
 
 async def constrained(client: httpx.AsyncClient, model: str, schema: dict | None, tokens: int) -> dict:
@@ -111,6 +113,7 @@ async def measure(url: str, model: str, runs: int, branches: int, stream_tokens:
         return {"median_max_gap_s": statistics.median(r["max_gap_s"] for r in results),
                 "median_total_s": statistics.median(r["total_s"] for r in results),
                 "max_gap_s": [round(r["max_gap_s"], 4) for r in results],
+                "max_gap_at_s": [round(r["max_gap_at_s"], 3) for r in results],
                 "total_s": [round(r["total_s"], 3) for r in results]}
 
     return {"branches": branches, "shape": shape, "stream_tokens": stream_tokens, "runs": runs,

@@ -72,8 +72,11 @@ class StructuredOutputRequest:
 
     def accept_tokens(self, token_ids: list[int]) -> None:
         """Advance the matcher over sampled tokens. A token the grammar refuses (only EOS at a dead end, or
-        after min_tokens masked EOS) puts it in its error state, whose mask allows only EOS."""
+        after min_tokens masked EOS) puts it in its error state, whose mask allows only EOS. The mask computed
+        ahead is for the state before: gone (prepare_mask starts the next one)."""
         self._wait_mask()
+        with self._lock:
+            self._mask = None
         if self.matcher is not None and not self.matcher.is_stopped():
             self.matcher.consume_tokens(token_ids)
 
