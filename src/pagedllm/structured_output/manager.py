@@ -21,13 +21,14 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 
 from pagedllm.config import StructuredOutputsConfig
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.backend_guidance import GuidanceBackend
 from pagedllm.structured_output.bounds import SMALL_GRAMMAR_BYTES, BigStackExecutor
-from pagedllm.structured_output.grammar import StructuredOutputError, grammar_of
+from pagedllm.structured_output.grammar import grammar_of
 from pagedllm.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
@@ -86,19 +87,23 @@ class StructuredOutputManager:
 
     def add_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         """Start compiling a request's grammar in the worker; the request waits (WAITING_FOR_FSM) until it is
-        ready. Grammars up to SMALL_GRAMMAR_BYTES compile in one worker, bigger ones in another. Params past the
-        bounds of bounds.py (the frontend checks them first) fail that request alone: its compile raises
-        StructuredOutputError, and the request can only end."""
+        ready. Params up to SMALL_GRAMMAR_BYTES (as msgpack) compile in one worker, bigger ones in another. The
+        grammar text is made in the worker too: for a 2,000-branch schema, grammar_of and its bounds walk took
+        50-300 ms of the busy loop, a gap in every stream (issue 32, item 3). Params past the bounds of bounds.py
+        (the frontend checks them first) fail that request alone: its compile raises StructuredOutputError, and
+        the request can only end."""
         try:
-            grammar = grammar_of(params, self.config.disable_any_whitespace,
-                                 self.config.disable_additional_properties)
-        except StructuredOutputError as e:
-            failed: Future = Future()
-            failed.set_exception(e)
-            return StructuredOutputRequest(failed)
-        worker = self._small_worker if len(grammar) <= SMALL_GRAMMAR_BYTES else self._big_worker
-        return StructuredOutputRequest(worker.submit(self._compile, grammar), self._mask_worker, self._compute_mask,
-                                       self._track_mask)
+            size = len(msgspec.msgpack.encode(params))
+        except (msgspec.EncodeError, TypeError, UnicodeEncodeError):
+            size = SMALL_GRAMMAR_BYTES + 1  # grammar_of refuses it, in the worker
+        worker = self._small_worker if size <= SMALL_GRAMMAR_BYTES else self._big_worker
+        return StructuredOutputRequest(worker.submit(self._compile_params, params), self._mask_worker,
+                                       self._compute_mask, self._track_mask)
+
+    def _compile_params(self, params: StructuredOutputsParams):
+        """In a worker: the grammar of `params` (raises StructuredOutputError past the bounds), then _compile."""
+        return self._compile(grammar_of(params, self.config.disable_any_whitespace,
+                                        self.config.disable_additional_properties))
 
     def _compile(self, grammar: str):
         """In a worker: a matcher for `grammar` at its start, copied from the cache or compiled."""
