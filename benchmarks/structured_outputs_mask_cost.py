@@ -12,6 +12,11 @@ schema every run, so that no run finds it compiled already), sent `--lead-s` bef
 `--shape patterns` gives each branch a string pattern of its own instead (masks of ~20 ms at the branching
 tokens, ~0.1-8 ms for `keys`). Prints, per phase, the medians over `--runs` of the stream's longest inter-token
 gap and total time (from sending to the last chunk), with every run's figures; `--result-file` writes them as JSON.
+
+`--engine` measures the engine alone instead (EngineCore in this process, no HTTP, no API server): the stream's
+gaps between the steps that give it a token, alone and with the constrained request added after its 10th token
+(the time add_request took is reported too), so the engine's share of the gap is seen apart from the API
+server's (request parsing, validation).
 """
 
 from __future__ import annotations
@@ -126,6 +131,63 @@ async def measure(url: str, model: str, runs: int, branches: int, stream_tokens:
             "constrained_content": heavy[-1].get("content")}
 
 
+def measure_engine(runs: int, branches: int, stream_tokens: int, constrained_tokens: int, shape: str,
+                   threads: int) -> dict:
+    import torch
+
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.core import EngineCore
+    from pagedllm.messages import EngineCoreRequest
+    from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    torch.set_num_threads(threads)
+    core = EngineCore(EngineConfig.from_kwargs(model="SmolLM2-135M-Instruct", dtype="float32",
+                                               kv_cache_memory=256 << 20, max_model_len=2048))
+    tokenizer = core._load_tokenizer()
+    prompt = tokenizer.encode("Once upon a time")
+    chat = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Give me one JSON object."}],
+                                                          add_generation_prompt=True, tokenize=False))
+
+    def request(request_id: str, tokens: list[int], max_tokens: int, schema: dict | None) -> EngineCoreRequest:
+        params = (SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True) if schema is None else
+                  SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                 structured_outputs=StructuredOutputsParams(json=schema)))
+        return EngineCoreRequest(request_id=request_id, prompt_token_ids=tokens, sampling_params=params,
+                                 eos_token_id=tokenizer.eos_token_id, arrival_time=time.time())
+
+    def run(tag: str, schema: dict | None) -> dict:
+        core.add_request(request(f"u-{tag}", prompt, stream_tokens, None))
+        gaps, last, add_s, tokens = [], time.perf_counter(), 0.0, 0
+        while core.has_unfinished_requests():
+            if tokens == 10 and schema is not None and not add_s:
+                start = time.perf_counter()
+                core.add_request(request(f"c-{tag}", chat, constrained_tokens, schema))
+                add_s = time.perf_counter() - start
+            for out in core.step().outputs:
+                if out.request_id.startswith("u-") and out.new_token_ids:
+                    now = time.perf_counter()
+                    if tokens:
+                        gaps.append(now - last)
+                    last, tokens = now, tokens + 1
+        return {"max_gap_s": max(gaps), "total_s": sum(gaps), "add_request_s": add_s}
+
+    run("warm", {"type": "object", "properties": {"a": {"type": "integer"}}})  # the grammar backend's set-up
+    alone, beside = [], []
+    for i in range(runs):
+        alone.append(run(f"a{i}", None))
+        beside.append(run(f"b{i}", anyof_schema(branches, int(time.time() * 1000) % 1_000_000 + i, shape)))
+        print(f"run {i}: alone gap {alone[-1]['max_gap_s']:.3f} s total {alone[-1]['total_s']:.2f} s | beside gap "
+              f"{beside[-1]['max_gap_s']:.3f} s total {beside[-1]['total_s']:.2f} s add_request "
+              f"{beside[-1]['add_request_s'] * 1000:.0f} ms", flush=True)
+    core.shutdown()
+
+    def summary(results: list[dict]) -> dict:
+        return {key: statistics.median(r[key] for r in results) for key in results[0]}
+
+    return {"engine": True, "branches": branches, "shape": shape, "threads": threads, "runs": runs,
+            "load_avg_1m": os.getloadavg()[0], "alone": summary(alone), "beside_constrained": summary(beside)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url")
@@ -135,9 +197,18 @@ def main() -> int:
     parser.add_argument("--constrained-tokens", type=int, default=64)
     parser.add_argument("--lead-s", type=float, default=0.0)
     parser.add_argument("--shape", choices=("keys", "patterns"), default="keys")
+    parser.add_argument("--engine", action="store_true", help="the engine alone, in this process")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (--engine)")
     parser.add_argument("--result-file")
     parser.add_argument("serve_args", nargs="*")
     args = parser.parse_args()
+    if args.engine:
+        result = measure_engine(args.runs, args.branches, args.stream_tokens, args.constrained_tokens, args.shape,
+                                args.threads)
+        print(json.dumps(result, indent=1))
+        if args.result_file:
+            Path(args.result_file).write_text(json.dumps(result, indent=1))
+        return 0
     server = None
     url, model = args.url, "tiny"
     if url is None:
