@@ -16,6 +16,9 @@ class FakeGrammar:
 
     def __init__(self):
         self.ready = False
+        self.mask_ready = True
+        self.prepared: list[list[int]] = []
+        """The drafts of each prepare_mask call."""
         self.accepted: list[int] = []
         self.refused: set[int] = set()
         self.validated: list[tuple[list[int], list[int]]] = []
@@ -23,6 +26,12 @@ class FakeGrammar:
 
     def is_ready(self) -> bool:
         return self.ready
+
+    def is_mask_ready(self) -> bool:
+        return self.mask_ready
+
+    def prepare_mask(self, drafts: list[int]) -> None:
+        self.prepared.append(list(drafts))
 
     def accept_tokens(self, token_ids: list[int]) -> None:
         self.accepted.extend(token_ids)
@@ -114,3 +123,55 @@ def test_drafts_are_cut_where_the_grammar_refuses_them_and_only_verified_ones_co
     assert scheduler.schedule().scheduled_spec_decode_tokens == {}
     stats = scheduler.spec_decoding_totals
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 2, 2)
+    assert grammar.prepared == [[11, 12], []]  # after each sampled step, with the drafts it may verify next
+
+
+def test_a_request_whose_mask_is_not_ready_sits_the_step_out():
+    """A running constrained request that would sample without its mask is left out of the step: it keeps its
+    place and its blocks, the others run, and it joins the step after its mask is ready. A prefill chunk that
+    does not reach the end needs no mask."""
+    scheduler = create_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=4)
+    constrained, plain = create_requests(2, num_tokens=10, max_tokens=3)
+    grammar = _constrained(constrained)
+    grammar.ready = True
+    for request in (constrained, plain):
+        scheduler.add_request(request)
+    step(scheduler, token_id=7)
+    grammar.mask_ready = False
+    output, _ = step(scheduler, token_id=7)  # its prompt's second chunk of 4 (of 10) samples nothing: no mask needed
+    assert output.num_scheduled_tokens == {"0": 4, "1": 4} and scheduler.num_waiting_for_mask == 0
+    output, _ = step(scheduler, token_id=7)  # the last chunk would sample: it waits
+    assert output.num_scheduled_tokens == {"1": 2} and scheduler.num_waiting_for_mask == 1
+    blocks = scheduler.kv_cache_manager.get_block_ids("0")
+    assert constrained.status == RequestStatus.RUNNING and constrained.num_computed_tokens == 8 and blocks
+    output, _ = step(scheduler, token_id=8)
+    assert output.num_scheduled_tokens == {"1": 1} and grammar.accepted == []
+    grammar.mask_ready = True
+    output, _ = step(scheduler, token_id=9)
+    assert output.num_scheduled_tokens == {"0": 2, "1": 1} and scheduler.num_waiting_for_mask == 0
+    assert grammar.accepted == [9] and grammar.prepared == [[]]
+    assert scheduler.kv_cache_manager.get_block_ids("0") == blocks
+    while scheduler.has_unfinished_requests():
+        step(scheduler, token_id=10)
+    assert constrained.output_token_ids == [9, 10, 10] and grammar.accepted == [9, 10, 10]
+    assert_all_free(scheduler)
+
+
+def test_a_waiting_request_whose_first_mask_is_not_ready_lets_the_others_go_first():
+    scheduler = create_scheduler()
+    first, second = create_requests(2, max_tokens=2)
+    grammar = _constrained(first)
+    grammar.ready = True
+    grammar.mask_ready = False
+    for request in (first, second):
+        scheduler.add_request(request)
+    output, _ = step(scheduler, token_id=7)
+    assert set(output.num_scheduled_tokens) == {"1"} and list(scheduler.waiting) == [first]
+    assert scheduler.num_waiting_for_mask == 1 and not scheduler.kv_cache_manager.get_block_ids("0")
+    grammar.mask_ready = True
+    output, _ = step(scheduler, token_id=8)
+    assert set(output.num_scheduled_tokens) == {"0", "1"}
+    while scheduler.has_unfinished_requests():
+        step(scheduler, token_id=9)
+    assert first.output_token_ids == [8, 9]
+    assert_all_free(scheduler)

@@ -94,6 +94,30 @@ def test_verify_rows_follow_the_drafts_and_the_matcher_comes_back(manager, tiny_
     assert so.validate_tokens(drafts[3:]) == []
 
 
+def test_masks_computed_ahead_are_the_masks_of_the_step(manager, tiny_tokenizer, monkeypatch):
+    """prepare_mask computes, on the mask thread, the rows grammar_bitmask would compute itself: with the drafts
+    it was given, for any prefix of them the step verifies; the step then computes nothing."""
+    so = _ready(manager, S(regex="ab-[0-9]{3}"))
+    drafts = [tiny_tokenizer.convert_tokens_to_ids(c) for c in "ab-1"]
+    reference = so.matcher.deep_copy()
+    expected = np.zeros((5, manager._backend.allocate_bitmask(1).shape[1]), dtype=np.int32)
+    for j in range(5):
+        llguidance.numpy.fill_next_token_bitmask(reference, expected, j)
+        if j < 4:
+            assert reference.consume_token(drafts[j])
+    so.prepare_mask(drafts)
+    assert manager.wait_for_masks(30.0) and so.is_mask_ready()
+    monkeypatch.setattr(type(manager._backend), "fill_bitmask", lambda *a: pytest.fail("computed in the step"))
+    for k in (0, 2, 4):  # the step verifies the first k drafts
+        out = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=None, num_scheduled_tokens={"r": 1 + k},
+                              total_num_scheduled_tokens=1 + k, finished_req_ids=set(), preempted_req_ids=set(),
+                              scheduled_spec_decode_tokens={"r": drafts[:k]} if k else {})
+        grammar = manager.grammar_bitmask({"r": _Req(so, 10, 10 + k)}, out)
+        assert np.array_equal(grammar.bitmask, expected[:1 + k])
+    so.accept_tokens(drafts[:1])  # a new state: the rows computed ahead are not used for it
+    assert so.mask_rows([]) is None
+
+
 def test_a_dead_end_allows_eos(manager, tiny_tokenizer):
     so = _ready(manager, S(choice=["yes"]))
     yes = tiny_tokenizer.encode("yes")

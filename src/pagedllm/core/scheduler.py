@@ -82,6 +82,9 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         """Finished or aborted since the last schedule(); sent in the next SchedulerOutput."""
         self.num_preemptions = 0
+        self.num_waiting_for_mask = 0
+        """Requests the last schedule() left out because their grammar's mask was not ready (structured outputs:
+        such a request keeps its place and its blocks and joins a later step; see structured_output/request.py)."""
         self.pipeline_parallel = pipeline_parallel
         self.num_steps = 0
         """schedule() calls so far: the next SchedulerOutput's step_id."""
@@ -158,6 +161,7 @@ class Scheduler:
         spec = self.speculative_config
         step.use_spec = spec is not None and (spec.disable_by_batch_size is None
                                               or len(self.running) < spec.disable_by_batch_size)
+        self.num_waiting_for_mask = 0
         self._schedule_running(step)
         if not step.preempted_reqs:
             self._schedule_waiting(step)
@@ -197,6 +201,12 @@ class Scheduler:
             if num_new_tokens > 1:
                 num_new_tokens = step.cap_prefill(request.num_computed_tokens, num_new_tokens)
             if num_new_tokens <= 0:
+                i += 1
+                continue
+            so_request = request.structured_output_request
+            if (so_request is not None and request.num_computed_tokens + num_new_tokens >= len(request.all_token_ids)
+                    and not so_request.is_mask_ready()):
+                self.num_waiting_for_mask += 1  # it would sample without its mask: it sits this step out
                 i += 1
                 continue
             drafts = None
@@ -267,6 +277,10 @@ class Scheduler:
                     waiting_for_fsm.append(self.waiting.pop())  # the requests behind it go first
                     continue
                 request.status = RequestStatus.WAITING
+            if request.structured_output_request is not None and not request.structured_output_request.is_mask_ready():
+                self.num_waiting_for_mask += 1
+                waiting_for_fsm.append(self.waiting.pop())  # its first mask (computed as it compiled) is not ready
+                continue
             computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request, num_computed_tokens)
             if not chunked and num_new_tokens > step.token_budget:
@@ -393,6 +407,8 @@ class Scheduler:
                 if next_drafts and request.structured_output_request is not None and not finished:
                     next_drafts = request.structured_output_request.validate_tokens(next_drafts)
                 request.spec_token_ids = next_drafts
+            if new_token_ids and not finished and request.structured_output_request is not None:
+                request.structured_output_request.prepare_mask(request.spec_token_ids)  # off the busy loop
             if num_computed_tokens // block_size != start // block_size:
                 cache_blocks(request, num_computed_tokens)  # this step filled at least one block
             new_prompt_logprobs = prompt_logprobs.get(req_id) if prompt_logprobs else None

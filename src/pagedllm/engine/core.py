@@ -36,6 +36,17 @@ from pagedllm.worker.worker import resolve_max_model_len
 
 logger = logging.getLogger(__name__)
 
+MASK_WAIT_FRACTION = 0.25
+"""Structured outputs: before a step, the engine waits for the grammar masks still being computed (on the mask
+thread, structured_output/manager.py) at most this fraction of a recent step's model time (MASK_WAIT_MIN_S to
+MASK_WAIT_MAX_S); a request whose mask is still not ready then sits the step out, so a costly mask delays the
+other requests' steps by at most this much (issue 32). A mask of ~0.1 ms is ready well within it."""
+MASK_WAIT_MIN_S = 0.002
+MASK_WAIT_MAX_S = 0.05
+MASK_IDLE_WAIT_S = 0.05
+"""When every request that could run waits for its mask, the engine waits this long at most for one of them
+before the loop comes back (to take in new requests and aborts)."""
+
 
 class EngineCore:
     """Starts the executor (which loads the model on every rank), sizes the KV pool, and runs steps.
@@ -70,6 +81,8 @@ class EngineCore:
             """Submitted steps not yet applied, oldest first (pipeline parallelism only)."""
             self.max_batch_queue_depth = 0
             """The most steps in flight at once so far (tests and diagnostics)."""
+            self.step_seconds = 0.0
+            """A moving average of the model's time per step (the mask wait's budget is a fraction of it)."""
             self.executor.initialize_kv_cache(self.num_blocks)
             if cc.kv_scales_calculated:
                 self.executor.collective_rpc("calculate_kv_scales")
@@ -156,22 +169,38 @@ class EngineCore:
             return self.step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time())
-        scheduler_output = self.scheduler.schedule()
-        if not scheduler_output.num_scheduled_tokens and self.scheduler.waiting:
-            time.sleep(0.001)  # e.g. every request waits for its grammar: no busy spin while it compiles
+        scheduler_output = self._schedule()
         try:
             grammar = self.structured_output_manager.grammar_bitmask(self.scheduler.requests, scheduler_output)
             start = time.perf_counter()
             runner_output = self.executor.execute_model(scheduler_output, grammar)
+            seconds = time.perf_counter() - start
+            if scheduler_output.num_scheduled_tokens:
+                self.step_seconds = seconds if not self.step_seconds else 0.8 * self.step_seconds + 0.2 * seconds
             if self.scheduler.verify_cost is not None:  # the speculation guard's measure of a draft's cost
                 self.scheduler.verify_cost.observe(scheduler_output.num_scheduled_tokens,
-                                                   scheduler_output.scheduled_spec_decode_tokens,
-                                                   time.perf_counter() - start)
+                                                   scheduler_output.scheduled_spec_decode_tokens, seconds)
         except ExecutorDeadError:
             raise  # a worker is gone: the engine stops (engine/core_proc.py reports it)
         except Exception:
             return self._step_failed(scheduler_output)
         return self._apply(scheduler_output, runner_output)
+
+    def _schedule(self) -> SchedulerOutput:
+        """scheduler.schedule(), after waiting (a bounded time) for the masks being computed; when it schedules
+        nothing, waits a little for what it waits for (a grammar's compile, a mask) instead of spinning."""
+        masks = self.structured_output_manager
+        masks.wait_for_masks(self._mask_wait_s())
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.num_scheduled_tokens:
+            if self.scheduler.num_waiting_for_mask:  # every request that could run waits for its mask
+                masks.wait_for_masks(MASK_IDLE_WAIT_S, any_one=True)
+            elif self.scheduler.waiting:
+                time.sleep(0.001)  # e.g. every request waits for its grammar: no busy spin while it compiles
+        return scheduler_output
+
+    def _mask_wait_s(self) -> float:
+        return min(max(MASK_WAIT_FRACTION * self.step_seconds, MASK_WAIT_MIN_S), MASK_WAIT_MAX_S)
 
     def _apply(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -188,7 +217,10 @@ class EngineCore:
         queue = self.batch_queue
         submitted = False
         if self.scheduler.has_unfinished_requests() and len(queue) < self.batch_queue_size:
+            self.structured_output_manager.wait_for_masks(self._mask_wait_s())  # see _schedule
             scheduler_output = self.scheduler.schedule()
+            if not scheduler_output.num_scheduled_tokens and self.scheduler.num_waiting_for_mask and not queue:
+                self.structured_output_manager.wait_for_masks(MASK_IDLE_WAIT_S, any_one=True)
             if scheduler_output.num_scheduled_tokens or scheduler_output.preempted_req_ids:
                 try:
                     grammar = self.structured_output_manager.grammar_bitmask(self.scheduler.requests,

@@ -1,7 +1,13 @@
 """StructuredOutputManager: compiles grammars in two big-stack worker threads, small and big grammars apart (with
-a cache keyed by grammar and tokenizer)
-and, each step, fills the token bitmask of the rows that sample under a grammar (vLLM's
-`StructuredOutputManager`). The engine core owns it; only the busy loop's thread calls `grammar_bitmask`."""
+a cache keyed by grammar and tokenizer), computes each constrained request's next mask ahead of its step on a
+mask thread, and, each step, gathers the token bitmask of the rows that sample under a grammar (vLLM's
+`StructuredOutputManager`). The engine core owns it; only the busy loop's thread calls `grammar_bitmask` and
+`wait_for_masks`.
+
+Masks ahead of the step (issue 32): a grammar whose masks cost tens of milliseconds per token used to stretch
+every step, so one constrained request slowed every stream. Now the engine waits for pending masks at most a
+budget per step (engine/core.py), and the scheduler leaves out of the step a request whose mask is still not
+ready (structured_output/request.py), so only that request waits for its mask."""
 
 from __future__ import annotations
 
@@ -9,18 +15,20 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 
 from pagedllm.config import StructuredOutputsConfig
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.backend_guidance import GuidanceBackend
 from pagedllm.structured_output.bounds import SMALL_GRAMMAR_BYTES, BigStackExecutor
-from pagedllm.structured_output.grammar import StructuredOutputError, grammar_of
+from pagedllm.structured_output.grammar import grammar_of
 from pagedllm.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
@@ -71,21 +79,31 @@ class StructuredOutputManager:
         self._backend_lock = threading.Lock()
         self._stats = GrammarStats()
         self._bitmask: np.ndarray | None = None
+        self._mask_worker = BigStackExecutor("grammar-mask")
+        """Computes requests' next masks ahead of their steps (one thread: llguidance drops the GIL in a mask, and
+        a second thread would only take the model's cores)."""
+        self._pending_masks: set[Future] = set()
+        self._pending_lock = threading.Lock()
 
     def add_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         """Start compiling a request's grammar in the worker; the request waits (WAITING_FOR_FSM) until it is
-        ready. Grammars up to SMALL_GRAMMAR_BYTES compile in one worker, bigger ones in another. Params past the
-        bounds of bounds.py (the frontend checks them first) fail that request alone: its compile raises
-        StructuredOutputError, and the request can only end."""
+        ready. Params up to SMALL_GRAMMAR_BYTES (as msgpack) compile in one worker, bigger ones in another. The
+        grammar text is made in the worker too: for a 2,000-branch schema, grammar_of and its bounds walk took
+        50-300 ms of the busy loop, a gap in every stream (issue 32, item 3). Params past the bounds of bounds.py
+        (the frontend checks them first) fail that request alone: its compile raises StructuredOutputError, and
+        the request can only end."""
         try:
-            grammar = grammar_of(params, self.config.disable_any_whitespace,
-                                 self.config.disable_additional_properties)
-        except StructuredOutputError as e:
-            failed: Future = Future()
-            failed.set_exception(e)
-            return StructuredOutputRequest(failed)
-        worker = self._small_worker if len(grammar) <= SMALL_GRAMMAR_BYTES else self._big_worker
-        return StructuredOutputRequest(worker.submit(self._compile, grammar))
+            size = len(msgspec.msgpack.encode(params))
+        except (msgspec.EncodeError, TypeError, UnicodeEncodeError):
+            size = SMALL_GRAMMAR_BYTES + 1  # grammar_of refuses it, in the worker
+        worker = self._small_worker if size <= SMALL_GRAMMAR_BYTES else self._big_worker
+        return StructuredOutputRequest(worker.submit(self._compile_params, params), self._mask_worker,
+                                       self._compute_mask, self._track_mask)
+
+    def _compile_params(self, params: StructuredOutputsParams):
+        """In a worker: the grammar of `params` (raises StructuredOutputError past the bounds), then _compile."""
+        return self._compile(grammar_of(params, self.config.disable_any_whitespace,
+                                        self.config.disable_additional_properties))
 
     def _compile(self, grammar: str):
         """In a worker: a matcher for `grammar` at its start, copied from the cache or compiled."""
@@ -120,6 +138,35 @@ class StructuredOutputManager:
                             self._backend.vocab_size, time.perf_counter() - start)
             return self._backend
 
+    def _compute_mask(self, matcher, drafts: Sequence[int]) -> np.ndarray:
+        """On the mask thread: a request's rows for its next step, [1 + len(drafts), words] (as grammar_bitmask
+        fills them: its mask now, then after each draft prefix)."""
+        backend = self._backend  # set by the compile that made the matcher
+        rows = backend.allocate_bitmask(1 + len(drafts))
+        rows.fill(0)
+        backend.fill_bitmask([(matcher, 0, drafts)], rows)
+        return rows
+
+    def _track_mask(self, job: Future) -> None:
+        with self._pending_lock:
+            self._pending_masks.add(job)
+        job.add_done_callback(self._untrack_mask)
+
+    def _untrack_mask(self, job: Future) -> None:
+        with self._pending_lock:
+            self._pending_masks.discard(job)
+
+    def wait_for_masks(self, timeout_s: float, any_one: bool = False) -> bool:
+        """Wait up to timeout_s for every mask being computed (any_one: for the first of them to finish).
+        Returns whether none is pending any more (any_one: whether one finished or none was pending)."""
+        with self._pending_lock:
+            pending = list(self._pending_masks)
+        if not pending:
+            return True
+        done, not_done = wait_futures(pending, timeout=timeout_s,
+                                      return_when=FIRST_COMPLETED if any_one else ALL_COMPLETED)
+        return bool(done) if any_one else not not_done
+
     def take_stats(self) -> GrammarStats:
         """The counters since the previous call."""
         with self._lock:
@@ -135,10 +182,13 @@ class StructuredOutputManager:
         with k drafts scheduled, k rows follow: the masks after each draft prefix (the verify step's rows, vLLM's
         layout), so every token the verify step emits, the bonus token included, is one the grammar allows after
         the tokens before it. A row that would allow nothing gets EOS, so the request can always end.
+        Rows computed ahead on the mask thread are copied; the others (none when the scheduler waited for them)
+        are computed here.
         """
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         rows: dict[str, int] = {}
-        live = []  # (matcher, first row, drafts)
+        live = []  # (matcher, first row, drafts): computed here
+        ahead = []  # (rows computed on the mask thread, first row)
         num_rows = 0
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
@@ -148,7 +198,11 @@ class StructuredOutputManager:
             drafts = spec_tokens.get(req_id, ()) if spec_tokens else ()
             rows[req_id] = num_rows
             if so_request.matcher is not None:
-                live.append((so_request.matcher, num_rows, drafts))
+                ready = so_request.mask_rows(drafts)
+                if ready is None:
+                    live.append((so_request.matcher, num_rows, drafts))
+                else:
+                    ahead.append((ready, num_rows))
             num_rows += 1 + len(drafts)
         if not rows:
             return None
@@ -157,6 +211,8 @@ class StructuredOutputManager:
             return None
         bitmask = self._rows(backend, num_rows)
         bitmask.fill(0)
+        for ready, row in ahead:
+            bitmask[row:row + len(ready)] = ready
         if live:
             backend.fill_bitmask(live, bitmask)
         dead = np.flatnonzero(~bitmask.any(axis=1))
@@ -174,3 +230,4 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         self._small_worker.shutdown(wait=False, cancel_futures=True)
         self._big_worker.shutdown(wait=False, cancel_futures=True)
+        self._mask_worker.shutdown(wait=False, cancel_futures=True)
