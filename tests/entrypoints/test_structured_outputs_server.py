@@ -126,7 +126,7 @@ def test_the_bodies_that_crashed_the_server_are_400s_naming_the_limit(server):
     """A 1,000-deep $ref chain (as a response_format, as a required tool's parameters) and 3,000 chained Lark
     rules overflowed llguidance's native stack and killed the server; each is now a 400 naming the field and the
     limit, and the same server (and engine) answers next."""
-    engine = server.child_pids()
+    engine = server.child_pids()  # the engine core, and grammar children started by earlier tests
     rules = "start: r0\n" + "\n".join(f'r{i}: "t" r{i + 1}' for i in range(3000)) + '\nr3000: "t"\n'
     tool = {"type": "function", "function": {"name": "deep", "parameters": _ref_chain(1000)}}
     cases = [
@@ -144,7 +144,7 @@ def test_the_bodies_that_crashed_the_server_are_400s_naming_the_limit(server):
         error = response.json()["error"]
         assert (error["param"], error["type"]) == (param, "invalid_request_error"), error
         assert limit in error["message"] and "limit of" in error["message"], error
-    assert server.proc.poll() is None and server.child_pids() == engine
+    assert server.proc.poll() is None and set(engine) <= set(server.child_pids())  # none died, none restarted
     response = server.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 5,
                                                          "structured_outputs": {"choice": ["yes", "no"]}})
     assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] in ("yes", "no")

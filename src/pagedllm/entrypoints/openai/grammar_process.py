@@ -49,9 +49,14 @@ class GrammarProcess:
     async def validate(self, grammar: str, timeout_s: float) -> str:
         """llguidance's validation message of `grammar` ("": valid), within timeout_s of the call (waiting for
         the child included). Raises GrammarProcessError."""
+        return (await self.ask({"grammar": grammar}, timeout_s))["error"]
+
+    async def ask(self, request: dict, timeout_s: float) -> dict:
+        """The child's answer to `request` (see main), within timeout_s of the call (waiting for the child
+        included). Raises GrammarProcessError."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        line = json.dumps({"grammar": grammar}).encode() + b"\n"  # ASCII JSON: lone surrogates travel escaped
+        line = json.dumps(request).encode() + b"\n"  # ASCII JSON: lone surrogates travel escaped
         try:
             await asyncio.wait_for(self._lock.acquire(), timeout_s)
         except TimeoutError:
@@ -76,7 +81,7 @@ class GrammarProcess:
                 raise GrammarProcessError("The grammar crashed the compiler.")
         finally:
             self._lock.release()
-        return json.loads(answer)["error"]
+        return json.loads(answer)
 
     async def _started(self) -> asyncio.subprocess.Process:
         if self._proc is None or self._proc.returncode is not None:
@@ -119,6 +124,13 @@ class GrammarValidator:
         lane = self.small if len(grammar) <= SMALL_GRAMMAR_BYTES else self.big
         return await lane.validate(grammar, timeout_s)
 
+    async def prepare(self, params: bytes, json_options: tuple[bool, bool], timeout_s: float) -> dict:
+        """The child's grammar text and validation of StructuredOutputsParams `params` (as msgspec JSON):
+        {"grammar", "param", "error"} ("": valid), or {"param", "message"} for a StructuredOutputError (a limit of
+        bounds.py, an invalid schema). The lane is picked by the params' size. Raises GrammarProcessError."""
+        lane = self.small if len(params) <= SMALL_GRAMMAR_BYTES else self.big
+        return await lane.ask({"params": params.decode(), "options": list(json_options)}, timeout_s)
+
     def close(self) -> None:
         self.small.close()
         self.big.close()
@@ -137,10 +149,23 @@ def validator() -> GrammarValidator:
 
 
 def main() -> None:
-    """The child: read a JSON request per line, answer {"error"} ("": valid) per line, until stdin closes. The
-    compiles run on a thread with a bounds.STACK_BYTES stack."""
+    """The child: read a JSON request per line until stdin closes, and answer each on a line:
+    {"grammar"} -> {"error"} (llguidance's validation message, "": valid);
+    {"params", "options"} -> the grammar made from StructuredOutputsParams (bounds checked) and validated:
+    {"grammar", "param", "error"}, or {"param", "message"} for a StructuredOutputError.
+    The work runs on a thread with a bounds.STACK_BYTES stack."""
+    import msgspec
+
+    from pagedllm.sampling_params import StructuredOutputsParams
     from pagedllm.structured_output.bounds import BigStackExecutor
-    from pagedllm.structured_output.grammar import validation_error
+    from pagedllm.structured_output.grammar import StructuredOutputError, prepared_grammar, validation_error
+
+    def prepare(params: str, options: list[bool]) -> dict:
+        try:
+            grammar, param = prepared_grammar(msgspec.json.decode(params, type=StructuredOutputsParams), *options)
+        except StructuredOutputError as e:
+            return {"param": e.param, "message": str(e)}
+        return {"grammar": grammar, "param": param, "error": validation_error(grammar)}
 
     try:  # killed with the server, even mid-compile (otherwise it ends when its stdin closes, between grammars)
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
@@ -155,7 +180,11 @@ def main() -> None:
     answers.flush()
     for line in sys.stdin.buffer:
         try:
-            reply = {"error": worker.submit(validation_error, json.loads(line)["grammar"]).result()}
+            request = json.loads(line)
+            if "params" in request:
+                reply = worker.submit(prepare, request["params"], request["options"]).result()
+            else:
+                reply = {"error": worker.submit(validation_error, request["grammar"]).result()}
         except Exception as e:  # noqa: BLE001 - any failure is that grammar's answer
             reply = {"error": f"{type(e).__name__}: {e}"}
         answers.write(json.dumps(reply) + "\n")
