@@ -4,6 +4,7 @@ and a fuzz of deep and wide schemas never crashes the validation."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -105,6 +106,7 @@ def test_the_engine_compiles_at_the_bounds_and_fails_past_them_alone(tiny_tokeni
         for params in (S(json=deepest), S(grammar=rule_chain(bounds.MAX_RULE_DEPTH - 2))):
             so = manager.add_request(params)
             matcher = so.future.result(timeout=120)
+            so.mask_rows([])  # waits for the first mask, computed ahead on the mask thread with this matcher
             assert not matcher.is_error(), matcher.get_error()
         with pytest.raises(StructuredOutputError, match="chain depth"):
             past.future.result(timeout=60)
@@ -112,6 +114,16 @@ def test_the_engine_compiles_at_the_bounds_and_fails_past_them_alone(tiny_tokeni
         assert manager._small_worker._thread.is_alive()
     finally:
         manager.shutdown()
+
+
+def test_compiles_run_below_the_models_priority():
+    """The engine's compile workers lower their own threads' priority (COMPILE_NICE), no other thread's."""
+    executor = bounds.BigStackExecutor("nice-probe", nice=bounds.COMPILE_NICE)
+    try:
+        thread_nice = executor.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        assert thread_nice.result(timeout=10) == os.getpriority(os.PRIO_PROCESS, 0) + bounds.COMPILE_NICE
+    finally:
+        executor.shutdown(wait=True)
 
 
 def test_the_big_stack_is_for_the_compile_thread_alone():

@@ -24,6 +24,7 @@ once) counts as many steps as it has members, an upper bound of any path through
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
 import threading
@@ -240,12 +241,23 @@ def _longest_paths(edges: dict[Hashable, list], nodes: list, weights: tuple[Call
     return tuple(max((b[i] for b in best), default=0) for i in range(len(weights)))
 
 
+COMPILE_NICE = 10
+"""How far the engine's grammar compiles lower their thread's priority. On a machine whose cores all run the
+model's threads, a 2,000-branch schema's compile (~0.6 s of a core) stretched every step it overlapped: a
+neighbour stream's longest gap 0.135 s at nice 0, 0.02 s at 19 (benchmarks/structured_outputs_mask_cost.py
+--engine). 10 (a tenth of a core's share against a busy thread, not 19's 1.5%) keeps a compile from starving
+when the machine is loaded by other work: the big constraint slows its own request."""
+
+
 class BigStackExecutor:
     """A one-thread executor whose thread has a STACK_BYTES stack (ThreadPoolExecutor's threads get the
-    process's default, 8 MiB). `submit` returns a concurrent.futures.Future."""
+    process's default, 8 MiB). `submit` returns a concurrent.futures.Future.
 
-    def __init__(self, name: str, stack_bytes: int = STACK_BYTES):
+    `nice` > 0 lowers the thread's scheduling priority (a Linux thread has its own nice value): see COMPILE_NICE."""
+
+    def __init__(self, name: str, stack_bytes: int = STACK_BYTES, nice: int = 0):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._nice = nice
         with _stack_size_lock:  # threading.stack_size is process-wide: set it for this thread's start only
             previous = threading.stack_size(stack_bytes)
             try:
@@ -260,6 +272,8 @@ class BigStackExecutor:
         return future
 
     def _run(self) -> None:
+        if self._nice:
+            lower_priority(self._nice)
         while True:
             item = self._queue.get()
             if item is None:
@@ -285,3 +299,11 @@ class BigStackExecutor:
         self._queue.put(None)
         if wait:
             self._thread.join()
+
+
+def lower_priority(nice: int) -> None:
+    """Raise the calling thread's nice value by `nice` (Linux; best effort elsewhere)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
+    except (AttributeError, OSError):
+        pass

@@ -27,7 +27,7 @@ import numpy as np
 from pagedllm.config import StructuredOutputsConfig
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.backend_guidance import GuidanceBackend
-from pagedllm.structured_output.bounds import SMALL_GRAMMAR_BYTES, BigStackExecutor
+from pagedllm.structured_output.bounds import COMPILE_NICE, SMALL_GRAMMAR_BYTES, BigStackExecutor
 from pagedllm.structured_output.grammar import grammar_of
 from pagedllm.structured_output.request import StructuredOutputRequest
 
@@ -72,8 +72,9 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self._backend: GuidanceBackend | None = None
         # llguidance recurses natively: big stacks (bounds.py); a small grammar never queues behind a big one
-        self._small_worker = BigStackExecutor("grammar-compile")
-        self._big_worker = BigStackExecutor("grammar-compile-big")
+        # and they yield the cores to the model's steps (bounds.COMPILE_NICE)
+        self._small_worker = BigStackExecutor("grammar-compile", nice=COMPILE_NICE)
+        self._big_worker = BigStackExecutor("grammar-compile-big", nice=COMPILE_NICE)
         self._cache: OrderedDict[str, object] = OrderedDict()  # grammar text -> matcher at its start
         self._lock = threading.Lock()  # the cache, the stats
         self._backend_lock = threading.Lock()
