@@ -35,6 +35,7 @@ import zmq
 
 from pagedllm.child_process import exit_after_cleanup, raise_system_exit, remove_ipc_files
 from pagedllm.executor.abstract import ExecutorDeadError
+from pagedllm.gc_heap import freeze_gc_heap
 from pagedllm.log_escape import escape_control
 from pagedllm.messages import (
     MAX_MESSAGE_BYTES,
@@ -233,6 +234,7 @@ def run_engine_core(config, input_addr: str, output_addr: str, data_parallel_ran
                         model_name=getattr(resolved, "name", None) or str(config.model_config.model),
                         pid=os.getpid(), cache_config_info=engine_core.cache_config_info()))
         ready = True
+        freeze_gc_heap()
         proc.run_busy_loop()
     except SystemExit:
         return 0

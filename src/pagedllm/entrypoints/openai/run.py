@@ -24,6 +24,7 @@ from pagedllm.entrypoints.openai.connection_limits import (
 from pagedllm.entrypoints.openai.draining import DrainingServer
 from pagedllm.entrypoints.openai.loop_errors import RateLimitedLoopErrors
 from pagedllm.entrypoints.openai.server_state import ServerState
+from pagedllm.gc_heap import freeze_gc_heap
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:
     if engine.is_dead:  # a replica died while the others were starting: fail fast all the same
         engine.on_death(engine.dead_reason)
     logger.info("Serving %s on http://%s:%d", names[0], sc.host or "0.0.0.0", sc.port)
+    freeze_gc_heap()
     try:
         await server.serve()
     finally:
