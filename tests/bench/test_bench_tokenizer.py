@@ -17,5 +17,8 @@ def test_the_default_models_served_name_reads_the_embedded_gguf(monkeypatch):
 
 def test_an_unknown_name_without_the_hub_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads the variable once, at import (an earlier test imported it): without this, the call
+    # went to the network, which this machine cannot reach, and waited out its retries (46 s)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     with pytest.raises(ValueError, match="Pass --tokenizer"):
         get_tokenizer("no-such-org/no-such-model")

@@ -62,6 +62,7 @@ TORCH_FREE_MODULES = [
     "pagedllm.core.request_queue",
     "pagedllm.core.scheduler_output",
     "pagedllm.core.scheduler",
+    "pagedllm.core.stop_check",
 ]
 FORBIDDEN_IN_CORE = ["torch", "pagedllm.engine", "pagedllm.worker", "pagedllm.layers", "pagedllm.entrypoints",
                      "pagedllm.models", "pagedllm.metrics"]

@@ -29,6 +29,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.core.step_builder import StepBuilder
+from pagedllm.core.stop_check import append_and_check_stop, check_stop
 from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats, SpecDecodingStats
 
 if TYPE_CHECKING:
@@ -360,7 +361,7 @@ class Scheduler:
         req_id_to_index = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs
-        check_stop = self._check_stop
+        max_model_len = self.max_model_len
         running_status = RequestStatus.RUNNING
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         proposals = model_runner_output.spec_token_ids
@@ -392,13 +393,13 @@ class Scheduler:
                 new_token_ids = []  # a prefill chunk that did not reach the end samples nothing
             elif request.structured_output_request is not None:
                 request.structured_output_request.accept_tokens(new_token_ids)
-                new_token_ids = self._append_and_check_stop(request, new_token_ids)
+                new_token_ids = append_and_check_stop(request, new_token_ids, max_model_len)
                 finished = request.status is not running_status
             elif len(new_token_ids) == 1:
                 request.append_output_token_id(new_token_ids[0])
-                finished = check_stop(request, new_token_ids[0])
+                finished = check_stop(request, new_token_ids[0], max_model_len)
             else:
-                new_token_ids = self._append_and_check_stop(request, new_token_ids)
+                new_token_ids = append_and_check_stop(request, new_token_ids, max_model_len)
                 finished = request.status is not running_status
             if proposals is not None and index is not None:
                 # The next step's drafts. Under a grammar they are cut at the first token it refuses after the
@@ -434,37 +435,6 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
-
-    def _append_and_check_stop(self, request: Request, new_token_ids: list[int]) -> list[int]:
-        """Append tokens one by one; return those kept (up to and including a stopping one)."""
-        for i, token_id in enumerate(new_token_ids):
-            request.append_output_token_id(token_id)
-            if self._check_stop(request, token_id):
-                return new_token_ids[:i + 1]
-        return new_token_ids
-
-    def _check_stop(self, request: Request, last_token_id: int) -> bool:
-        """Set a finished status if the request must stop after `last_token_id`.
-
-        EOS (unless ignore_eos) and stop_token_ids count only once min_tokens outputs exist; then
-        max_tokens and max_model_len cap the length.
-        """
-        num_output_tokens = len(request.output_token_ids)
-        params = request.sampling_params
-        if num_output_tokens >= params.min_tokens:
-            if last_token_id == request.eos_token_id and not params.ignore_eos:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if request.is_stop_token(last_token_id):
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last_token_id
-                return True
-        max_tokens = request.max_tokens
-        if ((max_tokens is not None and num_output_tokens >= max_tokens)
-                or len(request.all_token_ids) >= self.max_model_len):
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
 
     # ---- introspection ----
 
