@@ -552,7 +552,9 @@ def run_storm(server, num_requests: int = 1000, concurrency: int = 128, close_fr
     # `length` and there was nothing to abort. Every request ends once, so those are the extra lengths.
     finished_first = max(finished.get("length", 0) - (num_requests - num_closes), 0)
     figures["closes_after_finish"] = finished_first
-    if aborts + finished_first != expected_aborts or finished_first > max(2, num_closes // 50):
+    # (how many depends on the machine's speed against the clients' random close points: 5 of 49 with both cores
+    # busy with other work; what must hold is the count, and that most closes did interrupt a request)
+    if aborts + finished_first != expected_aborts or finished_first > max(2, num_closes // 4):
         failures.append(f"{aborts} aborts counted for {num_closes} closes, {expected_aborts} of them of requests "
                         f"the server had received, {finished_first} of those after their request had finished")
     if problems:
