@@ -54,7 +54,8 @@ def install_fault(engine_core, spec: str) -> None:
     def faulty_execute_model(scheduler_output, grammar=None):
         calls["n"] += 1
         if after_steps < calls["n"] <= after_steps + times:
-            logger.warning("%s: injecting %s at step %d", FAULT_INJECT_ENV, kind, calls["n"])
+            if calls["n"] <= after_steps + 3:  # the first few: a fault on every step would flood the log
+                logger.warning("%s: injecting %s at step %d", FAULT_INJECT_ENV, kind, calls["n"])
             if kind == "raise_in_forward":
                 raise RuntimeError("injected fault in the forward pass")
             if kind == "sleep_in_forward":

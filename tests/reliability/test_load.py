@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 KV_BLOCKS, BLOCK_SIZE = 64, 8
 KV_PROMPT_LEN, KV_MAX_TOKENS = 150, 55  # 205 tokens = 26 blocks = 40% of the pool
 STALL_HANG_TIMEOUT_S = 4
+STALLED_STEP_FAULT = "sleep_in_forward:after_steps=0,times=1000000000,seconds=0.004"  # every step
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,10 @@ def servers(launcher) -> dict:
         "kv": launcher("--num-gpu-blocks-override", str(KV_BLOCKS), "--block-size", str(BLOCK_SIZE),
                        "--max-model-len", "256", "--max-num-seqs", "64", wait_ready=False),
         "overload": launcher("--max-num-seqs", "4", "--max-num-queued-reqs", "16", wait_ready=False),
+        # steps of a real model's length (the tiny model's ~1 ms steps with n=16 and 20 logprobs outrun an API
+        # server on busy cores by seconds, so a close would be seen only after the engine had finished anyway)
+        "stalled": launcher("--max-num-seqs", "4", env={"PAGEDLLM_FAULT_INJECT": STALLED_STEP_FAULT},
+                            wait_ready=False),
         "load": launcher(wait_ready=False),
         "stall": launcher("--health-check-timeout", "2", "--engine-hang-timeout", str(STALL_HANG_TIMEOUT_S),
                           "--max-buffered-outputs", "256", wait_ready=False),
@@ -122,8 +127,10 @@ def test_stalled_stream_closed_by_its_client_is_aborted(servers):
     closes: every one of its n requests that had not finished by then ends as an abort, none runs on to
     max_tokens. (Before the fix, Starlette cancelled the blocked write and left the SSE generator unclosed:
     10-30% of such closes were never aborted.) The server runs 4 requests at a time, so most of the 16 are
-    still running or waiting when the client closes."""
-    server = servers["overload"].wait_ready()
+    still running or waiting when the client closes. Its steps last 4 ms more than the tiny model's: with ~1 ms
+    steps the engine ran seconds ahead of an API server on busy cores (measured: 3.9 s from the request to its
+    first running report, 7 s from the close to idle), and finished the 16 before the close reached it."""
+    server = servers["stalled"].wait_ready()
     body = json.dumps({"model": MODEL_NAME, "prompt": "hello", "max_tokens": 480, "ignore_eos": True,
                        "stream": True, "n": 16, "logprobs": 20}).encode()
     pending_at_close = []
