@@ -11,22 +11,19 @@ that dies answers that request alone with a 400.
 
 Two lanes, each one child, by grammar size: a small grammar (up to bounds.SMALL_GRAMMAR_BYTES, which compiles
 in milliseconds) never queues behind a big one. A request's timeout covers its wait for the lane and its compile.
-Requests and answers are JSON lines on the child's stdin and stdout: no pickle.
+The child's protocol (JSON lines, a ready line, kills) is json_lines_child.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
-import json
-import os
 import signal
-import sys
 import weakref
 
+from pagedllm.entrypoints.openai.json_lines_child import JsonLinesChild, serve_json_lines
 from pagedllm.structured_output.bounds import SMALL_GRAMMAR_BYTES
 
-STARTUP_TIMEOUT_S = 30.0
 MAX_ANSWER_BYTES = 16 << 20
 
 
@@ -34,82 +31,24 @@ class GrammarProcessError(Exception):
     """The grammar's validation gave no answer (timed out, or the child died); the message says which."""
 
 
-class GrammarProcess:
+class GrammarProcess(JsonLinesChild):
     """One child that validates grammars, one at a time, started on first use (and again after a kill)."""
 
-    def __init__(self):
-        self._proc: asyncio.subprocess.Process | None = None
-        self._lock = asyncio.Lock()
+    error = GrammarProcessError
+    not_started_message = "The grammar validation process did not start."
+    crash_message = "The grammar crashed the compiler."
 
-    @property
-    def pid(self) -> int | None:
-        """The running child's pid (None: none running)."""
-        return self._proc.pid if self._proc is not None and self._proc.returncode is None else None
+    def __init__(self):
+        super().__init__(__name__, max_answer_bytes=MAX_ANSWER_BYTES)
+
+    def timeout_message(self, timeout_s: float, waited: bool) -> str:
+        return (f"The grammar took longer than {timeout_s:g} s to compile"
+                + (" (it waited for other large grammars)." if waited else "."))
 
     async def validate(self, grammar: str, timeout_s: float) -> str:
         """llguidance's validation message of `grammar` ("": valid), within timeout_s of the call (waiting for
         the child included). Raises GrammarProcessError."""
         return (await self.ask({"grammar": grammar}, timeout_s))["error"]
-
-    async def ask(self, request: dict, timeout_s: float) -> dict:
-        """The child's answer to `request` (see main), within timeout_s of the call (waiting for the child
-        included). Raises GrammarProcessError."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        line = json.dumps(request).encode() + b"\n"  # ASCII JSON: lone surrogates travel escaped
-        try:
-            await asyncio.wait_for(self._lock.acquire(), timeout_s)
-        except TimeoutError:
-            raise GrammarProcessError(f"The grammar took longer than {timeout_s:g} s to compile (it waited for "
-                                      "other large grammars).") from None
-        try:
-            proc = await self._started()
-            try:
-                proc.stdin.write(line)
-                await proc.stdin.drain()
-                answer = await asyncio.wait_for(proc.stdout.readline(), max(deadline - loop.time(), 0.001))
-            except TimeoutError:
-                self._kill()  # the compile stops using CPU now
-                raise GrammarProcessError(f"The grammar took longer than {timeout_s:g} s to compile.") from None
-            except (ConnectionError, ValueError):  # the child died mid-write; an answer over MAX_ANSWER_BYTES
-                answer = b""
-            except BaseException:  # cancelled (the client left): the answer must not go to the next request
-                self._kill()
-                raise
-            if not answer.endswith(b"\n"):
-                self._kill()
-                raise GrammarProcessError("The grammar crashed the compiler.")
-        finally:
-            self._lock.release()
-        return json.loads(answer)
-
-    async def _started(self) -> asyncio.subprocess.Process:
-        if self._proc is None or self._proc.returncode is not None:
-            self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", __name__, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                limit=MAX_ANSWER_BYTES,
-                start_new_session=True)  # Ctrl-C reaches the server alone; the child ends when its stdin closes
-            try:  # its first line says it is ready: the compile timeout does not pay for its start-up
-                ready = await asyncio.wait_for(self._proc.stdout.readline(), STARTUP_TIMEOUT_S)
-            except TimeoutError:
-                ready = b""
-            except BaseException:
-                self._kill()
-                raise
-            if ready != b"{}\n":
-                self._kill()
-                raise GrammarProcessError("The grammar validation process did not start.")
-        return self._proc
-
-    def _kill(self) -> None:
-        if self._proc is not None:
-            if self._proc.returncode is None:
-                self._proc.kill()
-            self._proc.stdin.close()
-        self._proc = None
-
-    def close(self) -> None:
-        self._kill()
 
 
 class GrammarValidator:
@@ -172,23 +111,15 @@ def main() -> None:
     except (AttributeError, OSError):
         pass
 
-    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")
-    sys.stdout = sys.stderr  # nothing else may write into the answer stream
     worker = BigStackExecutor("grammar-validate")
-    worker.submit(validation_error, "").result()  # llguidance loaded before the first request's clock runs
-    answers.write("{}\n")
-    answers.flush()
-    for line in sys.stdin.buffer:
-        try:
-            request = json.loads(line)
-            if "params" in request:
-                reply = worker.submit(prepare, request["params"], request["options"]).result()
-            else:
-                reply = {"error": worker.submit(validation_error, request["grammar"]).result()}
-        except Exception as e:  # noqa: BLE001 - any failure is that grammar's answer
-            reply = {"error": f"{type(e).__name__}: {e}"}
-        answers.write(json.dumps(reply) + "\n")
-        answers.flush()
+
+    def answer(request: dict) -> dict:
+        if "params" in request:
+            return worker.submit(prepare, request["params"], request["options"]).result()
+        return {"error": worker.submit(validation_error, request["grammar"]).result()}
+
+    # llguidance loaded before the first request's clock runs
+    serve_json_lines(answer, warm_up=lambda: worker.submit(validation_error, "").result())
 
 
 if __name__ == "__main__":
