@@ -131,14 +131,15 @@ print(json.dumps(out))
 """
 
 
-def fill_hub_cache(hub_url: str, hf_home: Path, requests: list[tuple]) -> list[dict]:
+def fill_hub_cache(hub_url: str, hf_home: Path, requests: list[tuple], env: dict[str, str] | None = None) -> list[dict]:
     """Resolve each (kind "model" or "tokenizer", hub id, revision, download_dir) in a child process with
-    HF_ENDPOINT=hub_url and HF_HOME=hf_home: huggingface_hub downloads into that cache. One dict per request: kind,
-    path and name, or error."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    env.update(HF_ENDPOINT=hub_url, HF_HOME=str(hf_home), HF_HUB_DISABLE_PROGRESS_BARS="1",
-               HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_ETAG_TIMEOUT="10", HF_HUB_DOWNLOAD_TIMEOUT="10")
-    done = subprocess.run([sys.executable, "-c", _RESOLVE_SCRIPT, json.dumps(requests)], env=env,
+    HF_ENDPOINT=hub_url and HF_HOME=hf_home (and `env`): huggingface_hub downloads into that cache. One dict per
+    request: kind, path and name, or error."""
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    child_env.update(HF_ENDPOINT=hub_url, HF_HOME=str(hf_home), HF_HUB_DISABLE_PROGRESS_BARS="1",
+                     HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_ETAG_TIMEOUT="10", HF_HUB_DOWNLOAD_TIMEOUT="10",
+                     **(env or {}))
+    done = subprocess.run([sys.executable, "-c", _RESOLVE_SCRIPT, json.dumps(requests)], env=child_env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

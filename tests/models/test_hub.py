@@ -108,12 +108,14 @@ def test_a_tokenizer_by_repo_id(offline, tiny_llama_dir):
         tokenizer_source(ModelConfig(tokenizer=HUB_REPO, tokenizer_revision="v2"), resolve_model(None))
 
 
-def test_an_unreachable_hub_falls_back_to_the_cache(tiny_hub_cache):
+def test_an_unreachable_hub_falls_back_to_the_cache(tiny_hub_cache, tmp_path):
     """Without HF_HUB_OFFLINE, a hub that cannot be reached: the cached snapshot serves, and a repo the cache lacks
-    is one line saying the hub cannot be reached."""
+    is one line saying the hub cannot be reached. The cache is named by HF_HUB_CACHE here (HF_HOME elsewhere)."""
     from server_process import free_port
 
-    found, missing = fill_hub_cache(f"http://127.0.0.1:{free_port()}", tiny_hub_cache.hf_home,
-                                    [["model", HUB_REPO, None, None], ["model", "tiny-org/missing", None, None]])
+    hub_cache = str(tiny_hub_cache.hf_home / "hub")
+    found, missing = fill_hub_cache(f"http://127.0.0.1:{free_port()}", tmp_path / "empty-home",
+                                    [["model", HUB_REPO, None, None], ["model", "tiny-org/missing", None, None]],
+                                    env={"HF_HUB_CACHE": hub_cache})
     assert found == tiny_hub_cache.results[0]
-    assert "cannot be reached" in missing["error"] and "\n" not in missing["error"]
+    assert "cannot be reached" in missing["error"] and "\n" not in missing["error"] and hub_cache in missing["error"]

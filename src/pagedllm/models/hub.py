@@ -158,7 +158,12 @@ def _find(repo: str, quant: str | None, model: str, revision: str | None, cache_
             if not files:
                 raise ModelLoadError(f"repo {where} on {constants.ENDPOINT} has no "
                                      + ("tokenizer files" if tokenizer_only else "config.json nor .gguf file"))
-            folder = Path(snapshot_download(repo, revision=revision, cache_dir=cache_dir, allow_patterns=files))
+            try:
+                folder = Path(snapshot_download(repo, revision=revision, cache_dir=cache_dir, allow_patterns=files))
+            except Exception as e:  # noqa: BLE001 (a failed download: one line, not a traceback from the engine core)
+                raise ModelLoadError(f"downloading {', '.join(files)} of {where} from {constants.ENDPOINT} to "
+                                     f"{cache_dir} failed ({type(e).__name__}: {' '.join(str(e).split())[:300]})"
+                                     ) from None
             return folder if tokenizer_only or not files[0].endswith(".gguf") else folder / files[0]
     why = ("HF_HUB_OFFLINE is set" if isinstance(hub_error, OfflineModeIsEnabled)
            else f"the hub {constants.ENDPOINT} cannot be reached ({type(hub_error).__name__}: "
