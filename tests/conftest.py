@@ -223,7 +223,8 @@ def tiny_hub_cache(tiny_llama_dir, tiny_llama_gguf, tmp_path_factory):
     write_llama_gguf(q8, LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype="float32"),
                      AutoTokenizer.from_pretrained(tiny_llama_dir), qtypes)
     extras = {"README.md": root / "README.md", "pytorch_model.bin": root / "pytorch_model.bin",
-              "original/params.json": tiny_llama_dir / "config.json"}
+              "original/params.json": tiny_llama_dir / "config.json",
+              "additional_chat_templates/tool_use.jinja": tiny_llama_dir / "chat_template.jinja"}
     repos = {HUB_REPO: {"main": {**{p.name: p for p in tiny_llama_dir.iterdir()}, **extras},
                         "v2": {p.name: p for p in v2.iterdir()}},
              HUB_GGUF_REPO: {"main": {"tiny-llama-F32.gguf": tiny_llama_gguf, "tiny-llama-Q8_0.gguf": q8,

@@ -38,9 +38,9 @@ def test_huggingface_hub_downloads_only_what_the_model_needs(tiny_hub_cache):
     snapshot = tiny_hub_cache.hf_home / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / commits[
         f"{HUB_REPO}@main"]
     assert main == {"kind": "hf", "path": str(snapshot), "name": HUB_REPO}
-    assert sorted(p.name for p in snapshot.iterdir()) == [
+    assert sorted(str(p.relative_to(snapshot)) for p in snapshot.rglob("*") if p.is_file()) == [
         "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-        "tokenizer_config.json"]  # no README.md, pytorch_model.bin, original/
+        "tokenizer_config.json"]  # no README.md, pytorch_model.bin, original/, additional_chat_templates/
     assert v2["path"].startswith(str(tiny_hub_cache.download_dir)) and v2["path"].endswith(commits[f"{HUB_REPO}@v2"])
     assert q8 == {"kind": "gguf", "path": q8["path"], "name": f"{HUB_GGUF_REPO}:Q8_0"}
     assert q8["path"].endswith("tiny-llama-Q8_0.gguf")

@@ -32,7 +32,9 @@ _SPLIT_GGUF = re.compile(r".*-\d{5}-of-\d{5}\.gguf")
 
 MODEL_FILES = ("*.json", "*.safetensors", "*.jinja", "tokenizer.model", "merges.txt", "vocab.txt")
 """The top-level files of a Hugging Face model repo that are downloaded (config.json, generation_config.json,
-tokenizer.json, tokenizer_config.json, special_tokens_map.json, chat_template.jinja, the weights and their index)."""
+tokenizer.json, tokenizer_config.json, special_tokens_map.json, chat_template.jinja, the weights and their index).
+Not additional_chat_templates/: with it transformers makes the tokenizer's chat_template a dict of named templates,
+which the chat route does not pick from yet; chat_template.jinja is the default one."""
 TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
                    "chat_template.json", "*.jinja", "config.json")
 """What --tokenizer REPO downloads (config.json: AutoTokenizer reads the model type there)."""
