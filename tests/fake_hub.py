@@ -21,6 +21,7 @@ from urllib.parse import unquote, urlsplit
 HUB_REPO = "tiny-org/tiny-llama"
 HUB_GGUF_REPO = "tiny-org/tiny-llama-GGUF"
 HUB_ONE_GGUF_REPO = "tiny-org/one-gguf"
+HUB_SHARDED_REPO = "tiny-org/tiny-llama-sharded"
 """The repos of the `tiny_hub_cache` fixture (tests/conftest.py)."""
 
 

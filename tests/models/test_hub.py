@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from fake_hub import HUB_GGUF_REPO, HUB_ONE_GGUF_REPO, HUB_REPO, fill_hub_cache
+from fake_hub import HUB_GGUF_REPO, HUB_ONE_GGUF_REPO, HUB_REPO, HUB_SHARDED_REPO, fill_hub_cache
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig
 from pagedllm.models import hub
@@ -33,7 +33,7 @@ def _greedy(model: str, **kwargs) -> list[list[int]]:
 
 
 def test_huggingface_hub_downloads_only_what_the_model_needs(tiny_hub_cache):
-    main, v2, q8, one, tok, missing = tiny_hub_cache.results
+    main, v2, q8, one, tok, missing, _ = tiny_hub_cache.results
     commits = tiny_hub_cache.commits
     snapshot = tiny_hub_cache.hf_home / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / commits[
         f"{HUB_REPO}@main"]
@@ -59,6 +59,14 @@ def test_a_repo_id_offline_loads_the_same_model_as_its_folder(offline, tiny_llam
     assert by_id.llm_engine.engine_core.resolved_model.name == HUB_REPO  # the served model name's default
     ids = [list(o.outputs[0].token_ids) for o in by_id.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert ids == _greedy(str(tiny_llama_dir))
+
+
+def test_a_sharded_repo_downloads_the_shards_its_index_names(offline, tiny_llama_dir):
+    folder = resolve_model(HUB_SHARDED_REPO).path
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert len(shards) > 1 and "consolidated.safetensors" not in shards
+    assert (folder / "model.safetensors.index.json").is_file()
+    assert _greedy(HUB_SHARDED_REPO) == _greedy(str(tiny_llama_dir))
 
 
 def test_revision_and_download_dir(offline):
