@@ -127,3 +127,16 @@ def test_an_unreachable_hub_falls_back_to_the_cache(tiny_hub_cache, tmp_path):
                                     env={"HF_HUB_CACHE": hub_cache})
     assert found == tiny_hub_cache.results[0]
     assert "cannot be reached" in missing["error"] and "\n" not in missing["error"] and hub_cache in missing["error"]
+
+
+def test_a_repo_the_hub_refuses_still_serves_from_the_cache(tiny_hub_cache):
+    """A hub that answers 'no such repo' (a gated or private repo without HF_TOKEN): a snapshot downloaded earlier
+    serves, as huggingface_hub's own fallback does; without one, one line says the hub refused and what to set."""
+    from fake_hub import FakeHub
+
+    with FakeHub({}) as empty:
+        found, missing = fill_hub_cache(empty.url, tiny_hub_cache.hf_home,
+                                        [["model", HUB_REPO, None, None], ["model", "tiny-org/missing", None, None]])
+    assert found == tiny_hub_cache.results[0]
+    assert "no repo tiny-org/missing" in missing["error"] and "HF_TOKEN" in missing["error"]
+    assert "\n" not in missing["error"]

@@ -142,9 +142,7 @@ def _find(repo: str, quant: str | None, model: str, revision: str | None, cache_
         try:
             listing = [s.rfilename for s in HfApi().model_info(repo, revision=revision).siblings or []]
         except (RepositoryNotFoundError, GatedRepoError) as e:
-            raise ModelLoadError(f"model {model!r} is not a local path, and the hub {constants.ENDPOINT} has no "
-                                 f"repo {repo} that this client may read ({type(e).__name__}; a private or gated "
-                                 f"repo needs HF_TOKEN)") from None
+            hub_error = e  # as huggingface_hub does, a snapshot downloaded earlier (with a token) still serves
         except RevisionNotFoundError:
             raise ModelLoadError(f"model {model!r}: the hub {constants.ENDPOINT} has repo {repo} but no revision "
                                  f"{rev!r}") from None
@@ -167,9 +165,14 @@ def _find(repo: str, quant: str | None, model: str, revision: str | None, cache_
                                      f"{cache_dir} failed ({type(e).__name__}: {' '.join(str(e).split())[:300]})"
                                      ) from None
             return folder if tokenizer_only or not files[0].endswith(".gguf") else folder / files[0]
-    why = ("HF_HUB_OFFLINE is set" if isinstance(hub_error, OfflineModeIsEnabled)
-           else f"the hub {constants.ENDPOINT} cannot be reached ({type(hub_error).__name__}: "
-                f"{' '.join(str(hub_error).split())[:200]})")
+    if isinstance(hub_error, OfflineModeIsEnabled):
+        why = "HF_HUB_OFFLINE is set"
+    elif isinstance(hub_error, (RepositoryNotFoundError, GatedRepoError)):
+        why = (f"the hub {constants.ENDPOINT} has no repo {repo} that this client may read "
+               f"({type(hub_error).__name__}; a private or gated repo needs HF_TOKEN)")
+    else:
+        why = (f"the hub {constants.ENDPOINT} cannot be reached ({type(hub_error).__name__}: "
+               f"{' '.join(str(hub_error).split())[:200]})")
     try:  # the snapshot folder of the revision (refs/<branch> or snapshots/<commit>), whatever it holds
         folder = Path(snapshot_download(repo, revision=revision, cache_dir=cache_dir, local_files_only=True,
                                         allow_patterns=["config.json"] if not tokenizer_only and quant is None
