@@ -125,54 +125,64 @@ def hub_model_path(model: str, revision: str | None = None, download_dir: str | 
 
 def _find(repo: str, quant: str | None, model: str, revision: str | None, cache_dir: str,
           tokenizer_only: bool) -> Path:
-    from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
+    """The files from the hub (downloaded where missing), or, where it cannot or will not answer, from the cache."""
+    from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import (
         GatedRepoError,
-        LocalEntryNotFoundError,
-        OfflineModeIsEnabled,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
 
-    rev = revision or "main"
-    where = f"{repo} (revision {rev})"
-    storage = Path(cache_dir) / ("models--" + repo.replace("/", "--"))
-    hub_error: Exception | None = OfflineModeIsEnabled("HF_HUB_OFFLINE is set") if constants.HF_HUB_OFFLINE else None
-    if hub_error is None:
-        try:
-            listing = [s.rfilename for s in HfApi().model_info(repo, revision=revision).siblings or []]
-        except (RepositoryNotFoundError, GatedRepoError) as e:
-            hub_error = e  # as huggingface_hub does, a snapshot downloaded earlier (with a token) still serves
-        except RevisionNotFoundError:
-            raise ModelLoadError(f"model {model!r}: the hub {constants.ENDPOINT} has repo {repo} but no revision "
-                                 f"{rev!r}") from None
-        except Exception as e:  # noqa: BLE001 (the HTTP client's errors differ between huggingface_hub versions)
-            hub_error = e  # unreachable or failing hub: the cache may still have it, as huggingface_hub does
-        else:
-            def read_index() -> dict:
-                return json.loads(Path(hf_hub_download(repo, _INDEX, revision=revision,
-                                                       cache_dir=cache_dir)).read_text())
-
-            files = (_tokenizer_files(listing) if tokenizer_only
-                     else _model_files(listing, quant, read_index, f"repo {where}"))
-            if not files:
-                raise ModelLoadError(f"repo {where} on {constants.ENDPOINT} has no "
-                                     + ("tokenizer files" if tokenizer_only else "config.json nor .gguf file"))
-            try:
-                folder = Path(snapshot_download(repo, revision=revision, cache_dir=cache_dir, allow_patterns=files))
-            except Exception as e:  # noqa: BLE001 (a failed download: one line, not a traceback from the engine core)
-                raise ModelLoadError(f"downloading {', '.join(files)} of {where} from {constants.ENDPOINT} to "
-                                     f"{cache_dir} failed ({type(e).__name__}: {' '.join(str(e).split())[:300]})"
-                                     ) from None
-            return folder if tokenizer_only or not files[0].endswith(".gguf") else folder / files[0]
-    if isinstance(hub_error, OfflineModeIsEnabled):
-        why = "HF_HUB_OFFLINE is set"
-    elif isinstance(hub_error, (RepositoryNotFoundError, GatedRepoError)):
-        why = (f"the hub {constants.ENDPOINT} has no repo {repo} that this client may read "
-               f"({type(hub_error).__name__}; a private or gated repo needs HF_TOKEN)")
+    where = f"{repo} (revision {revision or 'main'})"
+    if constants.HF_HUB_OFFLINE:
+        return _from_cache(repo, quant, model, revision, cache_dir, tokenizer_only, "HF_HUB_OFFLINE is set")
+    try:
+        listing = [s.rfilename for s in HfApi().model_info(repo, revision=revision).siblings or []]
+    except (RepositoryNotFoundError, GatedRepoError) as e:  # as huggingface_hub does, an earlier snapshot still serves
+        why = (f"the hub {constants.ENDPOINT} has no repo {repo} that this client may read ({type(e).__name__}; a "
+               f"private or gated repo needs HF_TOKEN)")
+    except RevisionNotFoundError:
+        raise ModelLoadError(f"model {model!r}: the hub {constants.ENDPOINT} has repo {repo} but no revision "
+                             f"{revision!r}") from None
+    except Exception as e:  # noqa: BLE001 (the HTTP client's errors differ between huggingface_hub versions)
+        why = f"the hub {constants.ENDPOINT} cannot be reached ({type(e).__name__}: {_one_line(e, 200)})"
     else:
-        why = (f"the hub {constants.ENDPOINT} cannot be reached ({type(hub_error).__name__}: "
-               f"{' '.join(str(hub_error).split())[:200]})")
+        return _download(repo, quant, revision, cache_dir, tokenizer_only, listing, where)
+    return _from_cache(repo, quant, model, revision, cache_dir, tokenizer_only, why)
+
+
+def _one_line(e: Exception, limit: int) -> str:
+    return " ".join(str(e).split())[:limit]
+
+
+def _download(repo: str, quant: str | None, revision: str | None, cache_dir: str, tokenizer_only: bool,
+              listing: list[str], where: str) -> Path:
+    """What the model needs of the hub's listing, into the cache (huggingface_hub skips what is there already)."""
+    from huggingface_hub import constants, hf_hub_download, snapshot_download
+
+    def read_index() -> dict:
+        return json.loads(Path(hf_hub_download(repo, _INDEX, revision=revision, cache_dir=cache_dir)).read_text())
+
+    files = _tokenizer_files(listing) if tokenizer_only else _model_files(listing, quant, read_index, f"repo {where}")
+    if not files:
+        raise ModelLoadError(f"repo {where} on {constants.ENDPOINT} has no "
+                             + ("tokenizer files" if tokenizer_only else "config.json nor .gguf file"))
+    try:
+        folder = Path(snapshot_download(repo, revision=revision, cache_dir=cache_dir, allow_patterns=files))
+    except Exception as e:  # noqa: BLE001 (a failed download: one line, not a traceback from the engine core)
+        raise ModelLoadError(f"downloading {', '.join(files)} of {where} from {constants.ENDPOINT} to {cache_dir} "
+                             f"failed ({type(e).__name__}: {_one_line(e, 300)})") from None
+    return folder if tokenizer_only or not files[0].endswith(".gguf") else folder / files[0]
+
+
+def _from_cache(repo: str, quant: str | None, model: str, revision: str | None, cache_dir: str,
+                tokenizer_only: bool, why: str) -> Path:
+    """The cached snapshot of the revision, checked for what the model needs; `why`: why the hub was not asked."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    where = f"{repo} (revision {revision or 'main'})"
+    storage = Path(cache_dir) / ("models--" + repo.replace("/", "--"))
     try:  # the snapshot folder of the revision (refs/<branch> or snapshots/<commit>), whatever it holds
         folder = Path(snapshot_download(repo, revision=revision, cache_dir=cache_dir, local_files_only=True,
                                         allow_patterns=["config.json"] if not tokenizer_only and quant is None
@@ -188,13 +198,13 @@ def _find(repo: str, quant: str | None, model: str, revision: str | None, cache_
             raise ModelLoadError(f"{why}, and {cached} has no tokenizer.json or tokenizer_config.json")
         return folder
 
-    def read_local_index() -> dict:
+    def read_index() -> dict:
         try:
             return json.loads((folder / _INDEX).read_text())
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"{folder / _INDEX}: cannot read the weights index ({e})") from None
 
-    files = _model_files(local, quant, read_local_index, cached)
+    files = _model_files(local, quant, read_index, cached)
     if not files:
         raise ModelLoadError(f"{why}, and {cached} has neither a config.json nor a .gguf file")
     if files[0].endswith(".gguf"):
