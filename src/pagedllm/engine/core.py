@@ -31,7 +31,7 @@ from pagedllm.messages import (
 )
 from pagedllm.models.loader import resolve_model
 from pagedllm.structured_output.manager import StructuredOutputManager
-from pagedllm.tokenizer import get_tokenizer
+from pagedllm.tokenizer import get_tokenizer, tokenizer_source
 from pagedllm.worker.worker import resolve_max_model_len
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class EngineCore:
         self.config = config
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         start = time.perf_counter()
-        self.resolved_model = resolve_model(mc.model)
+        self.resolved_model = resolve_model(mc)
         self.executor = create_executor(config)
         try:
             info = self.model_info = self.executor.model_info
@@ -294,7 +294,7 @@ class EngineCore:
         self.executor.shutdown()
 
     def _load_tokenizer(self):
-        return get_tokenizer(self.config.model_config.tokenizer or self.resolved_model)
+        return get_tokenizer(tokenizer_source(self.config.model_config, self.resolved_model))
 
     # ---- sizing ----------------------------------------------------------------------------------
     def _determine_num_blocks(self) -> int:

@@ -13,7 +13,7 @@ from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.tokenizer import get_tokenizer
+from pagedllm.tokenizer import get_tokenizer, tokenizer_source
 
 
 class LLMEngine:
@@ -23,7 +23,7 @@ class LLMEngine:
                              "server); the offline LLM runs one engine core. Use data_parallel_size=1.")
         self.config = config
         self.engine_core = EngineCore(config)
-        self.tokenizer = get_tokenizer(config.model_config.tokenizer or self.engine_core.resolved_model)
+        self.tokenizer = get_tokenizer(tokenizer_source(config.model_config, self.engine_core.resolved_model))
         self.input_processor = InputProcessor(self.engine_core.model_limits(), self.tokenizer.eos_token_id)
         self.output_processor = OutputProcessor(self.tokenizer)
 

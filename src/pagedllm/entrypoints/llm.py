@@ -18,7 +18,8 @@ class LLM:
     """An engine for offline batched generation.
 
     Args:
-        model: a Hugging Face folder, a GGUF file, or None for the embedded SmolLM2-135M-Instruct.
+        model: a Hugging Face folder, a GGUF file, a hub id (`Qwen/Qwen3-8B`, `unsloth/Qwen3-0.6B-GGUF:Q4_K_M`; with
+            revision= and download_dir=, as vLLM's), or None for the embedded SmolLM2-135M-Instruct.
         **engine_args: any field of ModelConfig, CacheConfig or SchedulerConfig (vLLM's names), e.g.
             max_num_seqs=64, max_num_batched_tokens=512, enable_prefix_caching=False, dtype="float32".
     """

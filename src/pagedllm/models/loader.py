@@ -47,9 +47,13 @@ _EMBEDDED_PACKAGE = EMBEDDED_PACKAGE
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
-def resolve_model(model: str | None) -> ResolvedModel:
-    """Turn a --model argument into a local HF folder or GGUF file; ModelLoadError if neither."""
-    return _resolve_model(model, _EMBEDDED_PACKAGE)
+def resolve_model(model: str | ModelConfig | None, revision: str | None = None,
+                  download_dir: str | None = None) -> ResolvedModel:
+    """Turn a --model argument (or a ModelConfig's --model, --revision and --download-dir) into a local HF folder or
+    GGUF file; ModelLoadError if neither."""
+    if isinstance(model, ModelConfig):
+        model, revision, download_dir = model.model, model.revision, model.download_dir
+    return _resolve_model(model, _EMBEDDED_PACKAGE, revision, download_dir)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -87,7 +91,7 @@ def _runs_quantized_kernels(model_config: ModelConfig, device: torch.device) -> 
     """Whether runs_gguf_quantized or runs_fp8 would put the weights in the native quantized kernels at float32:
     so that dtype auto keeps a GGUF model quantized on a CPU with native bf16 too. Errors are left to load_model."""
     try:
-        resolved = resolve_model(model_config.model)
+        resolved = resolve_model(model_config)
         return (runs_gguf_quantized(model_config, resolved, device, torch.float32)
                 or runs_fp8(model_config, resolved, device, torch.float32))
     except (ModelLoadError, ValueError):
@@ -112,11 +116,14 @@ def _generation_config_file(model_config: ModelConfig, resolved: ResolvedModel) 
 
 
 def _apply_generation_config(info: ModelInfo, model_config: ModelConfig, resolved: ResolvedModel) -> ModelInfo:
-    """The file's sampling defaults, except under --generation-config vllm (vLLM's get_diff_sampling_param), and
-    its EOS ids under every mode: vLLM makes a generation config's eos_token_id list stop ids even under vllm."""
+    """The file's sampling defaults, except under --generation-config vllm, with --override-generation-config merged
+    over them (vLLM's get_diff_sampling_param: the overrides apply under vllm too, a null drops a default), and the
+    file's EOS ids under every mode: vLLM makes a generation config's eos_token_id list stop ids even under vllm
+    (the overrides do not change them)."""
     gen = _generation_config_file(model_config, resolved)
-    info.generation_config = ({} if model_config.generation_config == "vllm" else
-                              {k: gen[k] for k in GENERATION_CONFIG_KEYS if gen.get(k) is not None})
+    merged = {**({} if model_config.generation_config == "vllm" else gen),
+              **(model_config.override_generation_config or {})}
+    info.generation_config = {k: merged[k] for k in GENERATION_CONFIG_KEYS if merged.get(k) is not None}
     if token_ids(gen.get("eos_token_id")):
         info.eos_token_ids = token_ids(gen.get("eos_token_id"))
     return info
@@ -127,7 +134,7 @@ def load_model_info(model_config: ModelConfig) -> ModelInfo:
 
     After `load_model`, the same object is `model.info`; no need to call both.
     """
-    resolved = resolve_model(model_config.model)
+    resolved = resolve_model(model_config)
     if resolved.kind == "gguf":
         info = gguf_model_info(open_gguf(resolved.path), resolved.path)
     else:
@@ -314,7 +321,7 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
 
     Returns the model (e.g. LlamaForCausalLM); `model.info` is its ModelInfo.
     """
-    resolved = resolve_model(model_config.model)
+    resolved = resolve_model(model_config)
     source = str(resolved.path)
     quantized = runs_gguf_quantized(model_config, resolved, device, dtype)
     pack = _packer(model_config, quantized, source)

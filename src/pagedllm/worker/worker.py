@@ -31,7 +31,7 @@ from pagedllm.models.loader import load_model, resolve_device, resolve_dtype, re
 from pagedllm.models.model_info import ModelInfo
 from pagedllm.spec_decode.draft_model_proposer import DraftModelProposer
 from pagedllm.structured_output.manager import GrammarOutput
-from pagedllm.tokenizer import get_tokenizer
+from pagedllm.tokenizer import get_tokenizer, tokenizer_source
 from pagedllm.worker.kv_scales import CALIBRATION_TEXT, calculate_kv_scales
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -103,15 +103,15 @@ class Worker:
         if self.tp.size > 1 or self.pp.size > 1:
             raise ValueError("speculative method 'draft_model' runs only at --tensor-parallel-size 1 and "
                              "--pipeline-parallel-size 1.")
-        target_vocab = get_tokenizer(mc.tokenizer or resolve_model(mc.model)).get_vocab()
-        draft_vocab = get_tokenizer(resolve_model(spec.model)).get_vocab()
+        target_vocab = get_tokenizer(tokenizer_source(mc, resolve_model(mc))).get_vocab()
+        draft_vocab = get_tokenizer(resolve_model(spec.model, None, mc.download_dir)).get_vocab()
         if draft_vocab != target_vocab:
             raise ValueError(f"the draft model {spec.model!r} does not share the target model {mc.model!r}'s "
                              f"tokenizer ({len(draft_vocab)} vs {len(target_vocab)} tokens, "
                              f"{sum(draft_vocab.get(t) != i for t, i in target_vocab.items())} differ); "
                              "draft_model needs a draft with the same vocabulary.")
-        draft = load_model(dataclasses.replace(mc, model=spec.model, tokenizer=None, quantization=None), self.device,
-                           self.dtype)
+        draft = load_model(dataclasses.replace(mc, model=spec.model, revision=None, tokenizer=None, quantization=None),
+                           self.device, self.dtype)
         if draft.info.vocab_size != self.model_info.vocab_size:
             raise ValueError(f"the draft model {spec.model!r} has {draft.info.vocab_size} logits, the target model "
                              f"{mc.model!r} {self.model_info.vocab_size}; draft_model needs the same vocabulary.")
@@ -160,7 +160,7 @@ class Worker:
         tensor parallelism, each rank's from its own KV heads; with pipeline parallelism, each stage's layers, all
         stages at once)."""
         mc = self.config.model_config
-        tokenizer = get_tokenizer(mc.tokenizer or resolve_model(mc.model))
+        tokenizer = get_tokenizer(tokenizer_source(mc, resolve_model(mc)))
         token_ids = tokenizer.encode(CALIBRATION_TEXT.read_text())[: self.max_model_len]
         start = time.perf_counter()
         scales = calculate_kv_scales(self.model_runner.model, token_ids, self.device, self.dtype, self.pp)

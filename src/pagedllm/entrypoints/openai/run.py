@@ -10,7 +10,7 @@ import os
 
 import uvicorn
 
-from pagedllm.config import EngineConfig, ServerConfig
+from pagedllm.config import EngineConfig, ModelConfig, ServerConfig
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineStartupError, start_engine_cores
 from pagedllm.entrypoints.openai.app import build_app
@@ -62,9 +62,23 @@ def _loop_factory():
     return uvloop.new_event_loop
 
 
-async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:
-    from pagedllm.tokenizer import get_tokenizer
+async def _load_tokenizer_soon(mc: ModelConfig) -> asyncio.Future | None:
+    """The tokenizer's loading, started in a thread, after the model is resolved once, here: a hub id is found in
+    (or downloaded to) the Hugging Face cache before the engine cores look for it. None (logged) where it is not."""
+    from pagedllm.models.model_info import ModelLoadError
+    from pagedllm.models.resolve import resolve_model_config
+    from pagedllm.tokenizer import get_tokenizer, tokenizer_source
 
+    try:
+        resolved = await asyncio.to_thread(resolve_model_config, mc)
+        source = await asyncio.to_thread(tokenizer_source, mc, resolved)
+    except ModelLoadError as e:
+        logger.error("The server failed to start: %s", e)
+        return None
+    return asyncio.ensure_future(asyncio.to_thread(get_tokenizer, source))
+
+
+async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:
     try:
         chat_template = None if sc.chat_template is None else load_chat_template(sc.chat_template)
     except (OSError, ValueError) as e:
@@ -73,7 +87,9 @@ async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:
     fd_limit = raise_fd_limit()
     asyncio.get_running_loop().set_exception_handler(RateLimitedLoopErrors())
     mc = engine_config.model_config
-    tokenizer_task = asyncio.ensure_future(asyncio.to_thread(get_tokenizer, mc.tokenizer or mc.model))
+    tokenizer_task = await _load_tokenizer_soon(mc)
+    if tokenizer_task is None:
+        return 1
     # The API server admits or refuses whole requests against --max-num-queued-reqs (AsyncLLM.check_admission):
     # the engine core must not refuse one child of an admitted request (n > 1, a list of prompts).
     # Data parallelism: N engine cores of the same configuration, each one whole replica.
