@@ -11,7 +11,8 @@ module path (tests/models/test_llama_native_step.py); the embedding lookup, the 
 plan and the LM head stay in Python, shared with the module path.
 
 When it runs (`forward` returns None otherwise, and the runner runs the model's modules):
-- built (`build`): a LlamaForCausalLM (or a family without per-head q/k norms: Qwen2, not Qwen3; logged) on the
+- built (`build`): a LlamaForCausalLM (or a family without per-head q/k norms, sliding windows nor soft-capping:
+  Qwen2, not Qwen3, not Mistral with a window, not Gemma 2; logged) on the
   CPU in float32 with the native kernels, every linear of every layer a quantized weight run by the native
   kernels (GGUF codes, `--quantization fp8`, or the int8-activation weights of `--activation-quantization int8`),
   and `PAGEDLLM_NATIVE_STEP` not "0";
@@ -143,6 +144,13 @@ class LlamaNativeDecodeStep:
         if model.decoder_options.qk_norm:  # the C loop has no per-head q/k norms
             logger.info("%s: the native decode step has no per-head q/k norms; decode steps run the model's "
                         "modules", model.info.architecture)
+            return None
+        missing = model.native_step_unsupported or (
+            "sliding-window attention nor logit soft-capping"
+            if any(layer.self_attn.attn.has_options for layer in layers) else None)
+        if missing is not None:  # the C loop is Llama's layer, full attention
+            logger.info("%s: the native decode step has no %s; decode steps run the model's modules",
+                        model.info.architecture, missing)
             return None
         scale = layers[0].self_attn.attn.scale if len(layers) else 1.0
         c_model = _Model(len(layers), info.hidden_size, info.num_heads, info.num_kv_heads, info.head_dim,
