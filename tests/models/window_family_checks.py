@@ -15,6 +15,7 @@ from pagedllm import LLM, SamplingParams
 GAP = 1e-4
 NEW_TOKENS = 16
 WINDOW = 12
+FP8_GAP = 0.5  # twice the largest logit change fp8 KV makes here: a divergence below it is fp8's, not a bug
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
@@ -77,8 +78,8 @@ def check_engine_paths(folder: Path, hf) -> None:
     """transformers' greedy tokens through a batch with n=2, the same batch again (prefix cache hits mid-sequence,
     past the window), chunked prefill (16-token budget), preemption (a 10-block pool), then fp8 KV cache and
     n-gram speculative decoding against the same engine without them: speculation gives the same tokens bit for
-    bit; fp8 KV the same tokens within itself alone and batched, and transformers' up to its first near-tie
-    (a top-2 gap below 0.05: fp8 rounding moves logits by ~1e-2 here)."""
+    bit; fp8 KV the same tokens within itself alone and batched, and transformers' up to its first top-2 gap below
+    FP8_GAP (e4m3 K/V move these models' prefill logits by up to 0.26, Gemma 2, and 0.18, Mistral)."""
     ps = prompts(hf.config.vocab_size)
     want = [reference(hf, p) for p in ps]
     base = llm(folder)
@@ -106,4 +107,4 @@ def check_engine_paths(folder: Path, hf) -> None:
     batched = tokens(fp8.generate(ps, GREEDY, use_tqdm=False))
     assert [tokens(fp8.generate([p], GREEDY, use_tqdm=False))[0] for p in ps] == batched
     for got, ref in zip(batched, want, strict=True):
-        assert_matches(got, ref, gap=0.05)
+        assert_matches(got, ref, gap=FP8_GAP)
