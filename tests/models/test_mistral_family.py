@@ -71,8 +71,7 @@ def test_greedy_matches_transformers_on_every_engine_path(mistral_dir, mistral_h
 @pytest.mark.skipif(not cpu_kernels.available(torch.float32, CPU), reason="native CPU kernels unavailable")
 def test_native_decode_step_declines_a_window(mistral_dir, mistral_hf, caplog):
     """--quantization fp8 makes every linear a native-kernel weight; the native decode step has no window: not
-    built, one line at load, and the modules decode transformers' tokens (on fp8 weights: its first near-tie
-    allowed at a wider gap)."""
+    built, one line at load, and the modules decode."""
     with caplog.at_level(logging.INFO, logger=llama_native_step.__name__):
         engine = llm(mistral_dir, quantization="fp8")
     assert engine.llm_engine.engine_core.runner.native_step is None

@@ -401,7 +401,8 @@ int paged_decode_attention(float *q, int64_t q_stride, const float *cos_sin, con
  * read once per tile instead of once per row. Each row computes what attend_seq computes for it, in the same order
  * (qk_head64 over the same chunks, softmax_row, pv_acc64 chunk by chunk, the same v_scale product): its output is
  * bitwise paged_decode_attention's for that row, whatever the tile, the group or the thread count. Without the
- * head_dim 64 SIMD path each row runs attend_seq itself (one task per row).
+ * head_dim 64 SIMD path, or with a sliding window (whose rows start at different tokens), each row runs attend_seq
+ * itself (one task per row).
  */
 #define MR_TILE 16
 

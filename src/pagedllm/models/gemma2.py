@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.distributed.pipeline_parallel import PipelineParallelGroup
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.models.llama import AttentionOptions, DecoderOptions, LlamaDecoderLayer, LlamaForCausalLM
 from pagedllm.models.model_info import ModelInfo
@@ -81,7 +82,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             return tensors
         return ((name, t.float() + 1.0 if name.endswith("norm.weight") else t) for name, t in tensors)
 
-    def __init__(self, info: ModelInfo, tp=None, pp=None):
+    def __init__(self, info: ModelInfo, tp: TensorParallelGroup | None = None,
+                 pp: PipelineParallelGroup | None = None):
         super().__init__(info, tp, pp)
         cap = _config(info, "final_logit_softcapping")
         self.final_logit_softcap = float(cap) if cap else None
