@@ -88,9 +88,10 @@ def test_native_decode_step_declines_gemma2(gemma2_dir, caplog):
     assert "Gemma2ForCausalLM: the native decode step has no sandwich norms" in caplog.text
 
 
-def _write_gguf(path: Path, folder: Path) -> None:
+def _write_gguf(path: Path, folder: Path, qtype=None) -> dict[str, torch.Tensor]:
     """The folder as llama.cpp's convert_hf_to_gguf.py writes Gemma 2 (Gemma2Model): gguf's tensor-name map, norm
-    weights + 1, no lm_head, Q/K not permuted, the caps and the window in the metadata, no query_pre_attn_scalar."""
+    weights + 1, no lm_head, Q/K not permuted, the caps and the window in the metadata, no query_pre_attn_scalar;
+    F32, or `qtype` for every matrix. Returns the matrices as stored, dequantized, by Hugging Face name."""
     import gguf
     from safetensors import safe_open
 
@@ -110,18 +111,25 @@ def _write_gguf(path: Path, folder: Path) -> None:
     w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     w.add_sliding_window(cfg["sliding_window"])
     w.add_vocab_size(cfg["vocab_size"])
+    stored = {}
     with safe_open(folder / "model.safetensors", framework="pt") as f:
         for name in f.keys():
             if name == "lm_head.weight":
                 continue
-            t = f.get_tensor(name)
+            t, gname = f.get_tensor(name), names.get_name(name, try_suffixes=(".weight", ".bias"))
             if name.endswith("norm.weight"):
                 t = t + 1
-            w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), t.numpy())
+            if qtype is None or t.ndim != 2:
+                w.add_tensor(gname, t.numpy())
+            else:
+                codes = gguf.quants.quantize(t.numpy(), qtype)
+                w.add_tensor(gname, codes, raw_dtype=qtype)
+                stored[name] = torch.from_numpy(gguf.quants.dequantize(codes, qtype).reshape(t.shape).copy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return stored
 
 
 def test_gguf_f32_gives_the_folders_logits(tmp_path, tiny_tokenizer):
@@ -137,6 +145,28 @@ def test_gguf_f32_gives_the_folders_logits(tmp_path, tiny_tokenizer):
     a = PagedRunner(hf_model).step([("a", ids)])
     b = PagedRunner(gguf_model).step([("a", ids)])
     assert (a - b).abs().max().item() < 1e-5
+
+
+@pytest.mark.skipif(not cpu_kernels.available(torch.float32, CPU), reason="native CPU kernels unavailable")
+def test_q8_0_gguf_matches_transformers_on_its_dequantized_weights(tmp_path, tiny_tokenizer):
+    """Every matrix Q8_0 (the tied embedding too), kept quantized and run by the native kernels, the embedding
+    scaled after its quantized lookup: transformers' logits on the file's dequantized weights, prefill and decodes."""
+    from gguf import GGMLQuantizationType
+    from transformers import AutoModelForCausalLM
+
+    folder = _gemma2(tmp_path / "folder", tiny_tokenizer, scalar=32, seed=6, tied=True)
+    stored = _write_gguf(tmp_path / "q8.gguf", folder, GGMLQuantizationType.Q8_0)
+    model = load_model(ModelConfig(model=str(tmp_path / "q8.gguf")), CPU, torch.float32)
+    assert model.model.layers[0].self_attn.qkv_proj.quant_weight is not None
+    assert model.model.embed_tokens.quant_weight is not None
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()
+    hf.load_state_dict(stored, strict=False)  # the tied head shares the embedding's (dequantized) tensor
+    runner, ids = PagedRunner(model), prompts(256)[1]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(runner.step([("a", ids[:-2])]), want[:-2], atol=1e-4, rtol=1e-4)
+    for i in (-2, -1):
+        torch.testing.assert_close(runner.step([("a", [ids[i]])])[0], want[i], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.slow  # two worker processes
