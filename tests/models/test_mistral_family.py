@@ -4,14 +4,13 @@ every layer, prompts of 40-70 tokens and generation past the window, through eve
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
 import torch
 from window_family_checks import (
     GREEDY,
-    NEW_TOKENS,
+    NGRAM,
     WINDOW,
     assert_matches,
     check_engine_paths,
@@ -19,9 +18,9 @@ from window_family_checks import (
     prompts,
     reference,
     save,
+    tokens,
 )
 
-from pagedllm import SamplingParams
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import cpu_kernels
 from pagedllm.models import llama_native_step
@@ -69,17 +68,22 @@ def test_greedy_matches_transformers_on_every_engine_path(mistral_dir, mistral_h
 
 
 @pytest.mark.skipif(not cpu_kernels.available(torch.float32, CPU), reason="native CPU kernels unavailable")
-def test_native_decode_step_declines_a_window(mistral_dir, mistral_hf, caplog):
-    """--quantization fp8 makes every linear a native-kernel weight; the native decode step has no window: not
-    built, one line at load, and the modules decode."""
-    with caplog.at_level(logging.INFO, logger=llama_native_step.__name__):
-        engine = llm(mistral_dir, quantization="fp8")
-    assert engine.llm_engine.engine_core.runner.native_step is None
-    assert "MistralForCausalLM: the native decode step has no sliding-window attention" in caplog.text
-    p = prompts(mistral_hf.config.vocab_size)[0]
-    got = engine.generate([p], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
-                          use_tqdm=False)[0].outputs[0].token_ids
-    assert len(got) == NEW_TOKENS
+def test_native_decode_step_runs_the_window(mistral_dir, mistral_hf, monkeypatch):
+    """--quantization fp8 makes every linear a native-kernel weight: the native decode step runs the windowed
+    layers (decodes and n-gram verify rows), with the module path's tokens."""
+    ps = prompts(mistral_hf.config.vocab_size)
+
+    def run(**kwargs):
+        engine = llm(mistral_dir, quantization="fp8", **kwargs)
+        return engine.llm_engine.engine_core.runner.native_step, tokens(engine.generate(ps, GREEDY, use_tqdm=False))
+
+    step, native = run()
+    assert step is not None
+    assert [c.window for c in step._c_layers] == [WINDOW, WINDOW]
+    assert run(speculative_config=NGRAM)[1] == native
+    monkeypatch.setenv(llama_native_step.SWITCH_ENV, "0")
+    step, modules = run()
+    assert step is None and modules == native
 
 
 @pytest.mark.slow  # two worker processes

@@ -13,7 +13,8 @@
 
 A GGUF file has no query_pre_attn_scalar: llama.cpp scales by head_dim ** -0.5, except for the 46-layer 27B model,
 hidden_size / num_heads (which is that model's query_pre_attn_scalar, 144); the same here. The native decode step
-has none of these: decode steps run the model's modules (logged at load with a native-kernel weight).
+has Llama's layer (no sandwich norms, no GeGLU): decode steps run the model's modules (logged at load with
+native-kernel weights).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
 class Gemma2ForCausalLM(LlamaForCausalLM):
     decoder_options = DecoderOptions(activation="gelu_tanh", embed_scale=True)
     decoder_layer = Gemma2DecoderLayer
-    native_step_unsupported = "sandwich norms, GeGLU nor soft-capping"
+    native_step_unsupported = "sandwich norms, GeGLU nor scaled embedding"
 
     @classmethod
     def attention_options(cls, info: ModelInfo, layer_idx: int) -> AttentionOptions:

@@ -1,7 +1,7 @@
 """Mistral (`MistralForCausalLM`): Llama's decoder with a sliding window on every layer where config.json's
 `sliding_window` is set (Mistral 7B v0.1: 4096; null, as in v0.2 and later: full attention). The query at position p
-attends the keys at positions > p - window (transformers' sliding_window_overlay). Decode steps run the model's
-modules: the native decode step has no window (models/llama_native_step.py says so at load).
+attends the keys at positions > p - window (transformers' sliding_window_overlay), in every attention path and
+in the native decode step (the kernels take the window per layer).
 
 llama.cpp writes Mistral GGUF files as "llama" with no window in their metadata: they load as Llama, full attention.
 """
