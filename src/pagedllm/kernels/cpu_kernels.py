@@ -181,9 +181,9 @@ def _declare_attention(lib: ctypes.CDLL) -> None:
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     signatures = {
         "paged_decode_attention": (ctypes.c_int, [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr] + [i64] * 5
-                                   + [f32, i32, f32, f32, ptr]),
+                                   + [f32, i32, f32, f32, ptr, i64, f32]),
         "paged_multirow_attention": (ctypes.c_int, [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr] + [i64] * 4
-                                     + [f32, i32, f32, f32]),
+                                     + [f32, i32, f32, f32, i64, f32]),
         "kv_cache_write": (None, [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i32, f32, f32, ptr, i64]),
         "kv_encode": (None, [ptr, i64, i32, ptr]),
         "kv_decode": (None, [ptr, i64, i32, i32, ptr]),
@@ -258,9 +258,11 @@ def kv_cache_native(kv_dtype: torch.dtype, compute_dtype: torch.dtype, device: t
 
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0,
-                           v_scale: float = 1.0) -> torch.Tensor:
+                           v_scale: float = 1.0, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Decode attention read in place through the block table. A cached K code c stands for c * k_scale, a V code
-    for c * v_scale (powers of two: layers/kv_cache_dtype.py).
+    for c * v_scale (powers of two: layers/kv_cache_dtype.py). window > 0: each query attends only the last
+    `window` tokens of its context (its own included); softcap > 0: scores = softcap * tanh(scores / softcap)
+    before the softmax (Gemma 2).
 
     Args:
         q: [S, H, D] float32, each row contiguous (the row stride may exceed H * D).
@@ -275,16 +277,16 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
             "q.dtype == torch.float32 and q.stride()[1:] == (d, 1)")
     check_decode_args(key_cache, value_cache, block_table, seq_lens)
     return _decode(q, q.stride(0), None, None, key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[1:],
-                   key_cache.dtype, block_table, seq_lens, scale, h, k_scale, v_scale, None)
+                   key_cache.dtype, block_table, seq_lens, scale, h, k_scale, v_scale, None, window, softcap)
 
 
 def fused_decode_attention(qkv: torch.Tensor, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
                            kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_heads: int, k_scale: float = 1.0, v_scale: float = 1.0,
-                           k_comp: torch.Tensor | None = None) -> torch.Tensor:
+                           k_comp: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """One call for a layer's batch of decodes: rotary on q and k in place in qkv (as rotary_qkv does), the K/V
-    write at slot_mapping (as write_kv_cache does), then paged_decode_attention (k_scale, v_scale, k_comp: as
-    theirs).
+    write at slot_mapping (as write_kv_cache does), then paged_decode_attention (k_scale, v_scale, k_comp, window,
+    softcap: as theirs).
 
     Args:
         qkv: [S, (H + 2 * Hkv) * D] float32, contiguous: the fused qkv projection, not yet rotated.
@@ -300,20 +302,20 @@ def fused_decode_attention(qkv: torch.Tensor, cos_sin: torch.Tensor, slot_mappin
     value = key + kv_cache.stride(0) * kv_cache.element_size()
     return _decode(qkv, qkv.shape[1], cos_sin.data_ptr(), slot_mapping.data_ptr(), key, value, kv_cache.shape[2:],
                    kv_cache.dtype, block_table, seq_lens, scale, num_heads, k_scale, v_scale,
-                   _comp_ptr(k_comp, (kv_cache.shape[3], kv_cache.shape[4])))
+                   _comp_ptr(k_comp, (kv_cache.shape[3], kv_cache.shape[4])), window, softcap)
 
 
 def _decode(q: torch.Tensor, q_stride: int, cos_sin: int | None, slot_mapping: int | None, key_cache: int,
             value_cache: int, block_shape: torch.Size, kv_dtype: torch.dtype, block_table: torch.Tensor,
             seq_lens: torch.Tensor, scale: float, num_heads: int, k_scale: float, v_scale: float,
-            k_comp: int | None) -> torch.Tensor:
+            k_comp: int | None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     block_size, hkv, d = block_shape  # of the cache: [block_size, Hkv, D]
     s = q.shape[0]
     out = q.new_empty(s, num_heads, d)
     rc = _library().paged_decode_attention(q.data_ptr(), q_stride, cos_sin, slot_mapping, key_cache, value_cache,
                                            block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
                                            out.data_ptr(), s, num_heads, hkv, d, block_size, scale,
-                                           KV_FORMATS[kv_dtype], k_scale, v_scale, k_comp)
+                                           KV_FORMATS[kv_dtype], k_scale, v_scale, k_comp, window, softcap)
     if rc != 0:
         raise MemoryError("paged decode attention could not allocate its scratch buffer")
     return out

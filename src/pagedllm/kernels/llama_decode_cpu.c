@@ -47,12 +47,13 @@ int paged_decode_attention(float *q, int64_t q_stride, const float *cos_sin, con
                            void *key_cache, void *value_cache, const int32_t *block_table,
                            int64_t block_table_stride, const int32_t *seq_lens, float *out, int64_t num_seqs,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                           float scale, int fmt, float k_scale, float v_scale, const float *k_comp);
+                           float scale, int fmt, float k_scale, float v_scale, const float *k_comp, int64_t window,
+                           float softcap);
 int paged_multirow_attention(const float *q, int64_t q_stride, const void *key_cache, const void *value_cache,
                              const int32_t *block_table, int64_t block_table_stride, const int64_t *row_start,
                              int64_t num_groups, const int32_t *seq_lens, float *out, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int fmt,
-                             float k_scale, float v_scale);
+                             float k_scale, float v_scale, int64_t window, float softcap);
 
 enum { LINEAR_PACKED = 0, LINEAR_Q8ACT = 1 };
 
@@ -72,6 +73,8 @@ typedef struct {
     decode_linear qkv, o, gate_up, down;
     float k_scale, v_scale;                        /* the attention's KV cache scales (1.0 unless calibrated) */
     const float *k_comp;                           /* K rounding weights [Hkv, D, D], or NULL (kv_dtype_cpu.h) */
+    int64_t window;                                /* the attention's sliding window (0: none, paged_attention_cpu.c) */
+    float softcap;                                 /* its logit soft-cap (0: none) */
 } decode_layer;
 
 typedef struct {
@@ -115,12 +118,12 @@ int llama_decode_step(const decode_model *model, const decode_layer *layers, voi
         if (paged_decode_attention(qkv, qkv_size, cos_sin, slot_mapping, key_cache, key_cache + value_bytes,
                                    block_table, block_table_stride, seq_lens, verify ? NULL : attn, s,
                                    model->num_heads, model->num_kv_heads, d, block_size, model->scale, kv_fmt,
-                                   layer->k_scale, layer->v_scale, layer->k_comp) != 0)
+                                   layer->k_scale, layer->v_scale, layer->k_comp, layer->window, layer->softcap) != 0)
             return -1;
         if (verify && paged_multirow_attention(qkv, qkv_size, key_cache, key_cache + value_bytes, group_table,
                                                group_table_stride, row_start, num_groups, seq_lens, attn,
                                                model->num_heads, model->num_kv_heads, d, block_size, model->scale,
-                                               kv_fmt, layer->k_scale, layer->v_scale) != 0)
+                                               kv_fmt, layer->k_scale, layer->v_scale, layer->window, layer->softcap) != 0)
             return -1;
         if (linear(&layer->o, attn, h, s) != 0) return -1;
         fused_add_rms_norm_f32(h, res, layer->post_attention_norm, s, hidden, model->eps);

@@ -24,7 +24,8 @@ def check_multirow_args(key_cache: torch.Tensor, value_cache: torch.Tensor, bloc
 
 def paged_multirow_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                              block_table: torch.Tensor, row_start: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                             k_scale: float = 1.0, v_scale: float = 1.0, args_checked: bool = False) -> torch.Tensor:
+                             k_scale: float = 1.0, v_scale: float = 1.0, args_checked: bool = False,
+                             window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Attention of groups of rows that share a block table (verify rows, prefill chunks), each row exactly
     paged_decode_attention's for its own context length, bit for bit, K/V read once per tile of rows
     (paged_attention_cpu.c). The rows' K/V must already be in the cache.
@@ -36,6 +37,8 @@ def paged_multirow_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
         row_start: [G + 1] int64, contiguous: group g's rows are row_start[g] .. row_start[g + 1] - 1; row_start[G] = S.
         seq_lens: [S] int32, contiguous: each row's context length (>= 1), its own token included.
         args_checked: the caller ran check_multirow_args on these (once per step, not once per layer).
+        window, softcap: as paged_decode_attention's (a windowed layer's rows run one by one: each is then the
+            decode kernel's row itself, not a tile's).
     Returns:
         out: [S, H, D] float32.
     """
@@ -49,7 +52,7 @@ def paged_multirow_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     rc = cpu_kernels._library().paged_multirow_attention(
         q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), block_table.data_ptr(),
         block_table.stride(0), row_start.data_ptr(), len(block_table), seq_lens.data_ptr(), out.data_ptr(), h, hkv, d,
-        block_size, scale, cpu_kernels.KV_FORMATS[key_cache.dtype], k_scale, v_scale)
+        block_size, scale, cpu_kernels.KV_FORMATS[key_cache.dtype], k_scale, v_scale, window, softcap)
     if rc != 0:
         raise MemoryError("paged multi-row attention could not allocate its scratch buffer")
     return out

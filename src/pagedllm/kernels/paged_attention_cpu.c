@@ -17,6 +17,11 @@
  * (fp8) the error-feedback weights [num_kv_heads, head_dim, head_dim] the fused write rounds K rows with
  * (kv_dtype_cpu.h's kv_store_row_compensated, as kv_cache_write).
  *
+ * Per-layer options (0: off): window, a sliding window (the query at position p attends the keys at positions
+ * > p - window, as transformers and vLLM define it: the last `window` tokens of its context, its own included); softcap,
+ * attention logit soft-capping (Gemma 2: scores = softcap * tanh(scores / softcap), on the scaled scores, before the
+ * softmax). A custom softmax scale is `scale` itself.
+ *
  * Fused use, one call per layer for a batch of decodes: q is the fused qkv projection (q_stride =
  * (num_heads + 2 * num_kv_heads) * head_dim: q heads, then k heads, then v heads). Each sequence rotates its q and
  * k heads in place (cos_sin given; elementwise_cpu.c's rotary_heads_f32, so exactly as rotary_qkv_f32 would),
@@ -229,6 +234,12 @@ __attribute__((noinline)) static void softmax_row(float *sh, int64_t len) {
     for (int64_t t = 0; t < len; t++) sh[t] *= inv;
 }
 
+/* sh[0, len) = softcap * tanh(sh[0, len) / softcap): attention logit soft-capping (Gemma 2), on the scaled scores
+ * before the softmax. Not inlined, as softmax_row: the decode and multi-row kernels cap with the same code. */
+__attribute__((noinline)) static void softcap_row(float *sh, int64_t len, float softcap) {
+    for (int64_t t = 0; t < len; t++) sh[t] = softcap * tanhf(sh[t] / softcap);
+}
+
 /* One sequence, KV heads [kh0, kh1) and their query heads: rotate and write its new token's heads (fused use), then
  * attend. Every head is computed on its own, so the heads of one sequence may be split among tasks (a batch smaller
  * than the thread count) without changing a bit. k_comp (which rounds a whole K row) needs every KV head in one
@@ -237,7 +248,7 @@ ALWAYS_INLINE int attend_seq(float *qs, const float *cos_sin, const int64_t *slo
                              const uint8_t *value_cache, const int32_t *blocks, int64_t len, float *os,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                              float scale, float k_scale, float v_scale, const float *k_comp, int64_t kh0,
-                             int64_t kh1, int fmt) {
+                             int64_t kh1, int fmt, int64_t window, float softcap) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t es = kv_elem_size(fmt);
     const int64_t row = num_kv_heads * head_dim * es; /* bytes per cached token */
@@ -269,9 +280,14 @@ ALWAYS_INLINE int attend_seq(float *qs, const float *cos_sin, const int64_t *slo
     const uint8_t **k_rows = (const uint8_t **)malloc(sizeof(uint8_t *) * (size_t)(2 * n) +
                                                       sizeof(float) * (size_t)(num_heads * n) + conv_bytes);
     if (k_rows == NULL) return -1;
-    const uint8_t **v_rows = k_rows + n;
+    const uint8_t **rows_base = k_rows, **v_rows = k_rows + n;
     float *scores = (float *)(k_rows + 2 * n);
     row_pointers(blocks, len, block_size, row, key_cache, value_cache, k_rows, v_rows);
+    if (window > 0 && len > window) { /* a sliding window: the last `window` tokens, this one included */
+        k_rows += len - window;
+        v_rows += len - window;
+        len = window;
+    }
 #if defined(KV_SIMD)
     const uint8_t **conv_rows = (const uint8_t **)(scores + num_heads * n);
     float *conv_buf = (float *)(conv_rows + KV_CHUNK), *conv_acc = conv_buf + KV_CHUNK * 64;
@@ -292,6 +308,8 @@ ALWAYS_INLINE int attend_seq(float *qs, const float *cos_sin, const int64_t *slo
             for (int64_t kh = kh0; kh < kh1; kh++)
                 dot_group(qs + kh * group * head_dim, k_rows[t] + kh * head_dim * es, group, head_dim, scale,
                           scores + kh * group * len + t, len, fmt);
+    if (softcap > 0.0f)
+        for (int64_t h = kh0 * group; h < kh1 * group; h++) softcap_row(scores + h * len, len, softcap);
     for (int64_t h = kh0 * group; h < kh1 * group; h++) softmax_row(scores + h * len, len);
 #if defined(KV_SIMD)
     if (convert) {
@@ -311,14 +329,14 @@ ALWAYS_INLINE int attend_seq(float *qs, const float *cos_sin, const int64_t *slo
                 _mm256_storeu_ps(os + h * 64 + 8 * j,
                                  _mm256_mul_ps(_mm256_loadu_ps(conv_acc + (h - kh0 * group) * 64 + 8 * j),
                                                _mm256_set1_ps(v_scale)));
-        free(k_rows);
+        free(rows_base);
         return 0;
     }
 #endif
     for (int64_t h = kh0 * group; h < kh1 * group; h++) /* out_h = sum_t p[h][t] * v_t */
         pv_head(scores + h * len, len, v_rows, (h / group) * head_dim * es, head_dim, v_scale, os + h * head_dim,
                 fmt);
-    free(k_rows);
+    free(rows_base);
     return 0;
 }
 
@@ -326,7 +344,8 @@ int paged_decode_attention(float *q, int64_t q_stride, const float *cos_sin, con
                            void *key_cache, void *value_cache, const int32_t *block_table,
                            int64_t block_table_stride, const int32_t *seq_lens, float *out, int64_t num_seqs,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                           float scale, int fmt, float k_scale, float v_scale, const float *k_comp) {
+                           float scale, int fmt, float k_scale, float v_scale, const float *k_comp, int64_t window,
+                           float softcap) {
     const uint8_t *kc = (const uint8_t *)key_cache, *vc = (const uint8_t *)value_cache;
     int failed = 0;
     int64_t threads = 1;
@@ -347,19 +366,19 @@ int paged_decode_attention(float *q, int64_t q_stride, const float *cos_sin, con
         switch (fmt) {
         case KV_BF16:
             rc = attend_seq(qs, cs, slot, kc, vc, blocks, len, os, num_heads, num_kv_heads, head_dim, block_size,
-                            scale, k_scale, v_scale, k_comp, kh0, kh1, KV_BF16);
+                            scale, k_scale, v_scale, k_comp, kh0, kh1, KV_BF16, window, softcap);
             break;
         case KV_FP8_E4M3:
             rc = attend_seq(qs, cs, slot, kc, vc, blocks, len, os, num_heads, num_kv_heads, head_dim, block_size,
-                            scale, k_scale, v_scale, k_comp, kh0, kh1, KV_FP8_E4M3);
+                            scale, k_scale, v_scale, k_comp, kh0, kh1, KV_FP8_E4M3, window, softcap);
             break;
         case KV_FP8_E5M2:
             rc = attend_seq(qs, cs, slot, kc, vc, blocks, len, os, num_heads, num_kv_heads, head_dim, block_size,
-                            scale, k_scale, v_scale, k_comp, kh0, kh1, KV_FP8_E5M2);
+                            scale, k_scale, v_scale, k_comp, kh0, kh1, KV_FP8_E5M2, window, softcap);
             break;
         default:
             rc = attend_seq(qs, cs, slot, kc, vc, blocks, len, os, num_heads, num_kv_heads, head_dim, block_size,
-                            scale, k_scale, v_scale, k_comp, kh0, kh1, KV_F32);
+                            scale, k_scale, v_scale, k_comp, kh0, kh1, KV_F32, window, softcap);
         }
         if (rc != 0) failed = 1;
     }
@@ -382,7 +401,8 @@ int paged_decode_attention(float *q, int64_t q_stride, const float *cos_sin, con
  * read once per tile instead of once per row. Each row computes what attend_seq computes for it, in the same order
  * (qk_head64 over the same chunks, softmax_row, pv_acc64 chunk by chunk, the same v_scale product): its output is
  * bitwise paged_decode_attention's for that row, whatever the tile, the group or the thread count. Without the
- * head_dim 64 SIMD path each row runs attend_seq itself (one task per row).
+ * head_dim 64 SIMD path, or with a sliding window (whose rows start at different tokens), each row runs attend_seq
+ * itself (one task per row).
  */
 #define MR_TILE 16
 
@@ -391,7 +411,7 @@ int paged_decode_attention(float *q, int64_t q_stride, const float *cos_sin, con
 ALWAYS_INLINE int attend_rows64(const float *q, int64_t q_stride, const uint8_t *key_cache,
                                 const uint8_t *value_cache, const int32_t *blocks, const int32_t *lens,
                                 int64_t nrows, int64_t kh, float *out, int64_t num_heads, int64_t num_kv_heads,
-                                int64_t block_size, float scale, float v_scale, int fmt) {
+                                int64_t block_size, float scale, float v_scale, int fmt, float softcap) {
     const int64_t group = num_heads / num_kv_heads, es = kv_elem_size(fmt);
     const int64_t row = num_kv_heads * 64 * es, offset = kh * 64 * es;
     int64_t maxlen = 0, nscores = 0;
@@ -420,7 +440,10 @@ ALWAYS_INLINE int attend_rows64(const float *q, int64_t q_stride, const uint8_t 
     }
     float *sr = scores;
     for (int64_t r = 0; r < nrows; sr += group * lens[r], r++)
-        for (int64_t g = 0; g < group; g++) softmax_row(sr + g * lens[r], lens[r]);
+        for (int64_t g = 0; g < group; g++) {
+            if (softcap > 0.0f) softcap_row(sr + g * lens[r], lens[r], softcap);
+            softmax_row(sr + g * lens[r], lens[r]);
+        }
     for (int64_t i = 0; i < nrows * group * 64; i++) acc[i] = 0.0f;
     for (int64_t t0 = 0; t0 < maxlen; t0 += KV_CHUNK) {
         const int64_t m = maxlen - t0 < KV_CHUNK ? maxlen - t0 : KV_CHUNK;
@@ -447,10 +470,10 @@ int paged_multirow_attention(const float *q, int64_t q_stride, const void *key_c
                              const int32_t *block_table, int64_t block_table_stride, const int64_t *row_start,
                              int64_t num_groups, const int32_t *seq_lens, float *out, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int fmt,
-                             float k_scale, float v_scale) {
+                             float k_scale, float v_scale, int64_t window, float softcap) {
     const uint8_t *kc = (const uint8_t *)key_cache, *vc = (const uint8_t *)value_cache;
 #if defined(KV_SIMD)
-    const int tiled = head_dim == 64;
+    const int tiled = head_dim == 64 && window <= 0; /* a windowed layer's rows: each attend_seq's own (below) */
 #else
     const int tiled = 0;
 #endif
@@ -492,25 +515,26 @@ int paged_multirow_attention(const float *q, int64_t q_stride, const void *key_c
             switch (fmt) { /* one specialized copy per storage format */
             case KV_BF16:
                 rc = attend_rows64(qs, q_stride, kc, vc, blocks, seq_lens + r0, nrows, kh, os, num_heads,
-                                   num_kv_heads, block_size, sc, v_scale, KV_BF16);
+                                   num_kv_heads, block_size, sc, v_scale, KV_BF16, softcap);
                 break;
             case KV_FP8_E4M3:
                 rc = attend_rows64(qs, q_stride, kc, vc, blocks, seq_lens + r0, nrows, kh, os, num_heads,
-                                   num_kv_heads, block_size, sc, v_scale, KV_FP8_E4M3);
+                                   num_kv_heads, block_size, sc, v_scale, KV_FP8_E4M3, softcap);
                 break;
             case KV_FP8_E5M2:
                 rc = attend_rows64(qs, q_stride, kc, vc, blocks, seq_lens + r0, nrows, kh, os, num_heads,
-                                   num_kv_heads, block_size, sc, v_scale, KV_FP8_E5M2);
+                                   num_kv_heads, block_size, sc, v_scale, KV_FP8_E5M2, softcap);
                 break;
             default:
                 rc = attend_rows64(qs, q_stride, kc, vc, blocks, seq_lens + r0, nrows, kh, os, num_heads,
-                                   num_kv_heads, block_size, sc, v_scale, KV_F32);
+                                   num_kv_heads, block_size, sc, v_scale, KV_F32, softcap);
             }
         } else
 #endif
             rc = paged_decode_attention((float *)q + r0 * q_stride, q_stride, NULL, NULL, (void *)kc, (void *)vc,
                                         blocks, 0, seq_lens + r0, out + r0 * num_heads * head_dim, 1, num_heads,
-                                        num_kv_heads, head_dim, block_size, scale, fmt, k_scale, v_scale, NULL);
+                                        num_kv_heads, head_dim, block_size, scale, fmt, k_scale, v_scale, NULL,
+                                        window, softcap);
         if (rc != 0) failed = 1;
     }
     free(tasks);

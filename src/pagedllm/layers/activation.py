@@ -1,5 +1,5 @@
 """SwiGLU's gate: silu(gate) * up over a fused [gate | up] projection (one native pass on the CPU in fp32,
-kernels/elementwise_cpu.c; torch ops elsewhere)."""
+kernels/elementwise_cpu.c; torch ops elsewhere); GeGLU's (Gemma 2): gelu_tanh(gate) * up, torch ops."""
 
 from __future__ import annotations
 
@@ -17,3 +17,12 @@ class SiluAndMul(nn.Module):
             return cpu_kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu(gate, approximate="tanh") * up (transformers' gelu_pytorch_tanh): Gemma 2's MLP."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, 2 * intermediate] -> [T, intermediate]
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

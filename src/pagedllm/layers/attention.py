@@ -35,6 +35,15 @@ Plan, built once per step (`AttentionMetadata.plan`) and reused by every layer:
   (its query heads stacked as rows, an additive causal mask built once per step): 2.7x faster than SDPA with
   enable_gqa for a 256-token prompt on the CPU, which falls back to its unfused math path for GQA. Longer chunks go
   through SDPA, whose memory does not grow with the square of the chunk.
+
+Per-layer options (`PagedAttention(sliding_window=, logit_softcap=, scale=)`, set by a family: Mistral, Gemma 2): a
+sliding window (the query at position p attends the keys at positions > p - window, transformers' and vLLM's
+definition), attention logit soft-capping (softcap * tanh(scores / softcap) on the scaled scores, before the mask
+and the softmax) and the softmax scale. The native kernels take them as arguments (a windowed layer's rows of a
+prefill or verify step run one by one through the decode kernel's per-row code, so they stay bitwise its decode
+rows); elsewhere such a layer runs the explicit math below (scores, cap, mask, softmax), never SDPA, whose masks
+and scales could express the window but not the cap. A layer without options runs exactly the paths above. The KV
+cache still holds a windowed layer's whole context (correct, not economical).
 """
 
 from __future__ import annotations
@@ -77,6 +86,7 @@ class _AttentionPlan:
     decode_num_blocks: int  # nb: blocks read per decode request
     decode_mask: torch.Tensor | None  # [B, 1, 1, nb * block_size] bool, True = attend (torch path)
     prefills: list[_Prefill]
+    decode_lens: torch.Tensor | None = None  # [B] int64 context lengths (torch path: a windowed layer's mask)
     # The native multi-row kernel over every row of the step, each request a group of rows (None: not used)
     rows_block_table: torch.Tensor | None = None  # [R, nb] int32: each request's table
     rows_start: torch.Tensor | None = None  # [R + 1] int64: query_start_loc
@@ -130,7 +140,8 @@ def build_plan(md: AttentionMetadata, block_size: int, native: bool, always_read
         prefills.append(_Prefill(start, end, seq_len, block_ids))
     all_decode = decode_rows is not None and not prefills
     plan = _AttentionPlan(native, all_decode, has_verify, decode_rows, decode_block_table, decode_seq_lens,
-                          decode_block_ids, nb, decode_mask, prefills)
+                          decode_block_ids, nb, decode_mask, prefills,
+                          decode_lens=lens if decode_mask is not None else None)
     if native and has_verify:  # the native decode step reads decode_seq_lens and the rows' fields
         _plan_rows(plan, md.block_table, qsl, seq_lens, block_size)
     return plan
@@ -168,13 +179,17 @@ def step_plan(md: AttentionMetadata, kv_cache: torch.Tensor, dtype: torch.dtype,
 class PagedAttention(nn.Module):
     """Attention for one layer; its KV cache is `get_forward_context().kv_caches[layer_idx]`."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int,
+                 sliding_window: int | None = None, logit_softcap: float | None = None, scale: float | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.layer_idx = layer_idx
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else float(scale)
+        self.window = int(sliding_window or 0)  # 0: full causal attention
+        self.softcap = float(logit_softcap or 0.0)  # 0.0: no soft-capping
+        self.has_options = self.window > 0 or self.softcap > 0.0  # the torch paths run _masked_attention
         # vLLM's k_scale / v_scale: a cached K code c stands for c * k_scale (powers of two; 1.0 unless set at load
         # for an fp8 cache, layers/kv_cache_dtype.py). Folded into the softmax scale and the output, never applied
         # value by value.
@@ -197,7 +212,7 @@ class PagedAttention(nn.Module):
                 qkv, cos_sin = qkv[:n], cos_sin[:n]
             out = cpu_kernels.fused_decode_attention(qkv, cos_sin, md.slot_mapping, kv_cache, plan.decode_block_table,
                                                      plan.decode_seq_lens, self.scale, self.num_heads, self.k_scale,
-                                                     self.v_scale, self.k_comp)
+                                                     self.v_scale, self.k_comp, self.window, self.softcap)
         else:
             out = self._attend(*apply_rotary_qkv(qkv[:n], cos_sin[:n], self.num_heads, self.num_kv_heads,
                                                  self.head_dim), kv_cache, md.slot_mapping[:n], plan)
@@ -215,7 +230,7 @@ class PagedAttention(nn.Module):
         if plan.rows_start is not None:  # every K/V of the step written: each row attends as a decode row
             return paged_multirow_attention(q, kv_cache[0], kv_cache[1], plan.rows_block_table, plan.rows_start,
                                             plan.rows_seq_lens, self.scale, self.k_scale, self.v_scale,
-                                            args_checked=True)
+                                            args_checked=True, window=self.window, softcap=self.softcap)
         if plan.all_decode:
             return self._decode(q, kv_cache, plan)
         out = q.new_empty(q.shape[0], self.num_heads, self.head_dim)  # [n, H, D]
@@ -244,7 +259,8 @@ class PagedAttention(nn.Module):
         # q: [B, H, D] -> [B, H, D]
         if plan.native:
             return cpu_kernels.paged_decode_attention(q, kv_cache[0], kv_cache[1], plan.decode_block_table,
-                                                      plan.decode_seq_lens, self.scale, self.k_scale, self.v_scale)
+                                                      plan.decode_seq_lens, self.scale, self.k_scale, self.v_scale,
+                                                      self.window, self.softcap)
         b = q.shape[0]
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
@@ -252,6 +268,13 @@ class PagedAttention(nn.Module):
         length = plan.decode_num_blocks * kv_cache.shape[2]
         keys = blocks[0].index_select(0, plan.decode_block_ids).view(b, length, hkv, d)
         values = blocks[1].index_select(0, plan.decode_block_ids).view(b, length, hkv, d)
+        if self.has_options:
+            key_pos = torch.arange(length, device=q.device)  # [L]
+            visible = key_pos[None, :] < plan.decode_lens[:, None]  # [B, L]: the query sits at position len - 1
+            out = torch.stack([self._masked_attention(q[i].unsqueeze(0), keys[i].to(q.dtype), values[i].to(q.dtype),
+                                                      visible[i : i + 1], plan.decode_lens[i : i + 1] - 1,
+                                                      self.k_scale, self.v_scale) for i in range(b)])
+            return out.view(b, self.num_heads, d)
         # The group's queries share one mask, so they ride in SDPA's query-length dimension: one
         # [G, D] x [D, L] product per (request, KV head), no GQA expansion of K/V (measured fastest).
         qg = q.view(b, hkv, group, d)  # [B, Hkv, G, D]
@@ -274,6 +297,10 @@ class PagedAttention(nn.Module):
             v = blocks[1].index_select(0, p.block_ids).view(shape)[: p.seq_len]
             k_scale, v_scale = self.k_scale, self.v_scale
         k, v = k.to(q.dtype), v.to(q.dtype)
+        if self.has_options:
+            query_pos = torch.arange(p.seq_len - tq, p.seq_len, device=q.device)  # [Tq]
+            visible = torch.arange(p.seq_len, device=q.device)[None, :] <= query_pos[:, None]  # [Tq, L]
+            return self._masked_attention(q, k, v, visible, query_pos, k_scale, v_scale)
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
         if hkv * group * tq * p.seq_len * q.element_size() > GROUPED_SCORES_MAX_BYTES:
@@ -291,6 +318,28 @@ class PagedAttention(nn.Module):
             p.bias = bias.repeat(group, 1)  # [G * Tq, L]: rows g * Tq + i
         qg = q.view(tq, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * tq, d)  # [Hkv, G * Tq, D]
         scores = torch.baddbmm(p.bias, qg, k.permute(1, 2, 0), alpha=self.scale * k_scale)  # [Hkv, G * Tq, L]
+        out = torch.bmm(scores.softmax(dim=-1), v.transpose(0, 1))  # [Hkv, G * Tq, D]
+        if v_scale != 1.0:
+            out *= v_scale
+        return out.view(hkv, group, tq, d).permute(2, 0, 1, 3).reshape(tq, self.num_heads, d)
+
+    def _masked_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                          query_pos: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
+        """The explicit math of a layer with options (torch paths): scaled scores, soft-capped, the causal mask
+        (`visible`) narrowed to the window, softmax, values.
+
+        q: [Tq, H, D]; k, v: [L, Hkv, D] in q's dtype; visible: [Tq, L] bool, causal (True = attend);
+        query_pos: [Tq] int64, each query's position -> [Tq, H, D]."""
+        tq, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
+        group = self.num_heads // hkv
+        if self.window > 0:  # keys at positions > p - window
+            key_pos = torch.arange(k.shape[0], device=q.device)
+            visible = visible & (key_pos[None, :] > query_pos[:, None] - self.window)
+        qg = q.view(tq, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * tq, d)  # [Hkv, G * Tq, D]
+        scores = torch.bmm(qg, k.permute(1, 2, 0)) * (self.scale * k_scale)  # [Hkv, G * Tq, L]
+        if self.softcap > 0.0:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.masked_fill(~visible.repeat(group, 1), float("-inf"))  # rows g * Tq + i
         out = torch.bmm(scores.softmax(dim=-1), v.transpose(0, 1))  # [Hkv, G * Tq, D]
         if v_scale != 1.0:
             out *= v_scale

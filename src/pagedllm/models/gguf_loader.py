@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,9 @@ SUPPORTED_TYPES = tuple(GGMLQuantizationType[name] for name in (
 class GGUFArchitecture:
     architecture: str  # the Hugging Face architectures name (models/registry.py)
     rotary_permuted: bool = True  # Q/K rows permuted by llama.cpp's converter (its interleaved rotary)
+    layer_names: dict[str, str] = field(default_factory=dict)  # llama.cpp layer tensor -> HF name, over _LAYER_NAMES
+    # metadata key after "{arch}." -> the config.json key it is (ModelInfo.hf_config: what the family reads)
+    config_keys: dict[str, str] = field(default_factory=dict)
 
 
 # general.architecture -> the model it is. llama.cpp writes Llama, Mistral and SmolLM2 as "llama".
@@ -42,6 +45,12 @@ GGUF_ARCHITECTURES = {
     "llama": GGUFArchitecture("LlamaForCausalLM"),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", rotary_permuted=False),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", rotary_permuted=False),
+    "gemma2": GGUFArchitecture(
+        "Gemma2ForCausalLM", rotary_permuted=False,
+        layer_names={"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                     "post_ffw_norm": "post_feedforward_layernorm"},
+        config_keys={"attention.sliding_window": "sliding_window", "attn_logit_softcapping": "attn_logit_softcapping",
+                     "final_logit_softcapping": "final_logit_softcapping"}),
 }
 
 _GLOBAL_NAMES = {
@@ -125,6 +134,9 @@ def gguf_model_info(reader: GGUFFile, path: Path) -> ModelInfo:
         tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", path, None),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        hf_config={hf_key: reader.metadata[f"{arch}.{key}"]
+                   for key, hf_key in GGUF_ARCHITECTURES[arch].config_keys.items()
+                   if f"{arch}.{key}" in reader.metadata},
     )
     info.validate(str(path))
     return info
@@ -180,14 +192,17 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """Hugging Face name for a llama.cpp tensor name; None when the name is not a weight of a Llama-shaped model."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """Hugging Face name for a llama.cpp tensor name; None when the name is not a weight of a Llama-shaped model
+    (with `arch`'s own layer names, GGUFArchitecture.layer_names)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    names = GGUF_ARCHITECTURES[arch].layer_names
+    part = None if m is None else names.get(m.group(2), _LAYER_NAMES.get(m.group(2)))
+    if part is None:
         return None
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
 
 
 def runs_quantized(hf_weight_name: str) -> bool:
@@ -204,11 +219,12 @@ def gguf_tensors(reader: GGUFFile, info: ModelInfo, path: Path, quantized: bool 
     A weight is a float32 array, or with `quantized` a QuantizedWeight where the tensor's type is in
     UNPACKED_TYPES and `runs_quantized(name)`.
     """
-    permuted = GGUF_ARCHITECTURES[reader.metadata["general.architecture"]].rotary_permuted
+    arch = reader.metadata["general.architecture"]
+    permuted = GGUF_ARCHITECTURES[arch].rotary_permuted
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             continue  # folded into ModelInfo.rope_freq_factors
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         if name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} for a {info.architecture} model")
         if keep is not None and not keep(name):

@@ -3,20 +3,25 @@
 Parameter names are Hugging Face's, with q/k/v fused into `qkv_proj` and gate/up into `gate_up_proj`
 (the loader concatenates them, in that order). Built on the meta device, then loaded with assign=True.
 
-Families whose decoder is Llama's but for a few switches (qkv biases, per-head q/k norms) are subclasses that
-set `decoder_options` (a `DecoderOptions`): models/qwen2.py, models/qwen3.py.
+Families whose decoder is Llama's but for a few switches (qkv biases, per-head q/k norms, the MLP's activation,
+a scaled embedding) are subclasses that set `decoder_options` (a `DecoderOptions`): models/qwen2.py,
+models/qwen3.py. A family whose layers attend differently (a sliding window, logit soft-capping, another softmax
+scale) overrides `attention_options` (per layer: models/mistral.py, models/gemma2.py); one whose layer is shaped
+differently sets `decoder_layer` (Gemma 2's sandwich norms).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.distributed.pipeline_parallel import PipelineParallelGroup
-from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.activation import GeluTanhAndMul, SiluAndMul
 from pagedllm.layers.attention import PagedAttention
 from pagedllm.layers.embedding import VocabEmbedding
 from pagedllm.layers.linear import Linear
@@ -32,6 +37,17 @@ class DecoderOptions:
     qkv_bias: bool | None = None  # biases on q/k/v (None: config.json's attention_bias, as Llama)
     o_bias: bool | None = None  # a bias on o_proj (None: config.json's attention_bias)
     qk_norm: bool = False  # an RMSNorm over each head of q and of k before rotary (`q_norm`, `k_norm`: Qwen3)
+    activation: str = "silu"  # the MLP's gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma 2)
+    embed_scale: bool = False  # the embeddings times sqrt(hidden_size), in the activation dtype (Gemma)
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """One layer's attention (layers/attention.py's PagedAttention options); the defaults are Llama's."""
+
+    sliding_window: int | None = None  # the query at position p attends the keys at positions > p - window
+    logit_softcap: float | None = None  # scores = cap * tanh(scores / cap) before the softmax (Gemma 2)
+    scale: float | None = None  # the softmax scale (None: head_dim ** -0.5)
 
 
 class LlamaAttention(nn.Module):
@@ -39,7 +55,7 @@ class LlamaAttention(nn.Module):
     row-parallel over them, then one all-reduce."""
 
     def __init__(self, info: ModelInfo, layer_idx: int, tp: TensorParallelGroup,
-                 options: DecoderOptions = DecoderOptions()):
+                 options: DecoderOptions = DecoderOptions(), attention: AttentionOptions = AttentionOptions()):
         super().__init__()
         self.tp = tp
         first_kv, end_kv = tp.kv_heads(info.num_kv_heads)
@@ -54,7 +70,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(info.head_dim, info.rms_norm_eps)
             self.k_norm = RMSNorm(info.head_dim, info.rms_norm_eps)
         self.qk_norm = options.qk_norm
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, info.head_dim, layer_idx)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, info.head_dim, layer_idx,
+                                   attention.sliding_window, attention.logit_softcap, attention.scale)
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]; cos_sin: [T, 2, D / 2] -> [T, hidden]
@@ -77,13 +94,13 @@ class LlamaMLP(nn.Module):
     """With tensor parallelism: this rank's columns of the intermediate size (gate_up_proj column-parallel,
     down_proj row-parallel), then one all-reduce."""
 
-    def __init__(self, info: ModelInfo, tp: TensorParallelGroup):
+    def __init__(self, info: ModelInfo, tp: TensorParallelGroup, options: DecoderOptions = DecoderOptions()):
         super().__init__()
         self.tp = tp
         intermediate_size = info.intermediate_size // tp.size
         self.gate_up_proj = Linear(info.hidden_size, 2 * intermediate_size, bias=info.mlp_bias)
         self.down_proj = Linear(intermediate_size, info.hidden_size, bias=info.mlp_bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul() if options.activation == "silu" else GeluTanhAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.down_proj(self.act_fn(self.gate_up_proj(x))))  # [T, hidden]
@@ -91,10 +108,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, info: ModelInfo, layer_idx: int, tp: TensorParallelGroup,
-                 options: DecoderOptions = DecoderOptions()):
+                 options: DecoderOptions = DecoderOptions(), attention: AttentionOptions = AttentionOptions()):
         super().__init__()
-        self.self_attn = LlamaAttention(info, layer_idx, tp, options)
-        self.mlp = LlamaMLP(info, tp)
+        self.self_attn = LlamaAttention(info, layer_idx, tp, options, attention)
+        self.mlp = LlamaMLP(info, tp, options)
         self.input_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps)
 
@@ -124,8 +141,11 @@ class LlamaModel(nn.Module):
     the LM head is tied to it), the final norm on the last. Layer i caches in this stage's KV cache i - start."""
 
     def __init__(self, info: ModelInfo, tp: TensorParallelGroup, pp: PipelineParallelGroup,
-                 options: DecoderOptions = DecoderOptions()):
+                 family: type[LlamaForCausalLM] | None = None):
         super().__init__()
+        family = family or LlamaForCausalLM
+        options = family.decoder_options
+        self.embed_scale = info.hidden_size**0.5 if options.embed_scale else None
         self.pp = pp
         self.start_layer, self.end_layer = pp.layers(info.num_layers)
         if pp.is_first or (pp.is_last and info.tie_word_embeddings):
@@ -137,8 +157,8 @@ class LlamaModel(nn.Module):
             if tp.size > 1:
                 self.embed_tokens.shard(tp, vocab_start)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(info, i - self.start_layer, tp, options) if self.start_layer <= i < self.end_layer
-            else nn.Identity() for i in range(info.num_layers))
+            family.decoder_layer(info, i - self.start_layer, tp, options, family.attention_options(info, i))
+            if self.start_layer <= i < self.end_layer else nn.Identity() for i in range(info.num_layers))
         if pp.is_last:
             self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(info.head_dim, info.max_position_embeddings, info.rope_theta,
@@ -152,6 +172,8 @@ class LlamaModel(nn.Module):
         stage's (hidden_states, residual) for the next."""
         if intermediate is None:
             hidden_states = self.embed_tokens(input_ids)  # [T, hidden], a new tensor (the norms may write into it)
+            if self.embed_scale is not None:  # as transformers' Gemma: the factor rounded to the activation dtype
+                hidden_states = hidden_states * torch.tensor(self.embed_scale, dtype=hidden_states.dtype)
             residual = None
         else:
             hidden_states, residual = intermediate
@@ -166,6 +188,19 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     decoder_options = DecoderOptions()  # a family's switches (subclasses set them)
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer  # (info, layer_idx, tp, options, attention) -> a layer
+    native_step_unsupported: str | None = None  # why the native decode step cannot run this family (None: it can)
+
+    @classmethod
+    def attention_options(cls, info: ModelInfo, layer_idx: int) -> AttentionOptions:
+        """Layer `layer_idx`'s attention options (a family with windows, caps or another scale overrides it)."""
+        return AttentionOptions()
+
+    @classmethod
+    def checkpoint_tensors(cls, tensors: Iterator[tuple[str, Any]], kind: str) -> Iterator[tuple[str, Any]]:
+        """The checkpoint's (name, tensor) pairs as this model's parameters hold them (`kind`: "hf" or "gguf");
+        a family whose checkpoint stores a weight differently overrides it (Gemma 2's norms)."""
+        return tensors
 
     # checkpoint name fragment -> (fused parameter fragment, shard index in the fused order)
     packed_modules = {
@@ -185,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         self.info = info
         self.tp = tp = tp or TensorParallelGroup.single()
         self.pp = pp = pp or PipelineParallelGroup.single()
-        self.model = LlamaModel(info, tp, pp, self.decoder_options)
+        self.model = LlamaModel(info, tp, pp, type(self))
         start, end = self.model.start_layer, self.model.end_layer
         self.num_layers = end - start
         """Layers this stage runs and caches (all of them at pipeline-parallel size 1)."""

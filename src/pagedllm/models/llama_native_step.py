@@ -11,7 +11,8 @@ module path (tests/models/test_llama_native_step.py); the embedding lookup, the 
 plan and the LM head stay in Python, shared with the module path.
 
 When it runs (`forward` returns None otherwise, and the runner runs the model's modules):
-- built (`build`): a LlamaForCausalLM (or a family without per-head q/k norms: Qwen2, not Qwen3; logged) on the
+- built (`build`): a LlamaForCausalLM (or a family whose layers are Llama's but for biases, sliding windows or
+  attention soft-caps: Qwen2 and Mistral, not Qwen3's q/k norms nor Gemma 2's layers; logged) on the
   CPU in float32 with the native kernels, every linear of every layer a quantized weight run by the native
   kernels (GGUF codes, `--quantization fp8`, or the int8-activation weights of `--activation-quantization int8`),
   and `PAGEDLLM_NATIVE_STEP` not "0";
@@ -56,7 +57,7 @@ class _Linear(ctypes.Structure):  # decode_linear
 class _Layer(ctypes.Structure):  # decode_layer
     _fields_ = [("input_norm", _ptr), ("post_attention_norm", _ptr), ("qkv", _Linear), ("o", _Linear),
                 ("gate_up", _Linear), ("down", _Linear), ("k_scale", ctypes.c_float), ("v_scale", ctypes.c_float),
-                ("k_comp", _ptr)]
+                ("k_comp", _ptr), ("window", _i64), ("softcap", ctypes.c_float)]
 
 
 class _Model(ctypes.Structure):  # decode_model
@@ -144,7 +145,16 @@ class LlamaNativeDecodeStep:
             logger.info("%s: the native decode step has no per-head q/k norms; decode steps run the model's "
                         "modules", model.info.architecture)
             return None
-        scale = layers[0].self_attn.attn.scale if len(layers) else 1.0
+        attns = [layer.self_attn.attn for layer in layers]
+        missing = model.native_step_unsupported or (
+            "per-layer softmax scales" if len({a.scale for a in attns}) > 1 else None)
+        if missing is not None:  # the C loop is Llama's layer (its attention's window and soft-cap are per layer)
+            logger.info("%s: the native decode step has no %s; decode steps run the model's modules",
+                        model.info.architecture, missing)
+            return None
+        for c_layer, attn in zip(c_layers, attns, strict=True):
+            c_layer.window, c_layer.softcap = attn.window, attn.softcap
+        scale = attns[0].scale if attns else 1.0
         c_model = _Model(len(layers), info.hidden_size, info.num_heads, info.num_kv_heads, info.head_dim,
                          info.intermediate_size, norm.eps, scale, norm.weight.data_ptr())
         return cls(model, c_model, c_layers, keep)

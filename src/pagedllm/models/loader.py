@@ -336,6 +336,7 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
         if runs_fp8(model_config, resolved, device, dtype):
             tensors = _fp8_linears(tensors)
     model_cls = get_model_class(info.architecture, source)
+    tensors = model_cls.checkpoint_tensors(tensors, resolved.kind)
     if tp is not None and tp.size > 1:
         check_tensor_parallel_size(tp.size, info.num_heads, info.num_kv_heads, info.intermediate_size)
         tensors = shard_tensors(tensors, model_cls.tensor_parallel_plan, info, tp)

@@ -34,6 +34,9 @@ class ModelInfo:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     generation_config: dict[str, Any] = field(default_factory=dict)  # sampling defaults (GENERATION_CONFIG_KEYS)
+    # config.json as read (a GGUF file: its family's keys under config.json's names, models/gguf_loader.py), for
+    # the keys only some families read (sliding_window, layer_types, soft-capping...: models/mistral.py, gemma2.py)
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -109,11 +112,8 @@ def model_info_from_hf_config(config: dict[str, Any], generation_config: dict[st
             eos_token_ids=eos,
             generation_config={k: generation_config[k] for k in GENERATION_CONFIG_KEYS
                                if generation_config.get(k) is not None},
+            hf_config=config,
         )
-        window = config.get("sliding_window")
-        if window and config.get("use_sliding_window", True) and window < info.max_position_embeddings:
-            # Full attention equals sliding-window attention while the context fits in the window.
-            info.max_position_embeddings = int(window)
     except KeyError as e:
         raise ModelLoadError(f"{source}: config.json lacks required key {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:

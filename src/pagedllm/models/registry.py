@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from torch import nn
 
+from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.mistral import MistralForCausalLM
 from pagedllm.models.model_info import ModelLoadError
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
