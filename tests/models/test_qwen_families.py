@@ -257,7 +257,7 @@ def test_q8_0_gguf_matches_transformers_on_its_dequantized_weights(request, tmp_
     assert runner.native_steps == (2 if step is not None else 0)
 
 
-@pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "longrope"])
+@pytest.mark.parametrize("rope_type", ["yarn", "dynamic"])
 def test_unsupported_rope_scaling_is_refused_at_load_by_name(rope_type):
     config = {"architectures": ["Qwen2ForCausalLM"], "num_attention_heads": 4, "hidden_size": 64,
               "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 384,

@@ -142,7 +142,7 @@ class LlamaModel(nn.Module):
         if pp.is_last:
             self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(info.head_dim, info.max_position_embeddings, info.rope_theta,
-                                          info.rope_scaling, info.rope_freq_factors)
+                                          info.rope_scaling, info.rope_freq_factors, info.rotary_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -172,6 +172,10 @@ class LlamaForCausalLM(nn.Module):
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
+
+    # A checkpoint's already-fused tensor name fragment -> its parts' fragments, in order (Phi-3 stores qkv_proj and
+    # gate_up_proj): split at load (models/checkpoint_tensors.py), then sliced and fused as separate ones would be
+    fused_checkpoint_modules: dict[str, tuple[str, ...]] = {}
 
     # checkpoint name fragment -> how tensor parallelism slices it (models/tensor_parallel_weights.py)
     tensor_parallel_plan = {
