@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,3 +65,56 @@ def convert(jobs: list[tuple[Path, str, Path]]) -> None:
                             text=True, timeout=600)
     if result.returncode != 0:
         raise AssertionError(f"convert_hf_to_gguf.py failed:\n{result.stderr[-4000:]}")
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """[N, K] float32 (K a multiple of 256) as Q4_K blocks [N, K / 256 * 144] uint8, ggml's block_q4_K layout
+    (fp16 d and dmin, eight 6-bit scales and mins, 4-bit codes): per 32 values scale (max - min) / 15 and offset
+    -min, those quantized to 6 bits of the super-block's d and dmin. Not llama.cpp's search for the best scales
+    (make_qkx2_quants), a plain valid encoding: the checks compare with the file's own dequantized weights."""
+    n, k = x.shape
+    b = x.astype(np.float32).reshape(n * k // 256, 8, 32)  # super-blocks of 8 sub-blocks
+    lo = np.minimum(b.min(axis=2), 0.0)  # [B, 8]
+    scale = (b.max(axis=2) - lo) / 15.0
+    d = (scale.max(axis=1) / 63.0).astype(np.float16)  # [B]
+    dmin = ((-lo).max(axis=1) / 63.0).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.rint(np.divide(scale, d32, out=np.zeros_like(scale), where=d32 > 0)), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(np.divide(-lo, dmin32, out=np.zeros_like(lo), where=dmin32 > 0)), 0, 63).astype(np.uint8)
+    step = (d32 * sc)[:, :, None]  # the dequantizer's d * sc and dmin * m, in float32
+    q = np.divide(b + (dmin32 * m)[:, :, None], step, out=np.zeros_like(b), where=step > 0)
+    q = np.clip(np.rint(q), 0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)  # [B, chunk, nibble, 32]
+    scales = np.empty((len(b), 12), np.uint8)
+    scales[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    scales[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], 1)
+    return blocks.reshape(n, k // 256 * 144)
+
+
+def requantize_q4_k(src: Path, dst: Path) -> None:
+    """`src` (a converter's F32 file) with every matrix whose rows are a multiple of 256 in Q4_K, the rest and all
+    metadata as they are: what llama-quantize's Q4_K does to such tensors (it falls back to other types for
+    narrower rows)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        vtype = field.types[0]
+        writer.add_key_value(field.name, field.contents(), vtype,
+                             sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        a = np.array(t.data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape.tolist())])
+        if a.ndim == 2 and a.shape[1] % 256 == 0:
+            writer.add_tensor(t.name, quantize_q4_k(a), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        else:
+            writer.add_tensor(t.name, a)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

