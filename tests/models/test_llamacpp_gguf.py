@@ -159,14 +159,19 @@ def test_f32_file_is_the_folder(converted, family):
     outputs = LLM(str(path), dtype="float32", max_model_len=256, num_gpu_blocks_override=64).generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     for out, prompt in zip(outputs, prompts, strict=True):
-        seq, got = torch.tensor([prompt]), list(out.outputs[0].token_ids)
-        with torch.no_grad():
-            for token in got:
-                top = hf(seq).logits[0, -1].topk(2)
-                if int(top.indices[0]) != token:
-                    assert float(top.values[0] - top.values[1]) < GAP, (family, got)
-                    break
-                seq = torch.cat([seq, top.indices[:1].view(1, 1)], dim=1)
+        _assert_greedy(hf, prompt, list(out.outputs[0].token_ids))
+
+
+def _assert_greedy(hf, prompt: list[int], got: list[int]) -> None:
+    """`got` is transformers' greedy continuation of `prompt`, but past a top-2 logit gap below GAP."""
+    seq = torch.tensor([prompt])
+    with torch.no_grad():
+        for token in got:
+            top = hf(seq).logits[0, -1].topk(2)
+            if int(top.indices[0]) != token:
+                assert float(top.values[0] - top.values[1]) < GAP, got
+                return
+            seq = torch.cat([seq, top.indices[:1].view(1, 1)], dim=1)
 
 
 @pytest.mark.skipif(not cpu_kernels.available(torch.float32, CPU), reason="native CPU kernels unavailable")
@@ -207,3 +212,20 @@ def test_tokenizer_and_chat_template_from_the_file(converted, family):
     assert (got.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             == want.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
     assert got.eos_token_id == want.eos_token_id
+
+
+@pytest.mark.slow  # two worker processes
+def test_tensor_parallel_2_on_the_phi3_q8_0_file(converted):
+    """TP=2 on Phi-3's Q8_0 file: the fused attn_qkv and ffn_up, kept quantized, cut by heads and halves; transformers'
+    greedy tokens on the file's dequantized weights."""
+    hf = _hf(converted["phi3"], file_weights(converted["phi3", "q8_0"]))
+    prompts = [_ids(384, n, n) for n in (50, 61)]
+    llm = LLM(str(converted["phi3", "q8_0"]), dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
+              tensor_parallel_size=2)
+    try:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                               use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    for out, prompt in zip(outputs, prompts, strict=True):
+        _assert_greedy(hf, prompt, list(out.outputs[0].token_ids))
