@@ -4,7 +4,9 @@ Parameter names are Hugging Face's, with q/k/v fused into `qkv_proj` and gate/up
 (the loader concatenates them, in that order). Built on the meta device, then loaded with assign=True.
 
 Families whose decoder is Llama's but for a few switches (qkv biases, per-head q/k norms) are subclasses that
-set `decoder_options` (a `DecoderOptions`): models/qwen2.py, models/qwen3.py.
+set `decoder_options` (a `DecoderOptions`): models/qwen2.py, models/qwen3.py. A family whose checkpoint stores
+q/k/v or gate/up already fused sets `fused_checkpoint_modules` (models/phi3.py); partial rotary
+(ModelInfo.rotary_dim) needs nothing from a family (models/checkpoint_tensors.py, layers/rotary.py).
 """
 
 from __future__ import annotations
