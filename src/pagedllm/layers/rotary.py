@@ -1,7 +1,23 @@
 """Rotary position embedding (Hugging Face's rotate-half layout) with Llama rope scaling.
 
-Supported `rope_scaling` types: none/default, linear, llama3; GGUF files may instead carry explicit
-per-frequency divisors (llama.cpp's `rope_freqs` tensor), passed as `freq_factors`.
+Supported `rope_scaling` types: none/default, linear, llama3, longrope (Phi-3's; its legacy name "su" is read as
+longrope by models/model_info.py); GGUF files may instead carry explicit per-frequency divisors (llama.cpp's
+`rope_freqs` tensor), passed as `freq_factors`.
+
+Partial rotary (`rotary_dim` < head_dim, e.g. Phi-4-mini's partial_rotary_factor 0.75): the table still has
+head_dim / 2 frequencies, those past rotary_dim / 2 being 0 (cos 1, sin 0: those dimensions pass unchanged), so
+every path that rotates with the table (the prefill path, the fused decode kernel, the native decode step) needs no
+change. For that the checkpoint's q/k rows are reordered at load (models/checkpoint_tensors.py,
+`partial_rotary_order`): transformers rotates pairs (i, i + rotary_dim / 2) of the first rotary_dim dimensions,
+the full-width table pairs (i, i + head_dim / 2); q.k is unchanged by reordering q's and k's dimensions alike.
+
+longrope: frequencies divided per frequency by `short_factor`, or by `long_factor` where the context served is longer
+than `original_max_position_embeddings` (the loader sets `long_context` from max_model_len: `use_long_factors`),
+cos and sin scaled by the attention factor (transformers' `_compute_longrope_parameters`). One set for every
+position, so a token's K/V never depend on how long its sequence grows: vLLM's and llama.cpp's choice.
+transformers instead switches a sequence to the long factors once it grows past the original context (recomputing
+its cache), so the two agree on every sequence while the context served fits the original one, and on sequences
+longer than it where it does not.
 """
 
 from __future__ import annotations
@@ -15,7 +31,7 @@ from torch import nn
 
 from pagedllm.kernels import cpu_kernels
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None,
@@ -27,11 +43,37 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = 
         inv_freq = inv_freq / scaling["factor"]
     elif rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    elif rope_type == "longrope":
+        inv_freq = longrope_inv_freq(head_dim, theta,
+                                     scaling["long_factor" if scaling.get("long_context") else "short_factor"])
     elif rope_type != "default":
         raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: {SUPPORTED_ROPE_TYPES})")
     if freq_factors is not None:
         inv_freq = inv_freq / torch.tensor(list(freq_factors), dtype=torch.float32)
     return inv_freq
+
+
+def longrope_inv_freq(dim: int, theta: float, factors: Sequence[float]) -> torch.Tensor:
+    """[dim // 2] float32, rounded as transformers rounds it: 1 / (factor * theta ** (2i / dim))."""
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (torch.tensor(list(factors), dtype=torch.float32) * theta ** shape)
+
+
+def use_long_factors(scaling: dict[str, Any] | None, context: int) -> dict[str, Any] | None:
+    """`scaling` with longrope's choice of factors for a served context of `context` tokens (others unchanged)."""
+    if (scaling or {}).get("rope_type") != "longrope":
+        return scaling
+    return {**scaling, "long_context": context > scaling["original_max_position_embeddings"]}
+
+
+def longrope_attention_factor(scaling: dict[str, Any]) -> float:
+    """cos and sin's scale under longrope: `attention_factor`, else from the context's growth over the original one
+    (`factor`, else max_position_embeddings / original_max_position_embeddings), as transformers computes it."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or scaling["max_position_embeddings"] / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -53,13 +95,16 @@ class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin table indexed by position; one lookup per forward, shared by all layers.
 
     The model is built on the meta device, so the table is computed by `materialize(device)` after
-    the weights are loaded, not at init.
+    the weights are loaded, not at init. `rotary_dim` (None: head_dim): the dimensions rotated, the rest of the
+    table's frequencies 0 (see the module docstring).
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict[str, Any] | None = None, freq_factors: Sequence[float] | None = None):
+                 scaling: dict[str, Any] | None = None, freq_factors: Sequence[float] | None = None,
+                 rotary_dim: int | None = None):
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
         self.max_positions = max_positions
         self.theta = theta
         self.scaling = scaling
@@ -68,10 +113,18 @@ class RotaryEmbedding(nn.Module):
 
     def materialize(self, device: torch.device) -> None:
         with torch.device("cpu"):
-            inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, self.freq_factors)
+            inv_freq = rope_inv_freq(self.rotary_dim, self.theta, self.scaling, self.freq_factors)  # [R / 2]
             positions = torch.arange(self.max_positions, dtype=torch.float32)  # [P]
-            freqs = positions[:, None] * inv_freq[None, :]  # [P, D / 2]
-            self.cos_sin = torch.stack([freqs.cos(), freqs.sin()], dim=1).to(device)  # [P, 2, D / 2]
+            freqs = positions[:, None] * inv_freq[None, :]  # [P, R / 2]
+            cos, sin = freqs.cos(), freqs.sin()
+            if (self.scaling or {}).get("rope_type") == "longrope":
+                scale = longrope_attention_factor(self.scaling)
+                cos, sin = cos * scale, sin * scale
+            if self.rotary_dim < self.head_dim:  # the dimensions past rotary_dim pass unchanged
+                rest = self.head_dim // 2 - self.rotary_dim // 2
+                cos = torch.cat([cos, cos.new_ones(self.max_positions, rest)], dim=1)
+                sin = torch.cat([sin, sin.new_zeros(self.max_positions, rest)], dim=1)
+            self.cos_sin = torch.stack([cos, sin], dim=1).to(device)  # [P, 2, D / 2]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # positions: [T] -> cos_sin: [T, 2, D / 2] in `dtype`, contiguous (this step's rows of the table)

@@ -5,6 +5,8 @@ llama.cpp stores a Llama's Q and K projections with their rows permuted for its 
 `unpermute_qk` undoes that (as transformers' GGUF loader does) so the rotate-half layout applies; a quantized
 weight's rows (codes, scales and offsets alike) are permuted the same way. Families llama.cpp runs with its
 rotate-half ("NEOX") rotary, such as Qwen2 and Qwen3, are stored unpermuted (`GGUFArchitecture.rotary_permuted`).
+Phi-3's file ("phi3") has q/k/v fused in `attn_qkv` and gate/up fused in `ffn_up` (gate first), which load as its
+checkpoint's `qkv_proj` and `gate_up_proj`, and longrope as `rope_factors_short` / `rope_factors_long` tensors.
 Every tensor's byte size is checked against its type and shape, and quantized blocks' fp16 scales must be finite,
 so a truncated or corrupt file fails the load, not a later step.
 """
@@ -51,7 +53,11 @@ GGUF_ARCHITECTURES = {
                      "post_ffw_norm": "post_feedforward_layernorm"},
         config_keys={"attention.sliding_window": "sliding_window", "attn_logit_softcapping": "attn_logit_softcapping",
                      "final_logit_softcapping": "final_logit_softcapping"}),
+    "phi3": GGUFArchitecture("Phi3ForCausalLM", rotary_permuted=False,
+                             layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                             config_keys={"attention.sliding_window": "sliding_window"}),
 }
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")  # in ModelInfo
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -105,12 +111,26 @@ def gguf_model_info(reader: GGUFFile, path: Path) -> ModelInfo:
                              f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
     num_heads = _int_field(reader, f"{arch}.attention.head_count", path)
     hidden = _int_field(reader, f"{arch}.embedding_length", path)
+    head_dim = _int_field(reader, f"{arch}.attention.key_length", path, hidden // max(num_heads, 1))
+    max_positions = _int_field(reader, f"{arch}.context_length", path)
     scaling = None
     scaling_type = _field(reader, f"{arch}.rope.scaling.type", path, "none")
     if scaling_type == "linear":
         scaling = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor", path))}
     elif scaling_type != "none":
         raise ModelLoadError(f"{path}: rope scaling {scaling_type!r} is not supported")
+    factors = {t.name: t for t in reader.tensors if t.name in _ROPE_TENSORS[1:]}
+    if factors:  # llama.cpp's longrope (Phi-3 128k): both factor tensors, the attention factor, the original context
+        if len(factors) != 2:
+            raise ModelLoadError(f"{path}: longrope needs both rope_factors_short and rope_factors_long")
+        scaling = {"rope_type": "longrope", "max_position_embeddings": max_positions,
+                   "original_max_position_embeddings": _int_field(
+                       reader, f"{arch}.rope.scaling.original_context_length", path),
+                   "attention_factor": float(_field(reader, f"{arch}.rope.scaling.attn_factor", path, 1.0))}
+        for kind in ("short", "long"):
+            scaling[f"{kind}_factor"] = [float(x) for x in
+                                         dequantize_tensor(factors[f"rope_factors_{kind}.weight"], path).reshape(-1)]
+    rotary_dim = _int_field(reader, f"{arch}.rope.dimension_count", path, head_dim)
     tokens = reader.metadata.get("tokenizer.ggml.tokens")
     eos = [_field(reader, key, path, None) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     freq_factors = None
@@ -124,13 +144,14 @@ def gguf_model_info(reader: GGUFFile, path: Path) -> ModelInfo:
         intermediate_size=_int_field(reader, f"{arch}.feed_forward_length", path),
         num_heads=num_heads,
         num_kv_heads=_int_field(reader, f"{arch}.attention.head_count_kv", path, num_heads),
-        head_dim=_int_field(reader, f"{arch}.attention.key_length", path, hidden // max(num_heads, 1)),
+        head_dim=head_dim,
         vocab_size=_int_field(reader, f"{arch}.vocab_size", path, len(tokens) if tokens else 0),
-        max_position_embeddings=_int_field(reader, f"{arch}.context_length", path),
+        max_position_embeddings=max_positions,
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", path, 1e-5)),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", path, 10000.0)),
         rope_scaling=scaling,
         rope_freq_factors=freq_factors,
+        rotary_dim=rotary_dim if rotary_dim < head_dim else None,
         tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", path, None),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
@@ -192,17 +213,21 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
-    """Hugging Face name for a llama.cpp tensor name; None when the name is not a weight of a Llama-shaped model
-    (with `arch`'s own layer names, GGUFArchitecture.layer_names)."""
+def layer_names(arch: str) -> dict[str, str]:
+    """llama.cpp layer tensor name -> Hugging Face module name, for a general.architecture."""
+    return {**_LAYER_NAMES, **GGUF_ARCHITECTURES[arch].layer_names}
+
+
+def hf_name(gguf_name: str, names: dict[str, str] | None = None) -> str | None:
+    """Hugging Face name for a llama.cpp tensor name (`names`: the architecture's layer tensor names, layer_names(arch);
+    default Llama's); None when the name is not a weight of a Llama-shaped model."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = names or _LAYER_NAMES
     m = _LAYER_RE.fullmatch(gguf_name)
-    names = GGUF_ARCHITECTURES[arch].layer_names
-    part = None if m is None else names.get(m.group(2), _LAYER_NAMES.get(m.group(2)))
-    if part is None:
+    if m is None or m.group(2) not in names:
         return None
-    return f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
 
 def runs_quantized(hf_weight_name: str) -> bool:
@@ -220,11 +245,11 @@ def gguf_tensors(reader: GGUFFile, info: ModelInfo, path: Path, quantized: bool 
     UNPACKED_TYPES and `runs_quantized(name)`.
     """
     arch = reader.metadata["general.architecture"]
-    permuted = GGUF_ARCHITECTURES[arch].rotary_permuted
+    permuted, names = GGUF_ARCHITECTURES[arch].rotary_permuted, layer_names(arch)
     for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":
-            continue  # folded into ModelInfo.rope_freq_factors
-        name = hf_name(tensor.name, arch)
+        if tensor.name in _ROPE_TENSORS:
+            continue  # folded into ModelInfo (rope_freq_factors, rope_scaling)
+        name = hf_name(tensor.name, names)
         if name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} for a {info.architecture} model")
         if keep is not None and not keep(name):

@@ -7,7 +7,9 @@ Families whose decoder is Llama's but for a few switches (qkv biases, per-head q
 a scaled embedding) are subclasses that set `decoder_options` (a `DecoderOptions`): models/qwen2.py,
 models/qwen3.py. A family whose layers attend differently (a sliding window, logit soft-capping, another softmax
 scale) overrides `attention_options` (per layer: models/mistral.py, models/gemma2.py); one whose layer is shaped
-differently sets `decoder_layer` (Gemma 2's sandwich norms).
+differently sets `decoder_layer` (Gemma 2's sandwich norms). A family whose checkpoint stores
+q/k/v or gate/up already fused sets `fused_checkpoint_modules` (models/phi3.py); partial rotary
+(ModelInfo.rotary_dim) needs nothing from a family (models/checkpoint_tensors.py, layers/rotary.py).
 """
 
 from __future__ import annotations
@@ -162,7 +164,7 @@ class LlamaModel(nn.Module):
         if pp.is_last:
             self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(info.head_dim, info.max_position_embeddings, info.rope_theta,
-                                          info.rope_scaling, info.rope_freq_factors)
+                                          info.rope_scaling, info.rope_freq_factors, info.rotary_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -207,6 +209,10 @@ class LlamaForCausalLM(nn.Module):
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
+
+    # A checkpoint's already-fused tensor name fragment -> its parts' fragments, in order (Phi-3 stores qkv_proj and
+    # gate_up_proj): split at load (models/checkpoint_tensors.py), then sliced and fused as separate ones would be
+    fused_checkpoint_modules: dict[str, tuple[str, ...]] = {}
 
     # checkpoint name fragment -> how tensor parallelism slices it (models/tensor_parallel_weights.py)
     tensor_parallel_plan = {

@@ -24,6 +24,8 @@ from pagedllm.kernels import cpu_kernels, quant_q8act
 from pagedllm.layers.int8_activation_weight import Int8ActivationWeight
 from pagedllm.layers.linear import pack_linear_weights
 from pagedllm.layers.quantized_weight import PackedWeight
+from pagedllm.layers.rotary import use_long_factors
+from pagedllm.models.checkpoint_tensors import prepare_checkpoint_tensors
 from pagedllm.models.fp8_codes import quantize_fp8, quantizes_to_fp8
 from pagedllm.models.gguf_loader import gguf_model_info, gguf_tensors, open_gguf
 from pagedllm.models.model_info import (
@@ -333,10 +335,11 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     else:
         info = _apply_generation_config(_hf_model_info(resolved.path), model_config, resolved)
         tensors = _safetensors_tensors(resolved.path, _stage_filter(pp, info))
-        if runs_fp8(model_config, resolved, device, dtype):
-            tensors = _fp8_linears(tensors)
     model_cls = get_model_class(info.architecture, source)
-    tensors = model_cls.checkpoint_tensors(tensors, resolved.kind)
+    info.rope_scaling = use_long_factors(info.rope_scaling, model_config.max_model_len or info.max_position_embeddings)
+    tensors = prepare_checkpoint_tensors(model_cls.checkpoint_tensors(tensors, resolved.kind), model_cls, info)
+    if resolved.kind == "hf" and runs_fp8(model_config, resolved, device, dtype):
+        tensors = _fp8_linears(tensors)
     if tp is not None and tp.size > 1:
         check_tensor_parallel_size(tp.size, info.num_heads, info.num_kv_heads, info.intermediate_size)
         tensors = shard_tensors(tensors, model_cls.tensor_parallel_plan, info, tp)

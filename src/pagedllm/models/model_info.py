@@ -28,6 +28,7 @@ class ModelInfo:
     rope_theta: float
     rope_scaling: dict[str, Any] | None = None  # transformers' rope_scaling dict ("rope_type", ...)
     rope_freq_factors: tuple[float, ...] | None = None  # GGUF rope_freqs: per-frequency divisors
+    rotary_dim: int | None = None  # dimensions of each head rotary applies to (partial_rotary_factor); None: all
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -53,12 +54,21 @@ class ModelInfo:
                                  f"{self.num_kv_heads} KV heads")
         if self.head_dim % 2:
             raise ModelLoadError(f"{source}: head_dim {self.head_dim} must be even for rotary embedding")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ModelLoadError(f"{source}: rotary dimension {self.rotary_dim} must be even and within head_dim "
+                                 f"{self.head_dim}")
         from pagedllm.layers.rotary import SUPPORTED_ROPE_TYPES  # here: importing this module needs no torch
 
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ModelLoadError(f"{source}: rope scaling {rope_type!r} is not supported "
                                  f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        if rope_type == "longrope":
+            half = (self.rotary_dim or self.head_dim) // 2
+            for key in ("short_factor", "long_factor"):
+                if len(self.rope_scaling.get(key) or ()) != half:
+                    raise ModelLoadError(f"{source}: longrope {key} must have {half} values (one per rotated "
+                                         f"frequency), got {len(self.rope_scaling.get(key) or ())}")
 
 
 def token_ids(value: Any) -> tuple[int, ...]:
@@ -68,17 +78,39 @@ def token_ids(value: Any) -> tuple[int, ...]:
 
 
 def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling) from transformers 4 (`rope_theta`, `rope_scaling`) or 5 (`rope_parameters`)."""
+    """(theta, scaling) from transformers 4 (`rope_theta`, `rope_scaling`) or 5 (`rope_parameters`).
+
+    longrope (and its legacy name "su", Phi-3) gets the context sizes its attention factor is computed from:
+    config.json's original_max_position_embeddings where set (transformers gives it priority) and its
+    max_position_embeddings (before any cap to a sliding window)."""
     params = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or dict(params) or None
     theta = float(config.get("rope_theta", params.get("rope_theta", 10000.0)))
     if scaling is not None:
         scaling = dict(scaling)
         scaling["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
-        scaling.pop("rope_theta", None)
+        for key in ("rope_theta", "partial_rotary_factor", "type"):
+            scaling.pop(key, None)
+        if scaling["rope_type"] == "su":
+            scaling["rope_type"] = "longrope"
+        if scaling["rope_type"] == "longrope":
+            max_positions = int(config.get("max_position_embeddings", 2048))
+            scaling["original_max_position_embeddings"] = int(
+                config.get("original_max_position_embeddings")
+                or scaling.get("original_max_position_embeddings") or max_positions)
+            scaling["max_position_embeddings"] = max_positions
         if scaling["rope_type"] == "default":
             scaling = None
     return theta, scaling
+
+
+def _rotary_dim(config: dict[str, Any], head_dim: int) -> int | None:
+    """The rotated dimensions of a head where `partial_rotary_factor` (top level or in rope_parameters) is below
+    1, as transformers rounds it: int(head_dim * factor); None for all of them."""
+    factor = config.get("partial_rotary_factor", (config.get("rope_parameters") or {}).get("partial_rotary_factor"))
+    if factor is None or float(factor) >= 1.0:
+        return None
+    return int(head_dim * float(factor))
 
 
 def model_info_from_hf_config(config: dict[str, Any], generation_config: dict[str, Any],
@@ -90,6 +122,7 @@ def model_info_from_hf_config(config: dict[str, Any], generation_config: dict[st
     try:
         num_heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
+        head_dim = int(config.get("head_dim") or hidden // num_heads)
         theta, scaling = _rope(config)
         eos = token_ids(generation_config.get("eos_token_id")) or token_ids(config.get("eos_token_id"))
         info = ModelInfo(
@@ -99,12 +132,13 @@ def model_info_from_hf_config(config: dict[str, Any], generation_config: dict[st
             intermediate_size=int(config["intermediate_size"]),
             num_heads=num_heads,
             num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-            head_dim=int(config.get("head_dim") or hidden // num_heads),
+            head_dim=head_dim,
             vocab_size=int(config["vocab_size"]),
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
+            rotary_dim=_rotary_dim(config, head_dim),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),

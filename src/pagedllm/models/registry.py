@@ -8,6 +8,7 @@ from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mistral import MistralForCausalLM
 from pagedllm.models.model_info import ModelLoadError
+from pagedllm.models.phi3 import Phi3ForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
 
@@ -15,6 +16,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }

