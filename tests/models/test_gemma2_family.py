@@ -13,7 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 from paged_runner import PagedRunner
-from window_family_checks import GREEDY, WINDOW, assert_matches, check_engine_paths, llm, prompts, reference, save
+from window_family_checks import (
+    GREEDY,
+    WINDOW,
+    assert_matches,
+    check_engine_paths,
+    check_pipeline_parallel,
+    llm,
+    prompts,
+    reference,
+    save,
+)
 
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import cpu_kernels
@@ -179,3 +189,9 @@ def test_tensor_parallel_2_matches_transformers(gemma2_dir, gemma2_hf):
         engine.llm_engine.engine_core.shutdown()
     for out, p in zip(outputs, ps, strict=True):
         assert_matches(list(out.outputs[0].token_ids), reference(gemma2_hf, p))
+
+
+@pytest.mark.slow  # two worker processes
+def test_pipeline_parallel_2_gives_one_stages_tokens(gemma2_dir, gemma2_hf):
+    """The scaled embedding on the first stage, the final norm, cap and head on the last."""
+    check_pipeline_parallel(gemma2_dir, gemma2_hf.config.vocab_size)

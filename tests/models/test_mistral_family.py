@@ -14,6 +14,7 @@ from window_family_checks import (
     WINDOW,
     assert_matches,
     check_engine_paths,
+    check_pipeline_parallel,
     llm,
     prompts,
     reference,
@@ -96,3 +97,8 @@ def test_tensor_parallel_2_matches_transformers(mistral_dir, mistral_hf):
         engine.llm_engine.engine_core.shutdown()
     for out, p in zip(outputs, ps, strict=True):
         assert_matches(list(out.outputs[0].token_ids), reference(mistral_hf, p))
+
+
+@pytest.mark.slow  # two worker processes
+def test_pipeline_parallel_2_gives_one_stages_tokens(mistral_dir, mistral_hf):
+    check_pipeline_parallel(mistral_dir, mistral_hf.config.vocab_size)

@@ -10,6 +10,7 @@ with max_model_len 48 the short ones, which it uses for any sequence that fits 4
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from pathlib import Path
@@ -243,3 +244,11 @@ def test_a_windowed_phi3_matches_transformers_on_every_engine_path(tmp_path, tin
     tiny_tokenizer.save_pretrained(tmp_path)
     _save(tmp_path, phi3_config(len(tiny_tokenizer), sliding_window=WINDOW, partial_rotary_factor=0.5))
     check_engine_paths(tmp_path, _hf(tmp_path))
+
+
+@pytest.mark.slow  # two worker processes
+def test_pipeline_parallel_2_gives_one_stages_tokens(phi3_long_dir):
+    """Fused checkpoint tensors split per stage, partial rotary and longrope on both stages."""
+    from window_family_checks import check_pipeline_parallel
+
+    check_pipeline_parallel(phi3_long_dir, json.loads((phi3_long_dir / "config.json").read_text())["vocab_size"])

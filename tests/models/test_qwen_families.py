@@ -123,26 +123,12 @@ def test_registered_by_architecture(qwen2_dir, qwen3_dir):
     assert model.model.layers[0].self_attn.q_norm.weight.shape == (32,)
 
 
-def test_greedy_matches_transformers_batched_n2_prefix_cache_and_chunked(family):
-    """A batch of 4 prompts with n=2; the same batch again (its shared prefix and whole prompts now cached);
-    then chunked prefill (16-token budget): every sequence is transformers' greedy."""
-    folder, hf = family
-    prompts = _prompts(hf.config.vocab_size)
-    want = [_reference(hf, p, NEW_TOKENS) for p in prompts]
-    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, n=2)
-    llm = _llm(folder)
-    for run in range(2):
-        outputs = llm.generate(prompts, greedy, use_tqdm=False)
-        if run == 1:
-            assert all(o.num_cached_tokens >= 32 for o in outputs)  # the second run hits the prefix cache
-        for out, ref in zip(outputs, want, strict=True):
-            assert len(out.outputs) == 2
-            for completion in out.outputs:
-                _assert_matches(list(completion.token_ids), ref)
-    chunked = _llm(folder, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=False)
-    for out, ref in zip(chunked.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
-                                                                 ignore_eos=True), use_tqdm=False), want, strict=True):
-        _assert_matches(list(out.outputs[0].token_ids), ref)
+def test_greedy_matches_transformers_on_every_engine_path(family):
+    """transformers' greedy tokens through n=2, prefix-cache hits, chunked prefill, preemption, n-gram speculation
+    and fp8 KV (window_family_checks.check_engine_paths)."""
+    from window_family_checks import check_engine_paths
+
+    check_engine_paths(*family)
 
 
 @pytest.mark.skipif(not cpu_kernels.available(torch.float32, CPU), reason="native CPU kernels unavailable")
@@ -191,3 +177,11 @@ def test_tensor_parallel_2_matches_transformers(family):
         llm.llm_engine.engine_core.shutdown()
     for out, prompt in zip(outputs, prompts, strict=True):
         _assert_matches(list(out.outputs[0].token_ids), _reference(hf, prompt, NEW_TOKENS))
+
+
+@pytest.mark.slow  # two worker processes
+def test_pipeline_parallel_2_gives_one_stages_tokens(family):
+    from window_family_checks import check_pipeline_parallel
+
+    folder, hf = family
+    check_pipeline_parallel(folder, hf.config.vocab_size)

@@ -108,3 +108,16 @@ def check_engine_paths(folder: Path, hf) -> None:
     assert [tokens(fp8.generate([p], GREEDY, use_tqdm=False))[0] for p in ps] == batched
     for got, ref in zip(batched, want, strict=True):
         assert_matches(got, ref, gap=FP8_GAP)
+
+
+def check_pipeline_parallel(folder: Path, vocab: int) -> None:
+    """PP=2 (one layer per stage, each stage a worker process) gives the one-stage engine's greedy tokens bit for
+    bit: the prompts of `prompts`, past any window, n=1, the second pass hitting the prefix cache."""
+    ps = prompts(vocab)
+    want = tokens(llm(folder).generate(ps, GREEDY, use_tqdm=False))
+    engine = llm(folder, pipeline_parallel_size=2)
+    try:
+        for _ in range(2):
+            assert tokens(engine.generate(ps, GREEDY, use_tqdm=False)) == want
+    finally:
+        engine.llm_engine.engine_core.shutdown()
