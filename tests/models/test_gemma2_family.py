@@ -14,14 +14,12 @@ import pytest
 import torch
 from paged_runner import PagedRunner
 from window_family_checks import (
-    GREEDY,
     WINDOW,
-    assert_matches,
     check_engine_paths,
     check_pipeline_parallel,
+    check_tensor_parallel,
     llm,
     prompts,
-    reference,
     save,
 )
 
@@ -181,14 +179,7 @@ def test_q8_0_gguf_matches_transformers_on_its_dequantized_weights(tmp_path, tin
 
 @pytest.mark.slow  # two worker processes
 def test_tensor_parallel_2_matches_transformers(gemma2_dir, gemma2_hf):
-    ps = prompts(gemma2_hf.config.vocab_size)[:2]
-    engine = llm(gemma2_dir, tensor_parallel_size=2)
-    try:
-        outputs = engine.generate(ps, GREEDY, use_tqdm=False)
-    finally:
-        engine.llm_engine.engine_core.shutdown()
-    for out, p in zip(outputs, ps, strict=True):
-        assert_matches(list(out.outputs[0].token_ids), reference(gemma2_hf, p))
+    check_tensor_parallel(gemma2_dir, gemma2_hf)
 
 
 @pytest.mark.slow  # two worker processes

@@ -12,12 +12,11 @@ from window_family_checks import (
     GREEDY,
     NGRAM,
     WINDOW,
-    assert_matches,
     check_engine_paths,
     check_pipeline_parallel,
+    check_tensor_parallel,
     llm,
     prompts,
-    reference,
     save,
     tokens,
 )
@@ -89,14 +88,7 @@ def test_native_decode_step_runs_the_window(mistral_dir, mistral_hf, monkeypatch
 
 @pytest.mark.slow  # two worker processes
 def test_tensor_parallel_2_matches_transformers(mistral_dir, mistral_hf):
-    ps = prompts(mistral_hf.config.vocab_size)[:2]
-    engine = llm(mistral_dir, tensor_parallel_size=2)
-    try:
-        outputs = engine.generate(ps, GREEDY, use_tqdm=False)
-    finally:
-        engine.llm_engine.engine_core.shutdown()
-    for out, p in zip(outputs, ps, strict=True):
-        assert_matches(list(out.outputs[0].token_ids), reference(mistral_hf, p))
+    check_tensor_parallel(mistral_dir, mistral_hf)
 
 
 @pytest.mark.slow  # two worker processes

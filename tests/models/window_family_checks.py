@@ -121,3 +121,15 @@ def check_pipeline_parallel(folder: Path, vocab: int) -> None:
             assert tokens(engine.generate(ps, GREEDY, use_tqdm=False)) == want
     finally:
         engine.llm_engine.engine_core.shutdown()
+
+
+def check_tensor_parallel(folder: Path, hf) -> None:
+    """TP=2 (heads, KV heads and the MLP split across two worker processes) gives transformers' greedy tokens."""
+    ps = prompts(hf.config.vocab_size)[:2]
+    engine = llm(folder, tensor_parallel_size=2)
+    try:
+        outputs = engine.generate(ps, GREEDY, use_tqdm=False)
+    finally:
+        engine.llm_engine.engine_core.shutdown()
+    for got, p in zip(tokens(outputs), ps, strict=True):
+        assert_matches(got, reference(hf, p))

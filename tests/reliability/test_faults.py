@@ -23,7 +23,11 @@ SLOW_STEP_S = 6
 def servers(launcher) -> dict:
     """Every server of the module, launched at once (their start-ups overlap); each test waits for its own."""
     return {
-        "kill": launcher("--max-num-seqs", "64", "--engine-death-exit-delay", "5", wait_ready=False),
+        # steps of a real model's length: the tiny model's ~1 ms steps let the engine finish the 32 streams seconds
+        # ahead of an API server on busy cores, so the kill would find them done (test_load.STALLED_STEP_FAULT)
+        "kill": launcher("--max-num-seqs", "64", "--engine-death-exit-delay", "5",
+                         env={"PAGEDLLM_FAULT_INJECT": "sleep_in_forward:after_steps=0,times=1000000000,seconds=0.005"},
+                         wait_ready=False),
         "api-kill": launcher(wait_ready=False),
         "raise": launcher("--max-num-seqs", "16", env={"PAGEDLLM_FAULT_INJECT": "raise_in_forward:after_steps=30"},
                           wait_ready=False),
@@ -54,7 +58,8 @@ def test_engine_kill_with_32_streams(servers):
     for t in threads:
         t.join(timeout=60)
     assert len(results) == 32
-    assert all(isinstance(outcome, openai.APIError) and "engine" in str(outcome).lower() for outcome, _ in results)
+    assert all(isinstance(outcome, openai.APIError) and "engine" in str(outcome).lower() for outcome, _ in results), \
+        [str(outcome) for outcome, _ in results]
     last_error_s = max(at for _, at in results) - killed_at
     if server.proc.poll() is None:  # still up: it answers 503
         response = server.http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2})

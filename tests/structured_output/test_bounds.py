@@ -105,8 +105,10 @@ def test_the_engine_compiles_at_the_bounds_and_fails_past_them_alone(tiny_tokeni
         past = manager.add_request(S(json=ref_chain(1000)))  # no exception in the engine's thread
         for params in (S(json=deepest), S(grammar=rule_chain(bounds.MAX_RULE_DEPTH - 2))):
             so = manager.add_request(params)
-            matcher = so.future.result(timeout=120)
-            so.mask_rows([])  # waits for the first mask, computed ahead on the mask thread with this matcher
+            matcher = so.future.result(timeout=120)  # may return before the compile's callback starts the mask
+            assert so.is_ready()
+            so.is_mask_ready()  # the first mask started (by the callback, or here: then never again by it)
+            so.mask_rows([])  # waits for it: computed ahead on the mask thread with this matcher
             assert not matcher.is_error(), matcher.get_error()
         with pytest.raises(StructuredOutputError, match="chain depth"):
             past.future.result(timeout=60)

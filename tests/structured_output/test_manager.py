@@ -38,7 +38,8 @@ def manager(tiny_tokenizer):
 def _ready(manager, params):
     so = manager.add_request(params)
     so.future.result(timeout=60)
-    assert so.is_ready()
+    assert so.is_ready()  # the future may be done before its callback has started the first mask
+    so.is_mask_ready()  # started now if not yet (and never again by the callback)
     so.mask_rows([])  # the first mask is computed ahead, with the matcher: the test touches it after that
     return so
 
@@ -169,3 +170,38 @@ def test_a_failed_compile_leaves_only_eos(manager, tiny_tokenizer):
     row = manager.grammar_bitmask({"r": _Req(so, 5, 5)}, out).bitmask[0]
     assert _allowed(row).tolist() == [tiny_tokenizer.eos_token_id]  # never an all-zero row
     assert so.validate_tokens([5, 6]) == []  # and no drafts
+
+
+def test_a_late_compile_callback_starts_no_second_mask():
+    """The compile future's done-callback (which starts the first mask at once) can run after a waiter has seen the
+    result: the scheduler may have started the first mask itself and even accepted tokens by then. The late
+    callback must not start a mask on a matcher the step is using (llguidance: "Already mutably borrowed"; seen
+    with both cores loaded)."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    from pagedllm.structured_output.request import StructuredOutputRequest
+
+    class LateCallbackFuture(Future):
+        def add_done_callback(self, fn):
+            self.late_callback = fn  # run by the test, late
+
+    class Matcher:
+        consumed: list[int] = []
+
+        def is_stopped(self):
+            return False
+
+        def consume_tokens(self, tokens):
+            self.consumed += tokens
+
+    future, submitted = LateCallbackFuture(), []
+    future.set_result(Matcher())
+    with ThreadPoolExecutor(1) as pool:
+        so = StructuredOutputRequest(future, pool, lambda matcher, drafts: np.zeros((1 + len(drafts), 1), np.int32),
+                                     submitted.append)
+        assert so.is_ready()
+        so.is_mask_ready()  # what the scheduler asks before a step: starts the first mask
+        assert so.mask_rows([]) is not None and len(submitted) == 1  # the scheduler started the first mask
+        so.accept_tokens([7])
+        future.late_callback(future)
+        assert len(submitted) == 1, "the late callback started a mask on the matcher in use"

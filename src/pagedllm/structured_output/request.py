@@ -37,7 +37,7 @@ class StructuredOutputRequest:
     """
 
     __slots__ = ("future", "matcher", "failed", "_mask_pool", "_compute_mask", "_on_mask_submitted", "_lock",
-                 "_mask", "_mask_drafts")
+                 "_mask", "_mask_drafts", "_mask_started")
 
     def __init__(self, future: Future, mask_pool: Executor | BigStackExecutor | None = None,
                  compute_mask: Callable[[object, Sequence[int]], np.ndarray] | None = None,
@@ -54,6 +54,9 @@ class StructuredOutputRequest:
         """The mask job for the matcher's current state (None: none yet, or masks are computed by the step)."""
         self._mask_drafts: list[int] = []
         """The drafts that job's rows follow."""
+        self._mask_started = False
+        """A mask job was submitted once: the compile's callback, which may run after the scheduler has already
+        started the first mask and even accepted tokens, must not start another on a matcher in use."""
         if self._mask_pool is not None:
             future.add_done_callback(self._compiled)
 
@@ -126,7 +129,7 @@ class StructuredOutputRequest:
         if future.cancelled() or future.exception() is not None:
             return
         with self._lock:
-            if self._mask is None:
+            if not self._mask_started:
                 self._submit([], future.result())
 
     def _submit(self, drafts: list[int], matcher=None) -> None:
@@ -138,7 +141,7 @@ class StructuredOutputRequest:
             self._mask = None
             self._mask_pool = None
             return
-        self._mask, self._mask_drafts = job, drafts
+        self._mask, self._mask_drafts, self._mask_started = job, drafts, True
         if self._on_mask_submitted is not None:
             self._on_mask_submitted(job)
 
