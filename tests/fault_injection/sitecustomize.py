@@ -6,6 +6,9 @@ misbehaves after N successful steps, K times (default 1):
 - hang_in_forward: blocks the busy loop forever;
 - sleep_in_forward: makes the step last S seconds longer (a long step that is not a hang).
 
+`step_seconds=T` (any kind) makes every step T seconds longer: requests sent at once are all in flight before
+step N even when busy cores stagger their arrival (the tiny model's steps take ~1 ms).
+
 and in the API server's output path:
 
 - `raise_in_detokenizer[:seed=S][,after_tokens=N]`: the detokenizer of a request sampled with seed S (any request
@@ -45,6 +48,7 @@ def install_fault(engine_core, spec: str) -> None:
     kind, opts = _parse(spec)
     after_steps, times = int(opts.get("after_steps", 0)), int(opts.get("times", 1))
     seconds = float(opts.get("seconds", 0))
+    step_seconds = float(opts.get("step_seconds", 0))  # every step this much longer (a real model's step length)
     if kind not in FORWARD_KINDS:
         raise ValueError(f"unknown {FAULT_INJECT_ENV} kind {kind!r}")
     runner = engine_core.runner
@@ -53,6 +57,8 @@ def install_fault(engine_core, spec: str) -> None:
 
     def faulty_execute_model(scheduler_output, grammar=None):
         calls["n"] += 1
+        if step_seconds:
+            time.sleep(step_seconds)
         if after_steps < calls["n"] <= after_steps + times:
             if calls["n"] <= after_steps + 3:  # the first few: a fault on every step would flood the log
                 logger.warning("%s: injecting %s at step %d", FAULT_INJECT_ENV, kind, calls["n"])

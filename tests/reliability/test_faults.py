@@ -29,7 +29,9 @@ def servers(launcher) -> dict:
                          env={"PAGEDLLM_FAULT_INJECT": "sleep_in_forward:after_steps=0,times=1000000000,seconds=0.005"},
                          wait_ready=False),
         "api-kill": launcher(wait_ready=False),
-        "raise": launcher("--max-num-seqs", "16", env={"PAGEDLLM_FAULT_INJECT": "raise_in_forward:after_steps=30"},
+        # 50 ms steps: the 8 requests are all in flight at step 31 even when busy cores stagger their arrival
+        "raise": launcher("--max-num-seqs", "16",
+                          env={"PAGEDLLM_FAULT_INJECT": "raise_in_forward:after_steps=30,step_seconds=0.05"},
                           wait_ready=False),
         "hang": launcher("--health-check-timeout", "3", "--engine-hang-timeout", "3", "--engine-death-exit-delay", "30",
                          env={"PAGEDLLM_FAULT_INJECT": "hang_in_forward:after_steps=20"}, wait_ready=False),
