@@ -19,6 +19,10 @@ from server_process import MODEL_NAME, STARTUP_TIMEOUT_S, free_port, pid_alive, 
 __all__ = ["MODEL_NAME", "Server", "free_port", "pid_alive"]
 
 
+# Every step 5 ms longer (a real model's step length): with the tiny model's ~1 ms steps the engine can finish a
+# test's requests seconds ahead of an API server on busy cores, before a kill, a close or a SIGTERM reaches them.
+REAL_STEP_ENV = {"PAGEDLLM_FAULT_INJECT": "sleep_in_forward:after_steps=0,times=1000000000,seconds=0.005"}
+
 def port_bindable(port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

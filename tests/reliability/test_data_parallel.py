@@ -11,7 +11,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from reliability_utils import MODEL_NAME, descendants, pid_alive, stream_until_error, unavailable, wait_for
+from reliability_utils import (
+    MODEL_NAME,
+    REAL_STEP_ENV,
+    descendants,
+    pid_alive,
+    stream_until_error,
+    unavailable,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +35,7 @@ LONG = {"model": MODEL_NAME, "max_tokens": 400, "extra_body": {"ignore_eos": Tru
 def server(launcher):
     """One DP=2 server for the module (a server start is most of its cost): the kill test comes last in the file
     and ends it."""
-    return launcher(*DP2, name="dp")
+    return launcher(*DP2, name="dp", env=REAL_STEP_ENV)  # the kill must find both streams running
 
 
 def _by_engine(server, name: str) -> list[float]:

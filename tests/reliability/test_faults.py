@@ -10,7 +10,15 @@ import time
 
 import openai
 import pytest
-from reliability_utils import MODEL_NAME, pid_alive, port_bindable, stream_until_error, unavailable, wait_for
+from reliability_utils import (
+    MODEL_NAME,
+    REAL_STEP_ENV,
+    pid_alive,
+    port_bindable,
+    stream_until_error,
+    unavailable,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -23,10 +31,8 @@ SLOW_STEP_S = 6
 def servers(launcher) -> dict:
     """Every server of the module, launched at once (their start-ups overlap); each test waits for its own."""
     return {
-        # steps of a real model's length: the tiny model's ~1 ms steps let the engine finish the 32 streams seconds
-        # ahead of an API server on busy cores, so the kill would find them done (test_load.STALLED_STEP_FAULT)
-        "kill": launcher("--max-num-seqs", "64", "--engine-death-exit-delay", "5",
-                         env={"PAGEDLLM_FAULT_INJECT": "sleep_in_forward:after_steps=0,times=1000000000,seconds=0.005"},
+        # steps of a real model's length: the kill must find the 32 streams still running
+        "kill": launcher("--max-num-seqs", "64", "--engine-death-exit-delay", "5", env=REAL_STEP_ENV,
                          wait_ready=False),
         "api-kill": launcher(wait_ready=False),
         # 50 ms steps: the 8 requests are all in flight at step 31 even when busy cores stagger their arrival

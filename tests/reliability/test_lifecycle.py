@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from reliability_utils import MODEL_NAME, pid_alive, wait_for
+from reliability_utils import MODEL_NAME, REAL_STEP_ENV, pid_alive, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -25,9 +25,10 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 
 @pytest.fixture(scope="module")
 def servers(launcher) -> dict:
-    """Both drain servers, launched at once (their start-ups overlap the start-up failure test's)."""
-    return {"drain30": launcher("--drain-timeout", "30", wait_ready=False),
-            "drain0": launcher("--drain-timeout", "0", wait_ready=False)}
+    """Both drain servers, launched at once (their start-ups overlap the start-up failure test's), with steps of a
+    real model's length: the 10 requests must all be running when SIGTERM comes."""
+    return {"drain30": launcher("--drain-timeout", "30", env=REAL_STEP_ENV, wait_ready=False),
+            "drain0": launcher("--drain-timeout", "0", env=REAL_STEP_ENV, wait_ready=False)}
 
 
 def _tagged_pids(tag: str) -> list[int]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from reliability_utils import MODEL_NAME, wait_for
+from reliability_utils import MODEL_NAME, REAL_STEP_ENV, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import load_test  # noqa: E402
@@ -25,7 +25,6 @@ pytestmark = pytest.mark.slow
 KV_BLOCKS, BLOCK_SIZE = 64, 8
 KV_PROMPT_LEN, KV_MAX_TOKENS = 150, 55  # 205 tokens = 26 blocks = 40% of the pool
 STALL_HANG_TIMEOUT_S = 4
-STALLED_STEP_FAULT = "sleep_in_forward:after_steps=0,times=1000000000,seconds=0.004"  # every step
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +37,7 @@ def servers(launcher) -> dict:
         "overload": launcher("--max-num-seqs", "4", "--max-num-queued-reqs", "16", wait_ready=False),
         # steps of a real model's length (the tiny model's ~1 ms steps with n=16 and 20 logprobs outrun an API
         # server on busy cores by seconds, so a close would be seen only after the engine had finished anyway)
-        "stalled": launcher("--max-num-seqs", "4", env={"PAGEDLLM_FAULT_INJECT": STALLED_STEP_FAULT},
-                            wait_ready=False),
+        "stalled": launcher("--max-num-seqs", "4", env=REAL_STEP_ENV, wait_ready=False),
         "load": launcher(wait_ready=False),
         "stall": launcher("--health-check-timeout", "2", "--engine-hang-timeout", str(STALL_HANG_TIMEOUT_S),
                           "--max-buffered-outputs", "256", wait_ready=False),
