@@ -30,6 +30,9 @@
 # llama-server), pagedllm (port PAGEDLLM_PORT) and any pagedllm-NAME: a pagedllm mode, served and run offline
 # with PAGEDLLM_ARGS plus its own flags, PAGEDLLM_EXTRA_FLAGS for pagedllm and PAGEDLLM_EXTRA_FLAGS_NAME (NAME in
 # capitals, "-" as "_") for pagedllm-NAME. The pagedllm engine named plainly is the lossless default mode.
+# PAGEDLLM_SRC_NAME runs pagedllm-NAME from another source tree (its PYTHONPATH, ahead of the editable install):
+# an earlier commit against this one in one sitting, e.g. `git archive 9c0cf5c src | tar -x -C /tmp/base` and
+# ENGINES="pagedllm pagedllm-base" PAGEDLLM_SRC_BASE=/tmp/base/src STEPS=serve.
 #
 # Client (CLIENT): pagedllm (default) measures every engine with `pagedllm bench serve`; vllm measures vLLM and
 # pagedllm with `vllm bench serve` through `peers.sh bench` (the client of the sweeps before llama.cpp joined),
@@ -137,11 +140,12 @@ tree_mem() {  # PID -> "RSS_KiB HWM_KiB NPROCS" summed over the process and its 
 port_busy() { curl -s -o /dev/null "http://127.0.0.1:$1/health"; }
 
 PD_PID=""
+PD_ENV=""  # the engine's environment (variant_env), set by its caller
 start_pagedllm() {  # LOGFILE [extra serve flags] -> PD_PID, COLD_S
   local log=$1; shift
   if port_busy "$PORT"; then echo "port $PORT is already serving: stop that server first" >&2; return 1; fi
   local t0; t0=$(now)
-  "$PAGEDLLM" serve --host 127.0.0.1 --port "$PORT" --served-model-name smollm2 --max-model-len 2048 \
+  env $PD_ENV "$PAGEDLLM" serve --host 127.0.0.1 --port "$PORT" --served-model-name smollm2 --max-model-len 2048 \
     "${PAGEDLLM_ARGS[@]}" "${PAGEDLLM_SERVE_ARGS[@]}" "$@" >"$log" 2>&1 &
   PD_PID=$!
   until curl -sf -o /dev/null "http://127.0.0.1:$PORT/health"; do
@@ -273,15 +277,22 @@ serve_llamacpp() {
   stop_peer
 }
 
+variant_var() {  # PREFIX ENGINE -> the variable PREFIX (pagedllm) or PREFIX_NAME (pagedllm-name)
+  if [ "$2" = pagedllm ]; then echo "$1"; else echo "$1_$(echo "${2#pagedllm-}" | tr 'a-z-' 'A-Z_')"; fi
+}
 variant_flags() {  # ENGINE -> its extra flags: PAGEDLLM_EXTRA_FLAGS for pagedllm, PAGEDLLM_EXTRA_FLAGS_NAME for pagedllm-name
-  local var=PAGEDLLM_EXTRA_FLAGS
-  [ "$1" = pagedllm ] || var=PAGEDLLM_EXTRA_FLAGS_$(echo "${1#pagedllm-}" | tr 'a-z-' 'A-Z_')
+  local var; var=$(variant_var PAGEDLLM_EXTRA_FLAGS "$1")
   echo "${!var:-}"
+}
+variant_env() {  # ENGINE -> "PYTHONPATH=SRC" where PAGEDLLM_SRC_NAME gives it another source tree, else nothing
+  local var; var=$(variant_var PAGEDLLM_SRC "$1")
+  [ -z "${!var:-}" ] || echo "PYTHONPATH=${!var}"
 }
 
 serve_pagedllm() {  # ENGINE RUN
   local engine=$1 run=$2 lb log=$LOGS/$1-serve-run$2.log flags; say "$engine serve run $run: starting"
   read -r -a flags <<<"$(variant_flags "$engine")"
+  PD_ENV=$(variant_env "$engine")
   lb=$(loadavg)
   if ! start_pagedllm "$log" "${flags[@]}"; then
     stop_pagedllm; record step=server engine="$engine" run="$run" failed=true load="$lb" log="$log"; return
@@ -315,7 +326,7 @@ offline_pagedllm() {  # ENGINE RUN
   say "$engine offline run $run"
   read -r -a flags <<<"$(variant_flags "$engine")"
   lb=$(loadavg); t0=$(date -Is)
-  "$PAGEDLLM" bench throughput --num-prompts "$OFFLINE_N" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --output-json "$f" \
+  env $(variant_env "$engine") "$PAGEDLLM" bench throughput --num-prompts "$OFFLINE_N" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --output-json "$f" \
     "${PAGEDLLM_ARGS[@]}" "${flags[@]}" >"$log" 2>&1
   if [ -s "$f" ]; then grep -E "^Throughput" "$log"
     record step=offline engine="$engine" run="$run" file="offline/$engine-run$run.json" started="$t0" \
@@ -335,6 +346,7 @@ prefix_run() {  # RUN on|off
   local run=$1 mode=$2 log=$LOGS/pagedllm-prefix-$2-run$1.log name=prefix-$2-run$1 extra=()
   read -r -a extra <<<"$(variant_flags "$PREFIX_ENGINE")"
   [ "$mode" = off ] && extra+=(--no-enable-prefix-caching)
+  PD_ENV=$(variant_env "$PREFIX_ENGINE")
   say "$PREFIX_ENGINE prefix-repetition run $run, prefix caching $mode"
   start_pagedllm "$log" "${extra[@]}" || { stop_pagedllm; record step=prefix engine="$PREFIX_ENGINE" caching="$mode" run="$run" failed=true; return; }
   local before after lb t0; before=($(prefix_counters)); lb=$(loadavg); t0=$(date -Is)
