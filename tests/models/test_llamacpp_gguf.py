@@ -14,7 +14,8 @@ converter process. Checked:
 - F16, Q8_0 and Q4_K (the quantized ones kept quantized and run by the native kernels): transformers' logits on the
   file's own dequantized weights, at a prefill and two decode steps (the native decode step where the family has
   one);
-- the file's vocabulary, special tokens and chat template give the folder tokenizer's ids and prompt.
+- the file's vocabulary, special tokens and chat template give the folder tokenizer's ids and prompt;
+- every family by hub id, from a cache huggingface_hub filled from a fake hub (tests/fake_hub.py).
 Q4_K: the converter does not write it (llama.cpp's llama-quantize does, a C++ build of llama.cpp's library, minutes
 of compiling), nor can gguf-py quantize to it, so the Q4_K file is the converter's F32 file with its matrices
 encoded as Q4_K by llamacpp_convert.requantize_q4_k (metadata and other tensors as the converter wrote them).
@@ -32,12 +33,14 @@ import torch
 from llamacpp_convert import convert, requantize_q4_k, require
 from paged_runner import PagedRunner
 
+from fake_hub import FakeHub, fill_hub_cache
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import cpu_kernels
+from pagedllm.models import hub
 from pagedllm.models.gguf_loader import GGUF_ARCHITECTURES, hf_name, layer_names, unpermute_qk
 from pagedllm.models.llama_native_step import LlamaNativeDecodeStep
-from pagedllm.models.loader import load_model
+from pagedllm.models.loader import load_model, resolve_model
 from pagedllm.tokenizer import get_tokenizer
 
 CPU = torch.device("cpu")
@@ -265,6 +268,34 @@ def test_tokenizer_and_chat_template_from_the_file(converted, family):
     assert (got.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             == want.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
     assert got.eos_token_id == want.eos_token_id
+
+
+def test_every_family_by_hub_id_offline(converted, tmp_path, monkeypatch):
+    """Each family by hub id (issue 33): a cache filled by huggingface_hub itself from a fake hub serving each
+    family's folder as ORG/FAMILY and its Q8_0 file in ORG/FAMILY-GGUF, then read offline: the repo id gives the
+    folder's greedy tokens, and `ORG/FAMILY-GGUF:Q8_0` resolves to the file's bytes."""
+    repos = {}
+    for family in FAMILIES:
+        repos[f"tiny-org/{family}"] = {"main": {p.name: p for p in converted[family].iterdir()}}
+        repos[f"tiny-org/{family}-GGUF"] = {"main": {f"{family}-Q8_0.gguf": converted[family, "q8_0"]}}
+    with FakeHub(repos) as fake:
+        results = fill_hub_cache(fake.url, tmp_path / "hf-home", [
+            ["model", f"{repo}:Q8_0" if repo.endswith("-GGUF") else repo, None, None] for repo in repos])
+    assert not [r for r in results if "error" in r], results
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hf-home" / "hub"))
+    monkeypatch.setattr(hub, "_resolved", {})
+    prompts = [_ids(384, 40, 7)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def tokens(model: str) -> list[int]:
+        llm = LLM(model, dtype="float32", max_model_len=128, num_gpu_blocks_override=32)
+        return list(llm.generate(prompts, greedy, use_tqdm=False)[0].outputs[0].token_ids)
+
+    for family in FAMILIES:
+        assert tokens(f"tiny-org/{family}") == tokens(str(converted[family])), family
+        resolved = resolve_model(f"tiny-org/{family}-GGUF:Q8_0")
+        assert resolved.kind == "gguf" and resolved.path.read_bytes() == converted[family, "q8_0"].read_bytes()
 
 
 @pytest.mark.slow  # two worker processes
