@@ -9,11 +9,12 @@ the scaled embedding, query_pre_attn_scalar) with these differences, as transfor
   layers' `rope_local_base_freq` (transformers 5: `rope_parameters["sliding_attention"]`) without scaling
   (AttentionOptions.rope: one more table in LlamaModel).
 
-A GGUF file ("gemma3", llama.cpp's converter: norms stored as 1 + w, rope.freq_base the global base) has neither
-the local base nor the pattern: llama.cpp's fixed 10000 and 6, as here; nor query_pre_attn_scalar: llama.cpp's
-head_dim ** -0.5, but (hidden_size / num_heads) ** -0.5 for the 62-layer 27B model, as Gemma 2's. A sliding layer
-keeps its whole KV in the pool (correct, not economical). The native decode step has Llama's layer: decode steps
-run the model's modules (logged at load with native-kernel weights).
+A GGUF file ("gemma3", llama.cpp's converter: norms stored as 1 + w, rope.freq_base the global base, a recent
+converter's rope.freq_base_swa the local one) has no pattern: llama.cpp's fixed 6, as here; where it has no local
+base, llama.cpp's fixed 10000; no query_pre_attn_scalar: llama.cpp's head_dim ** -0.5, but
+(hidden_size / num_heads) ** -0.5 for the 62-layer 27B model, as Gemma 2's. A sliding layer keeps its whole KV in
+the pool (correct, not economical). The native decode step has Llama's layer: decode steps run the model's modules
+(logged at load with native-kernel weights).
 """
 
 from __future__ import annotations

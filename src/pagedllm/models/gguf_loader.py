@@ -54,9 +54,9 @@ GGUF_ARCHITECTURES = {
         "Gemma2ForCausalLM", rotary_permuted=False, layer_names=_GEMMA_LAYER_NAMES,
         config_keys={"attention.sliding_window": "sliding_window", "attn_logit_softcapping": "attn_logit_softcapping",
                      "final_logit_softcapping": "final_logit_softcapping"}),
-    "gemma3": GGUFArchitecture(  # the sliding layers' rope base and pattern: llama.cpp's fixed ones (gemma3.py)
+    "gemma3": GGUFArchitecture(  # no swa pattern: llama.cpp's fixed one (models/gemma3.py)
         "Gemma3ForCausalLM", rotary_permuted=False, layer_names=_GEMMA_LAYER_NAMES,
-        config_keys={"attention.sliding_window": "sliding_window",
+        config_keys={"attention.sliding_window": "sliding_window", "rope.freq_base_swa": "rope_local_base_freq",
                      "final_logit_softcapping": "final_logit_softcapping"}),
     "phi3": GGUFArchitecture("Phi3ForCausalLM", rotary_permuted=False,
                              layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
