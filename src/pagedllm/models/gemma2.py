@@ -30,14 +30,6 @@ from pagedllm.layers.norm import RMSNorm
 from pagedllm.models.llama import AttentionOptions, DecoderOptions, LlamaDecoderLayer, LlamaForCausalLM
 from pagedllm.models.model_info import ModelInfo
 
-# transformers' Gemma2Config defaults, for a config.json that lacks a key
-_DEFAULTS = {"sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
-LLAMA_CPP_27B_LAYERS = 46  # llama.cpp's LLM_TYPE_27B for gemma2, scaled by hidden_size / num_heads
-
-
-def _config(info: ModelInfo, key: str) -> Any:
-    return info.hf_config.get(key, _DEFAULTS.get(key))
-
 
 class Gemma2DecoderLayer(LlamaDecoderLayer):
     def __init__(self, info: ModelInfo, layer_idx: int, tp: TensorParallelGroup, options: DecoderOptions,
@@ -64,18 +56,31 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     decoder_options = DecoderOptions(activation="gelu_tanh", embed_scale=True)
     decoder_layer = Gemma2DecoderLayer
     native_step_unsupported = "sandwich norms, GeGLU nor scaled embedding"
+    # transformers' Gemma2Config defaults, for a config.json (or GGUF metadata) that lacks a key
+    config_defaults: dict[str, Any] = {"sliding_window": 4096, "attn_logit_softcapping": 50.0,
+                                       "final_logit_softcapping": 30.0}
+    llama_cpp_27b_layers = 46  # llama.cpp's LLM_TYPE_27B for gemma2, scaled by hidden_size / num_heads
+
+    @classmethod
+    def config_value(cls, info: ModelInfo, key: str) -> Any:
+        return info.hf_config.get(key, cls.config_defaults.get(key))
+
+    @classmethod
+    def layer_types(cls, info: ModelInfo) -> list[str]:
+        """Each layer's "sliding_attention" or "full_attention": config.json's, else even layers slide."""
+        return info.hf_config.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(info.num_layers)]
 
     @classmethod
     def attention_options(cls, info: ModelInfo, layer_idx: int) -> AttentionOptions:
-        layer_types = info.hf_config.get("layer_types") or [
-            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(info.num_layers)]
-        window = _config(info, "sliding_window") if layer_types[layer_idx] == "sliding_attention" else None
+        sliding = cls.layer_types(info)[layer_idx] == "sliding_attention"
+        window = cls.config_value(info, "sliding_window") if sliding else None
         scalar = info.hf_config.get("query_pre_attn_scalar")
         if scalar is None:  # a GGUF file: llama.cpp's choice (module docstring)
-            scalar = (info.hidden_size // info.num_heads if info.num_layers == LLAMA_CPP_27B_LAYERS
+            scalar = (info.hidden_size // info.num_heads if info.num_layers == cls.llama_cpp_27b_layers
                       else info.head_dim)
-        return AttentionOptions(sliding_window=int(window) if window else None,
-                                logit_softcap=_config(info, "attn_logit_softcapping"), scale=float(scalar) ** -0.5)
+        return AttentionOptions(sliding_window=int(window) if window else None, scale=float(scalar) ** -0.5,
+                                logit_softcap=cls.config_value(info, "attn_logit_softcapping"))
 
     @classmethod
     def checkpoint_tensors(cls, tensors: Iterator[tuple[str, Any]], kind: str) -> Iterator[tuple[str, Any]]:
@@ -86,7 +91,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     def __init__(self, info: ModelInfo, tp: TensorParallelGroup | None = None,
                  pp: PipelineParallelGroup | None = None):
         super().__init__(info, tp, pp)
-        cap = _config(info, "final_logit_softcapping")
+        cap = self.config_value(info, "final_logit_softcapping")
         self.final_logit_softcap = float(cap) if cap else None
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

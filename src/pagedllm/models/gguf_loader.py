@@ -42,16 +42,21 @@ class GGUFArchitecture:
     config_keys: dict[str, str] = field(default_factory=dict)
 
 
+_GEMMA_LAYER_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}  # sandwich norms
+
 # general.architecture -> the model it is. llama.cpp writes Llama, Mistral and SmolLM2 as "llama".
 GGUF_ARCHITECTURES = {
     "llama": GGUFArchitecture("LlamaForCausalLM"),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", rotary_permuted=False),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", rotary_permuted=False),
     "gemma2": GGUFArchitecture(
-        "Gemma2ForCausalLM", rotary_permuted=False,
-        layer_names={"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
-                     "post_ffw_norm": "post_feedforward_layernorm"},
+        "Gemma2ForCausalLM", rotary_permuted=False, layer_names=_GEMMA_LAYER_NAMES,
         config_keys={"attention.sliding_window": "sliding_window", "attn_logit_softcapping": "attn_logit_softcapping",
+                     "final_logit_softcapping": "final_logit_softcapping"}),
+    "gemma3": GGUFArchitecture(  # no swa pattern: llama.cpp's fixed one (models/gemma3.py)
+        "Gemma3ForCausalLM", rotary_permuted=False, layer_names=_GEMMA_LAYER_NAMES,
+        config_keys={"attention.sliding_window": "sliding_window", "rope.freq_base_swa": "rope_local_base_freq",
                      "final_logit_softcapping": "final_logit_softcapping"}),
     "phi3": GGUFArchitecture("Phi3ForCausalLM", rotary_permuted=False,
                              layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},

@@ -6,9 +6,9 @@ Parameter names are Hugging Face's, with q/k/v fused into `qkv_proj` and gate/up
 Families whose decoder is Llama's but for a few switches (qkv biases, per-head q/k norms, the MLP's activation,
 a scaled embedding) are subclasses that set `decoder_options` (a `DecoderOptions`): models/qwen2.py,
 models/qwen3.py. A family whose layers attend differently (a sliding window, logit soft-capping, another softmax
-scale) overrides `attention_options` (per layer: models/mistral.py, models/gemma2.py); one whose layer is shaped
-differently sets `decoder_layer` (Gemma 2's sandwich norms). A family whose checkpoint stores
-q/k/v or gate/up already fused sets `fused_checkpoint_modules` (models/phi3.py); partial rotary
+scale, their own rope base) overrides `attention_options` (per layer: models/mistral.py, models/gemma2.py,
+models/gemma3.py); one whose layer is shaped differently sets `decoder_layer` (Gemma 2's sandwich norms). A family
+whose checkpoint stores q/k/v or gate/up already fused sets `fused_checkpoint_modules` (models/phi3.py); partial rotary
 (ModelInfo.rotary_dim) needs nothing from a family (models/checkpoint_tensors.py, layers/rotary.py).
 """
 
@@ -50,6 +50,9 @@ class AttentionOptions:
     sliding_window: int | None = None  # the query at position p attends the keys at positions > p - window
     logit_softcap: float | None = None  # scores = cap * tanh(scores / cap) before the softmax (Gemma 2)
     scale: float | None = None  # the softmax scale (None: head_dim ** -0.5)
+    # this layer's own rotary: (rope base, transformers' rope_scaling dict or None); None: the model's (ModelInfo's
+    # rope_theta, rope_scaling and freq factors). Gemma 3's sliding layers: (rope_local_base_freq, None)
+    rope: tuple[float, dict[str, Any] | None] | None = None
 
 
 class LlamaAttention(nn.Module):
@@ -158,13 +161,25 @@ class LlamaModel(nn.Module):
                                                _weight=torch.empty(vocab_end - vocab_start, info.hidden_size))
             if tp.size > 1:
                 self.embed_tokens.shard(tp, vocab_start)
+        attention = [family.attention_options(info, i) for i in range(info.num_layers)]
         self.layers = nn.ModuleList(
-            family.decoder_layer(info, i - self.start_layer, tp, options, family.attention_options(info, i))
+            family.decoder_layer(info, i - self.start_layer, tp, options, attention[i])
             if self.start_layer <= i < self.end_layer else nn.Identity() for i in range(info.num_layers))
         if pp.is_last:
             self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(info.head_dim, info.max_position_embeddings, info.rope_theta,
                                           info.rope_scaling, info.rope_freq_factors, info.rotary_dim)
+        # Layers with their own rotary (AttentionOptions.rope): one more table per distinct setting, and each of
+        # this stage's layers the index of its table in [rotary_emb, *layer_rotary]; None where every layer uses
+        # rotary_emb (every family but Gemma 3: one table looked up per step, as before)
+        own = {repr(attention[i].rope): attention[i].rope for i in range(self.start_layer, self.end_layer)
+               if attention[i].rope is not None}
+        self.layer_rotary = nn.ModuleList(
+            RotaryEmbedding(info.head_dim, info.max_position_embeddings, theta, scaling, rotary_dim=info.rotary_dim)
+            for theta, scaling in own.values())
+        self.layer_rotary_index = [
+            0 if attention[i].rope is None else 1 + list(own).index(repr(attention[i].rope))
+            for i in range(self.start_layer, self.end_layer)] if own else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -180,8 +195,14 @@ class LlamaModel(nn.Module):
         else:
             hidden_states, residual = intermediate
         cos_sin = self.rotary_emb(positions, hidden_states.dtype)  # [T, 2, D / 2]
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            hidden_states, residual = layer(hidden_states, residual, cos_sin)
+        layers = self.layers[self.start_layer:self.end_layer]
+        if self.layer_rotary_index is None:
+            for layer in layers:
+                hidden_states, residual = layer(hidden_states, residual, cos_sin)
+        else:  # each layer its table's rows, each table looked up once
+            tables = [cos_sin, *(rotary(positions, hidden_states.dtype) for rotary in self.layer_rotary)]
+            for layer, index in zip(layers, self.layer_rotary_index, strict=True):
+                hidden_states, residual = layer(hidden_states, residual, tables[index])
         if not self.pp.is_last:
             return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -248,6 +269,8 @@ class LlamaForCausalLM(nn.Module):
     def materialize(self, device: torch.device) -> None:
         """Compute the buffers that are not weights (rotary table) on `device`, after loading."""
         self.model.rotary_emb.materialize(device)
+        for rotary in self.model.layer_rotary:
+            rotary.materialize(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None

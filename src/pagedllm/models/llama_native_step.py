@@ -147,7 +147,8 @@ class LlamaNativeDecodeStep:
             return None
         attns = [layer.self_attn.attn for layer in layers]
         missing = model.native_step_unsupported or (
-            "per-layer softmax scales" if len({a.scale for a in attns}) > 1 else None)
+            "per-layer softmax scales" if len({a.scale for a in attns}) > 1 else None) or (
+            "per-layer rotary" if model.model.layer_rotary_index is not None else None)  # one table: rotary_emb
         if missing is not None:  # the C loop is Llama's layer (its attention's window and soft-cap are per layer)
             logger.info("%s: the native decode step has no %s; decode steps run the model's modules",
                         model.info.architecture, missing)

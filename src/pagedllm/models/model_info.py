@@ -82,8 +82,11 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
     longrope (and its legacy name "su", Phi-3) gets the context sizes its attention factor is computed from:
     config.json's original_max_position_embeddings where set (transformers gives it priority) and its
-    max_position_embeddings (before any cap to a sliding window)."""
+    max_position_embeddings (before any cap to a sliding window). rope_parameters by layer type (Gemma 3's
+    "full_attention" and "sliding_attention"): the full-attention layers' (the family reads the others)."""
     params = config.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers 5's per layer type (Gemma 3): the global layers' are the model's
+        params = params["full_attention"] or {}
     scaling = config.get("rope_scaling") or dict(params) or None
     theta = float(config.get("rope_theta", params.get("rope_theta", 10000.0)))
     if scaling is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
+from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mistral import MistralForCausalLM
 from pagedllm.models.model_info import ModelLoadError
@@ -16,6 +17,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
