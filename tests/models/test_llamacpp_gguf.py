@@ -34,6 +34,7 @@ import pytest
 import torch
 from llamacpp_convert import convert, requantize_q4_k, require
 from paged_runner import PagedRunner
+from window_family_checks import assert_matches, reference
 
 from fake_hub import FakeHub, fill_hub_cache
 from pagedllm import LLM, SamplingParams
@@ -46,7 +47,6 @@ from pagedllm.models.loader import load_model, resolve_model
 from pagedllm.tokenizer import get_tokenizer
 
 CPU = torch.device("cpu")
-GAP = 1e-4
 OUTTYPES = ("f32", "f16", "q8_0")  # the converter's; q4_k is requantized from f32
 # family -> (general.architecture, the model class the file loads as, tied LM head, has the native decode step)
 FAMILIES = {"llama": ("llama", "LlamaForCausalLM", False, True), "qwen2": ("qwen2", "Qwen2ForCausalLM", True, True),
@@ -228,19 +228,7 @@ def test_f32_file_is_the_folder(converted, family):
     outputs = LLM(str(path), dtype="float32", max_model_len=256, num_gpu_blocks_override=64).generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     for out, prompt in zip(outputs, prompts, strict=True):
-        _assert_greedy(hf, prompt, list(out.outputs[0].token_ids))
-
-
-def _assert_greedy(hf, prompt: list[int], got: list[int]) -> None:
-    """`got` is transformers' greedy continuation of `prompt`, but past a top-2 logit gap below GAP."""
-    seq = torch.tensor([prompt])
-    with torch.no_grad():
-        for token in got:
-            top = hf(seq).logits[0, -1].topk(2)
-            if int(top.indices[0]) != token:
-                assert float(top.values[0] - top.values[1]) < GAP, got
-                return
-            seq = torch.cat([seq, top.indices[:1].view(1, 1)], dim=1)
+        assert_matches(list(out.outputs[0].token_ids), reference(hf, prompt, 8))
 
 
 @pytest.mark.skipif(not cpu_kernels.available(torch.float32, CPU), reason="native CPU kernels unavailable")
@@ -326,4 +314,4 @@ def test_tensor_parallel_2_on_the_phi3_q8_0_file(converted):
     finally:
         llm.llm_engine.engine_core.shutdown()
     for out, prompt in zip(outputs, prompts, strict=True):
-        _assert_greedy(hf, prompt, list(out.outputs[0].token_ids))
+        assert_matches(list(out.outputs[0].token_ids), reference(hf, prompt, 8))
