@@ -6,7 +6,6 @@ llama.cpp's own converter: tests/models/test_llamacpp_gguf.py."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -15,16 +14,15 @@ from paged_runner import PagedRunner
 from window_family_checks import (
     WINDOW,
     check_engine_paths,
+    check_native_step_declines,
     check_pipeline_parallel,
     check_tensor_parallel,
-    llm,
     prompts,
     save,
 )
 
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import cpu_kernels
-from pagedllm.models import llama_native_step
 from pagedllm.models.loader import load_model
 
 CPU = torch.device("cpu")
@@ -86,10 +84,7 @@ def test_greedy_matches_transformers_on_every_engine_path(gemma2_dir, gemma2_hf)
 
 @pytest.mark.skipif(not cpu_kernels.available(torch.float32, CPU), reason="native CPU kernels unavailable")
 def test_native_decode_step_declines_gemma2(gemma2_dir, caplog):
-    with caplog.at_level(logging.INFO, logger=llama_native_step.__name__):
-        engine = llm(gemma2_dir, quantization="fp8")
-    assert engine.llm_engine.engine_core.runner.native_step is None
-    assert "Gemma2ForCausalLM: the native decode step has no sandwich norms" in caplog.text
+    check_native_step_declines(gemma2_dir, caplog, "sandwich norms")
 
 
 @pytest.mark.slow  # two worker processes

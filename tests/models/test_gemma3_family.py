@@ -9,18 +9,22 @@ converter-written file: tests/models/test_llamacpp_gguf.py."""
 
 from __future__ import annotations
 
-import logging
 import random
 from pathlib import Path
 
 import pytest
 import torch
 from paged_runner import PagedRunner
-from window_family_checks import check_engine_paths, check_pipeline_parallel, check_tensor_parallel, llm, save
+from window_family_checks import (
+    check_engine_paths,
+    check_native_step_declines,
+    check_pipeline_parallel,
+    check_tensor_parallel,
+    save,
+)
 
 from pagedllm.config import ModelConfig
 from pagedllm.kernels import cpu_kernels
-from pagedllm.models import llama_native_step
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.llama import AttentionOptions
 from pagedllm.models.loader import load_model
@@ -124,10 +128,7 @@ def test_greedy_matches_transformers_on_every_engine_path(gemma3_dir, gemma3_hf)
 
 @pytest.mark.skipif(not cpu_kernels.available(torch.float32, CPU), reason="native CPU kernels unavailable")
 def test_native_decode_step_declines_gemma3(gemma3_dir, caplog):
-    with caplog.at_level(logging.INFO, logger=llama_native_step.__name__):
-        engine = llm(gemma3_dir, quantization="fp8")
-    assert engine.llm_engine.engine_core.runner.native_step is None
-    assert "Gemma3ForCausalLM: the native decode step has no per-head q/k norms" in caplog.text
+    check_native_step_declines(gemma3_dir, caplog, "per-head q/k norms")
 
 
 @pytest.mark.slow  # two worker processes

@@ -136,3 +136,16 @@ def check_tensor_parallel(folder: Path, hf, ps: list[list[int]] | None = None) -
         engine.llm_engine.engine_core.shutdown()
     for got, p in zip(tokens(outputs), ps, strict=True):
         assert_matches(got, reference(hf, p))
+
+
+def check_native_step_declines(folder: Path, caplog, reason: str) -> None:
+    """With native-kernel weights (fp8) the native decode step is not built, and the load log says why in one
+    line (`reason`, after "the native decode step has no")."""
+    import logging
+
+    from pagedllm.models import llama_native_step
+
+    with caplog.at_level(logging.INFO, logger=llama_native_step.__name__):
+        engine = llm(folder, quantization="fp8")
+    assert engine.llm_engine.engine_core.runner.native_step is None
+    assert f"the native decode step has no {reason}" in caplog.text
