@@ -147,5 +147,6 @@ def check_native_step_declines(folder: Path, caplog, reason: str) -> None:
 
     with caplog.at_level(logging.INFO, logger=llama_native_step.__name__):
         engine = llm(folder, quantization="fp8")
-    assert engine.llm_engine.engine_core.runner.native_step is None
-    assert f"the native decode step has no {reason}" in caplog.text
+    runner = engine.llm_engine.engine_core.runner
+    assert runner.native_step is None
+    assert f"{type(runner.model).__name__}: the native decode step has no {reason}" in caplog.text
