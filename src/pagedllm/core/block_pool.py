@@ -5,9 +5,13 @@ Only this module changes `ref_cnt`, the free queue or the hash map. Invariants i
 - `block.block_hash` is set exactly when the hash map maps that hash to that block;
 - free queue order is eviction order: least recently freed first.
 
-Block 0 is NOT reserved: every block id in [0, num_blocks) can hold a request's KV. (vLLM reserves a
-"null block" for sliding-window and padding tricks; pagedllm has neither, and the runner never pads
-the slot mapping, so reserving one would only waste memory.)
+Block 0 is reserved only for the hybrid manager (`reserve_null_block`): it is the "null block" a sliding
+group's table points at for blocks outside its window (never written, never freed, never cached). A model with
+one full-attention group reserves nothing: every block id in [0, num_blocks) can hold a request's KV.
+
+The hybrid manager's groups cache the same token hashes each under its own key (the hash plus the group's id byte,
+`group_key`); KV events report one group's blocks only (`event_group_id`: the manager picks a full-attention group,
+whose chain caps every prefix hit), under the plain hash, so consumers see each block once.
 """
 
 from __future__ import annotations
@@ -16,6 +20,14 @@ from collections.abc import Iterable, Sequence
 
 from pagedllm.core.block_hash import BlockHash
 from pagedllm.core.kv_events import KVEventQueue
+
+NULL_BLOCK_HASH = b"null block"
+"""The null block's block_hash: set, so caching skips it as "already registered"; never a key of the map."""
+
+
+def group_key(block_hash: BlockHash, group_id: int) -> BlockHash:
+    """The prefix-cache key of `block_hash` in KV cache group `group_id` (hybrid manager only)."""
+    return block_hash + bytes((group_id,))
 
 
 class KVCacheBlock:
@@ -101,17 +113,27 @@ class BlockPool:
         enable_caching: keep full blocks findable by hash after they are freed.
         kv_events: where to record what enters and leaves the prefix cache (core/kv_events.py); None (the
             default): nothing is recorded.
+        reserve_null_block: keep block 0 out of use as the null block (`null_block`; hybrid manager only).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True, kv_events: KVEventQueue | None = None):
-        if num_blocks < 1:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, kv_events: KVEventQueue | None = None,
+                 reserve_null_block: bool = False):
+        if num_blocks < 1 + reserve_null_block:
             raise ValueError(f"the KV cache needs at least one block, got num_blocks={num_blocks}.")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.null_block: KVCacheBlock | None = None
+        if reserve_null_block:
+            self.null_block = self.blocks[0]
+            self.null_block.ref_cnt = 1  # never in the free queue
+            self.null_block.block_hash = NULL_BLOCK_HASH
+        self.num_usable_blocks = num_blocks - reserve_null_block
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[reserve_null_block:])
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.kv_events = kv_events
+        self.event_group_id = 0
+        """The hybrid manager's group whose blocks KV events report (the others' are not reported)."""
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The cached block with this hash, or None. Does not change ref counts."""
@@ -143,9 +165,10 @@ class BlockPool:
         return out
 
     def _evict(self, block: KVCacheBlock) -> None:
-        del self.cached_block_hash_to_block[block.block_hash]  # type: ignore[arg-type]
-        if self.kv_events is not None:
-            self.kv_events.record_removed(block.block_hash)  # type: ignore[arg-type]
+        key: BlockHash = block.block_hash  # type: ignore[assignment]
+        del self.cached_block_hash_to_block[key]
+        if self.kv_events is not None and (len(key) == 32 or key[32] == self.event_group_id):  # plain, or reported
+            self.kv_events.record_removed(key[:32])
         block.block_hash = None
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -163,24 +186,25 @@ class BlockPool:
 
     def cache_full_blocks(
         self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash], start: int, end: int,
-        token_ids: Sequence[int] = (), cache_salt: str | None = None,
+        token_ids: Sequence[int] = (), cache_salt: str | None = None, group_id: int | None = None,
     ) -> None:
         """Register blocks[start:end] (full, KV computed) under block_hashes[start:end].
 
         A block whose hash is already cached by another block (two requests computed the same prefix
         at once) stays uncached: the map keeps one block per hash, and this copy is reused normally.
-        token_ids (the request's tokens) and cache_salt are read only to record KV events.
+        token_ids (the request's tokens) and cache_salt are read only to record KV events. group_id: the hybrid
+        manager's group, whose key is group_key(hash, group_id) (None: the plain hash).
         """
         if not self.enable_caching:
             return
         table = self.cached_block_hash_to_block
-        events = self.kv_events
+        events = self.kv_events if group_id is None or group_id == self.event_group_id else None
         registered: list[int] | None = None if events is None else []  # for KV events only
         for i in range(start, end):
             block = blocks[i]
             if block.block_hash is not None:
-                continue  # a prefix-cache hit, already registered
-            block_hash = block_hashes[i]
+                continue  # a prefix-cache hit, already registered (or the null block)
+            block_hash = block_hashes[i] if group_id is None else group_key(block_hashes[i], group_id)
             if block_hash not in table:
                 block.block_hash = block_hash
                 table[block_hash] = block
@@ -191,7 +215,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash if no block is in use. Returns whether it did."""
-        if self.get_num_free_blocks() != self.num_blocks:
+        if self.get_num_free_blocks() != self.num_usable_blocks:
             return False
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
@@ -206,4 +230,4 @@ class BlockPool:
 
     def get_usage(self) -> float:
         """Fraction of blocks in use, in [0, 1]."""
-        return 1.0 - self.free_block_queue.num_free_blocks / self.num_blocks
+        return 1.0 - self.free_block_queue.num_free_blocks / self.num_usable_blocks

@@ -175,6 +175,11 @@ class KVCacheManager:
         """The request's block table as blocks ([] when it holds none)."""
         return self.req_to_blocks.get(req_id, [])
 
+    @staticmethod
+    def new_block_ids(blocks: list[KVCacheBlock]) -> list[int]:
+        """allocate_slots' new blocks as the ids the runner appends to the request's table."""
+        return [b.block_id for b in blocks]
+
     def get_block_ids(self, req_id: str) -> list[int]:
         """The request's block table as physical block ids ([] when it holds none)."""
         return [block.block_id for block in self.req_to_blocks.get(req_id, ())]

@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING
 
 from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.acceptance_guard import VerifyCost, drafts_to_verify
+from pagedllm.core.kv_cache_coordinator import HybridKVCacheManager
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_spec import KVCacheLayout
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -53,6 +55,8 @@ class Scheduler:
         enable_kv_cache_events: record prefix-cache events (core/kv_events.py) for kv_cache_manager.take_events().
         pipeline_parallel: send the running requests' sampled tokens in the step (CachedRequestData.new_token_ids)
             for the stages before the last, which do not sample.
+        kv_cache_layout: the model's KV cache groups (core/kv_cache_spec.py); with a sliding window, the hybrid
+            manager (core/kv_cache_coordinator.py) keeps a block table per group. None: one full-attention group.
 
     Raises ValueError when one request of max_model_len tokens cannot fit the pool (KVCacheManager) or,
     without chunked prefill, a step.
@@ -60,7 +64,8 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int, speculative_config: SpeculativeConfig | None = None,
-                 enable_kv_cache_events: bool = False, pipeline_parallel: bool = False):
+                 enable_kv_cache_events: bool = False, pipeline_parallel: bool = False,
+                 kv_cache_layout: KVCacheLayout | None = None):
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -74,9 +79,14 @@ class Scheduler:
             raise ValueError(
                 f"without chunked prefill, --max-num-batched-tokens ({self.max_num_batched_tokens}) "
                 f"must be at least --max-model-len ({self.max_model_len}) so every prompt fits a step.")
-        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size,
-                                               cache_config.enable_prefix_caching, self.max_model_len,
-                                               enable_kv_cache_events)
+        if kv_cache_layout is not None and kv_cache_layout.is_hybrid:
+            self.kv_cache_manager: KVCacheManager | HybridKVCacheManager = HybridKVCacheManager(
+                kv_cache_layout, num_blocks, self.block_size, cache_config.enable_prefix_caching, self.max_model_len,
+                enable_kv_cache_events, max_step_tokens=self.max_num_batched_tokens)
+        else:
+            self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size,
+                                                   cache_config.enable_prefix_caching, self.max_model_len,
+                                                   enable_kv_cache_events)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.scheduling_policy)
         self.running: list[Request] = []
@@ -321,10 +331,11 @@ class Scheduler:
         ]
         new_blocks = step.new_blocks
         cached = CachedRequestData()
+        to_ids = self.kv_cache_manager.new_block_ids
         for r in step.running_reqs:
             blocks = new_blocks[r.request_id]
             cached.req_ids.append(r.request_id)
-            cached.new_block_ids.append([b.block_id for b in blocks] if blocks else [])
+            cached.new_block_ids.append(to_ids(blocks) if blocks else [])
             cached.num_computed_tokens.append(r.num_computed_tokens)
             if self.pipeline_parallel:
                 cached.new_token_ids.append(r.all_token_ids[max(r.num_computed_tokens, r.num_prompt_tokens):])
@@ -449,7 +460,7 @@ class Scheduler:
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=kv.usage,
             num_free_blocks=kv.num_free_blocks,
-            num_total_blocks=kv.block_pool.num_blocks,
+            num_total_blocks=kv.block_pool.num_usable_blocks,
             prefix_cache_queries_delta=deltas[0],
             prefix_cache_hits_delta=deltas[1],
             num_preemptions_delta=deltas[2],
@@ -478,7 +489,7 @@ class Scheduler:
 
     @property
     def num_total_blocks(self) -> int:
-        return self.kv_cache_manager.block_pool.num_blocks
+        return self.kv_cache_manager.block_pool.num_usable_blocks
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes (only when no request holds blocks). Returns success."""

@@ -16,7 +16,7 @@ class NewRequestData:
     """A request the runner has not seen (or dropped at preemption): everything it needs.
 
     token_ids: prompt + output tokens so far (outputs are non-empty only when resuming).
-    block_ids: the request's whole block table.
+    block_ids: the request's whole block table (with several KV cache groups, each group's table in turn).
     num_computed_tokens: tokens whose KV is already in those blocks (prefix-cache hits).
     """
 
