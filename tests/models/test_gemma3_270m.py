@@ -39,7 +39,7 @@ def reference() -> dict:
 
 @pytest.fixture(scope="module")
 def engine() -> LLM:
-    return LLM(str(gemma3_270m_path()), dtype="float32", max_model_len=2048, num_gpu_blocks_override=400)
+    return LLM(str(gemma3_270m_path()), dtype="float32", max_model_len=2048, num_gpu_blocks_override=2400)
 
 
 def test_the_file_loads_as_gemma3_with_its_quantized_tensors(engine):

@@ -225,7 +225,7 @@ def test_f32_file_is_the_folder(converted, family):
     assert (a - b).abs().max().item() < 1e-4
     hf = _hf(folder)
     prompts = [_ids(384, n, n) for n in (50, 66)]
-    outputs = LLM(str(path), dtype="float32", max_model_len=256, num_gpu_blocks_override=64).generate(
+    outputs = LLM(str(path), dtype="float32", max_model_len=256, num_gpu_blocks_override=384).generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     for out, prompt in zip(outputs, prompts, strict=True):
         assert_matches(list(out.outputs[0].token_ids), reference(hf, prompt, 8))
@@ -291,7 +291,7 @@ def test_every_family_by_hub_id_offline(converted, tmp_path, monkeypatch):
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
     def tokens(model: str) -> list[int]:
-        llm = LLM(model, dtype="float32", max_model_len=128, num_gpu_blocks_override=32)
+        llm = LLM(model, dtype="float32", max_model_len=128, num_gpu_blocks_override=192)  # Gemma 3: 6 groups
         return list(llm.generate(prompts, greedy, use_tqdm=False)[0].outputs[0].token_ids)
 
     for family in FAMILIES:

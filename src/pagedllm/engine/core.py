@@ -30,6 +30,7 @@ from pagedllm.messages import (
     SchedulerStats,
 )
 from pagedllm.models.loader import resolve_model
+from pagedllm.models.registry import kv_cache_layout
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import get_tokenizer, tokenizer_source
 from pagedllm.worker.worker import resolve_max_model_len
@@ -74,7 +75,7 @@ class EngineCore:
             pp_size = config.parallel_config.pipeline_parallel_size
             self.scheduler = Scheduler(sc, cc, self.num_blocks, self.max_model_len, config.speculative_config,
                                        enable_kv_cache_events=kec is not None and kec.enable_kv_cache_events,
-                                       pipeline_parallel=pp_size > 1)
+                                       pipeline_parallel=pp_size > 1, kv_cache_layout=kv_cache_layout(info))
             self.batch_queue_size = pp_size
             """Steps kept in flight (vLLM's batch queue): one per pipeline stage, so every stage has work."""
             self.batch_queue: deque[tuple[StepFuture, SchedulerOutput]] = deque()

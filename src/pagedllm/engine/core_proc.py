@@ -156,7 +156,8 @@ class EngineCoreProc:
         if scheduler is None:
             return None
         stats = scheduler.make_stats()
-        stats.total_ref_cnt = sum(b.ref_cnt for b in scheduler.kv_cache_manager.block_pool.blocks)
+        pool = scheduler.kv_cache_manager.block_pool
+        stats.total_ref_cnt = sum(b.ref_cnt for b in pool.blocks if b is not pool.null_block)
         return stats
 
     # ---- IO threads ----------------------------------------------------------------------------------

@@ -43,7 +43,9 @@ and the softmax) and the softmax scale. The native kernels take them as argument
 prefill or verify step run one by one through the decode kernel's per-row code, so they stay bitwise its decode
 rows); elsewhere such a layer runs the explicit math below (scores, cap, mask, softmax), never SDPA, whose masks
 and scales could express the window but not the cap. A layer without options runs exactly the paths above. The KV
-cache still holds a windowed layer's whole context (correct, not economical).
+cache of a windowed layer is managed by the hybrid manager (core/kv_cache_coordinator.py): blocks before the window
+are freed, and their table slots hold the null block or a stale id, which every path above skips (native kernels) or
+masks (torch paths) as outside the window.
 """
 
 from __future__ import annotations
@@ -202,7 +204,7 @@ class PagedAttention(nn.Module):
     def forward(self, qkv: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         # qkv: [T, (H + 2 * Hkv) * D], the fused projection before rotary; cos_sin: [T, 2, D / 2] -> out [T, H * D]
         ctx = get_forward_context()
-        md = ctx.attn_metadata
+        md = ctx.attn_metadata if ctx.layer_attn_metadata is None else ctx.layer_attn_metadata[self.layer_idx]
         kv_cache = ctx.kv_caches[self.layer_idx]  # [2, num_blocks, block_size, Hkv, D]
         num_padded, n = qkv.shape[0], md.num_actual_tokens
         plan = step_plan(md, kv_cache, qkv.dtype, qkv.device)

@@ -2,7 +2,9 @@
 
 The runner builds one `AttentionMetadata` per step and enters `set_forward_context(metadata, kv_caches)`
 around the model's forward; layer i reads `get_forward_context().kv_caches[i]`. Nothing is threaded
-through the model's call signature (STYLE habit 6).
+through the model's call signature (STYLE habit 6). A model with several KV cache groups (sliding-window layers:
+core/kv_cache_spec.py) has one metadata per group, each with its group's block table and slot mapping, and layer i
+reads `layer_attn_metadata[i]`; several layers' caches are then the same tensor, used by different groups' blocks.
 
 KV cache layout, per layer: one tensor `[2, num_blocks, block_size, num_kv_heads, head_dim]`,
 index 0 = K, 1 = V. Token t of a request lives at slot `block_table[req, t // block_size] * block_size
@@ -53,6 +55,8 @@ class AttentionMetadata:
 class ForwardContext:
     attn_metadata: AttentionMetadata | None
     kv_caches: list[torch.Tensor]  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+    layer_attn_metadata: list[AttentionMetadata] | None = None
+    """Per layer, its KV cache group's metadata (several groups only; None: every layer reads attn_metadata)."""
 
 
 _forward_context: ForwardContext | None = None
@@ -60,12 +64,15 @@ _forward_context: ForwardContext | None = None
 
 @contextlib.contextmanager
 def set_forward_context(
-    attn_metadata: AttentionMetadata | None, kv_caches: list[torch.Tensor]
+    attn_metadata: AttentionMetadata | None, kv_caches: list[torch.Tensor],
+    layer_attn_metadata: list[AttentionMetadata] | None = None,
 ) -> Iterator[ForwardContext]:
-    """Make `attn_metadata` and `kv_caches` visible to the attention layers for one forward pass."""
+    """Make `attn_metadata` and `kv_caches` (and, with several KV cache groups, each layer's metadata) visible to the
+    attention layers for one forward pass."""
     global _forward_context
     previous = _forward_context
-    _forward_context = ForwardContext(attn_metadata=attn_metadata, kv_caches=kv_caches)
+    _forward_context = ForwardContext(attn_metadata=attn_metadata, kv_caches=kv_caches,
+                                      layer_attn_metadata=layer_attn_metadata)
     try:
         yield _forward_context
     finally:

@@ -12,8 +12,9 @@ the scaled embedding, query_pre_attn_scalar) with these differences, as transfor
 A GGUF file ("gemma3", llama.cpp's converter: norms stored as 1 + w, rope.freq_base the global base, a recent
 converter's rope.freq_base_swa the local one) has no pattern: llama.cpp's fixed 6, as here; where it has no local
 base, llama.cpp's fixed 10000; no query_pre_attn_scalar: llama.cpp's head_dim ** -0.5, but
-(hidden_size / num_heads) ** -0.5 for the 62-layer 27B model, as Gemma 2's. A sliding layer keeps its whole KV in
-the pool (correct, not economical). The native decode step has Llama's layer: decode steps run the model's modules
+(hidden_size / num_heads) ** -0.5 for the 62-layer 27B model, as Gemma 2's. The sliding layers hold only their
+window of KV: the hybrid KV cache manager (core/kv_cache_coordinator.py) frees their blocks behind it. The native
+decode step has Llama's layer: decode steps run the model's modules
 (logged at load with native-kernel weights).
 """
 

@@ -35,7 +35,11 @@ class RequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int):
+    """num_kv_cache_groups: block tables per request (core/kv_cache_spec.py); with more than one, `block_tables[g]`
+    is group g's table (`block_table` is group 0's) and block ids arrive as one list, group after group, in equal
+    parts (the groups' tables grow together)."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, num_kv_cache_groups: int = 1):
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -43,8 +47,10 @@ class InputBatch:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_kv_cache_groups = num_kv_cache_groups
+        self.block_tables = np.zeros((num_kv_cache_groups, max_num_reqs, max_blocks), dtype=np.int32)
+        self.block_table = self.block_tables[0]
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)  # every group's table has this length
         self.states: list[RequestState] = []  # row -> state
         self.req_id_to_row: dict[str, int] = {}
         # Bumped whenever rows are added, removed or moved, so per-batch caches know to rebuild.
@@ -70,10 +76,16 @@ class InputBatch:
         self.version += 1
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        """Append to the row's table(s): with several KV cache groups, `block_ids` is each group's new ids in turn."""
         if block_ids:
             start = self.num_blocks[row]
-            self.block_table[row, start:start + len(block_ids)] = block_ids
-            self.num_blocks[row] = start + len(block_ids)
+            if self.num_kv_cache_groups == 1:
+                self.block_table[row, start:start + len(block_ids)] = block_ids
+                self.num_blocks[row] = start + len(block_ids)
+                return
+            n = len(block_ids) // self.num_kv_cache_groups
+            self.block_tables[:, row, start:start + n] = np.asarray(block_ids).reshape(self.num_kv_cache_groups, n)
+            self.num_blocks[row] = start + n
 
     def remove(self, req_id: str) -> None:
         row = self.req_id_to_row.pop(req_id, None)
@@ -87,7 +99,7 @@ class InputBatch:
             n = self.num_tokens[last]
             self.token_ids[row, :n] = self.token_ids[last, :n]
             nb = self.num_blocks[last]
-            self.block_table[row, :nb] = self.block_table[last, :nb]
+            self.block_tables[:, row, :nb] = self.block_tables[:, last, :nb]
             for arr in (self.num_tokens, self.num_computed_tokens, self.num_blocks):
                 arr[row] = arr[last]
         self.states.pop()

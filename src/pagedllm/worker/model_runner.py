@@ -4,6 +4,7 @@ over every scheduled token (prefill chunks and decodes together), and samples.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -20,6 +21,7 @@ from pagedllm.layers.sampling.rejection_sampler import rejection_sample
 from pagedllm.math_utils import cdiv
 from pagedllm.messages import LogprobsEntry, ModelRunnerOutput
 from pagedllm.models.llama_native_step import LlamaNativeDecodeStep
+from pagedllm.models.registry import kv_cache_layout
 from pagedllm.spec_decode.draft_model_proposer import DraftModelProposer
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.suffix_proposer import SuffixProposer
@@ -47,7 +49,17 @@ class ModelRunner:
         self.pp = pp or PipelineParallelGroup.single()
         self.num_layers = getattr(model, "num_layers", model_info.num_layers)
         """Layers this rank runs and caches (its pipeline stage's)."""
-        self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, max_model_len, self.block_size)
+        self.kv_cache_layout = kv_cache_layout(model_info)
+        """The model's KV cache groups (core/kv_cache_spec.py): with several, each has its own block table."""
+        first_layer = self.pp.layers(model_info.num_layers)[0] if self.pp.size > 1 else 0
+        self.layer_groups = np.array([self.kv_cache_layout.layer_group(first_layer + i)
+                                      for i in range(self.num_layers)], dtype=np.int64)
+        """This rank's layer i -> its KV cache group."""
+        self.layer_tensors = [self.kv_cache_layout.layer_tensor(first_layer + i) for i in range(self.num_layers)]
+        """This rank's layer i -> which of the pool's tensors holds its K/V (the layer's place in its group)."""
+        num_groups = self.kv_cache_layout.num_groups
+        self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, max_model_len, self.block_size,
+                                      num_groups)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.kv_prefault: PoolPrefault | None = None
@@ -57,19 +69,31 @@ class ModelRunner:
         """This step's token bitmask (structured outputs), set by execute_model."""
         # One native call runs every layer: no room for the all-reduces of tensor parallelism, nor for a stage.
         native = device.type == "cpu" and tp_size == 1 and self.pp.size == 1
+        if native and num_groups > 1:
+            logger.info("%s: %d KV cache groups (sliding-window and full-attention layers); the native decode step "
+                        "reads one block table: decode steps run the model's modules", model_info.architecture,
+                        num_groups)
+            native = False
         self.native_step = LlamaNativeDecodeStep.build(model) if native else None
         self.speculative_config = config.speculative_config
         self.proposer = _make_proposer(config.speculative_config, draft_model, device, dtype, max_model_len,
                                        self.block_size, config.scheduler_config.max_num_batched_tokens)
 
+    @property
+    def num_kv_cache_tensors(self) -> int:
+        """Tensors of [2, num_blocks, ...] this rank's pool has: one per layer, or with several KV cache groups one
+        per place in a group that this rank's layers use (layers of different groups share them)."""
+        return len(set(self.layer_tensors))
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.info.head_dim)
-        self.kv_caches = [_zeros(shape, self.kv_cache_dtype, self.device) for _ in range(self.num_layers)]
+        tensors = {j: _zeros(shape, self.kv_cache_dtype, self.device) for j in sorted(set(self.layer_tensors))}
+        self.kv_caches = [tensors[j] for j in self.layer_tensors]
         if self.device.type == "cpu":
             keep_freed_memory()  # after the pool (its own calloc'd mmaps): step temporaries reuse the heap
             # Fault the pool in from a background thread while the engine idles, K and V of every layer in
             # block order (the block pool hands out low ids first); EngineCore.step marks it busy.
-            self.kv_prefault = PoolPrefault([half for kv in self.kv_caches for half in kv])
+            self.kv_prefault = PoolPrefault([half for kv in tensors.values() for half in kv])
             # Build (first run on this machine, under a second) or load the native kernels now, not on the
             # first request; logs and falls back to the torch paths if there is no compiler.
             cpu_kernels.available(self.dtype, self.device)
@@ -96,7 +120,8 @@ class ModelRunner:
         input_ids, positions, attn_metadata = self._prepare_inputs(rows, num_sched)
         if num_drafts is not None:
             attn_metadata.verify_reqs = np.flatnonzero(num_drafts)
-        with set_forward_context(attn_metadata, self.kv_caches):
+        layer_metadata = self._layer_metadata(attn_metadata, rows) if self.kv_cache_layout.num_groups > 1 else None
+        with set_forward_context(attn_metadata, self.kv_caches, layer_metadata):
             hidden_states = self._forward(input_ids, positions)  # [T, hidden]
         if hidden_states is None:  # a pipeline stage before the last: the tokens come in the next step's diffs
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
@@ -291,6 +316,24 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
         )
         return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), metadata
+
+    def _layer_metadata(self, md: AttentionMetadata, rows: np.ndarray) -> list[AttentionMetadata]:
+        """Each layer's metadata with several KV cache groups: `md` (group 0's) with group g's block table and slot
+        mapping for the layers of group g."""
+        batch, bs, dev = self.input_batch, self.block_size, self.device
+        qsl = md.query_start_loc_cpu
+        num_sched = qsl[1:] - qsl[:-1]
+        row_of_token = np.repeat(rows, num_sched)  # [T]
+        positions = np.repeat(batch.num_computed_tokens[rows], num_sched) + np.arange(qsl[-1]) - np.repeat(
+            qsl[:-1], num_sched)
+        max_blocks = md.block_table.shape[1]
+        per_group = [md]
+        for table in batch.block_tables[1:]:
+            slot_mapping = table[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+            per_group.append(dataclasses.replace(
+                md, block_table=torch.from_numpy(np.ascontiguousarray(table[rows, :max_blocks])).to(dev),
+                slot_mapping=torch.from_numpy(slot_mapping).to(dev), plan=None))
+        return [per_group[g] for g in self.layer_groups.tolist()]
 
     # ---- sampling -------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> tuple[list[int], list[LogprobsEntry | None]]:

@@ -138,10 +138,11 @@ class Worker:
         return max(0, self._kv_cache_budget() - self.draft_scratch_bytes) // self.kv_cache_spec()[0]
 
     def kv_cache_spec(self) -> tuple[int, str]:
-        """(bytes one KV block takes on this rank, the pool's storage dtype), for the start-up log."""
+        """(bytes one KV block takes on this rank, the pool's storage dtype), for the start-up log. With several KV
+        cache groups a block holds one page per tensor of the pool (core/kv_cache_spec.py), not one per layer."""
         cc = self.config.cache_config
         per_block = kv_cache_bytes_per_block(cc.block_size, self.model_runner.num_kv_heads, self.model_info.head_dim,
-                                             self.kv_cache_dtype, self.model_runner.num_layers)
+                                             self.kv_cache_dtype, self.model_runner.num_kv_cache_tensors)
         return per_block, str(self.kv_cache_dtype).removeprefix("torch.")
 
     def _kv_cache_budget(self) -> int:
