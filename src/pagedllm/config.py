@@ -308,6 +308,13 @@ class ParallelConfig:
     /health and new requests answer 503, the dead replica's gauges leave /metrics, and after
     --engine-death-exit-delay the server stops the other replicas and exits non-zero, so that its orchestrator
     restarts it whole."""
+    enable_expert_parallel: bool = False
+    """A mixture-of-experts model's experts split across the tensor-parallel ranks (rank r of n holds experts
+    [r * E / n, (r + 1) * E / n) of every layer, whole) instead of each expert's intermediate size; attention stays
+    tensor-parallel. Every rank routes the same tokens, runs its own experts on those routed to them, and the
+    ranks' partial outputs are summed by the layer's all-reduce. Needs --tensor-parallel-size > 1 dividing the
+    number of experts (across --data-parallel-size replicas it is not supported: each replica is an engine of its
+    own). A dense model ignores it."""
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
     """How the model's workers run: uni (in the engine process; needs tensor-parallel-size 1), mp (one fresh
     process per rank on this machine), ray (one Ray actor per rank, placed on a Ray cluster by a placement group;
@@ -326,6 +333,10 @@ class ParallelConfig:
         if backend == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError(f"--distributed-executor-backend ray needs Ray, which is not installed: "
                              f"{RAY_EXTRA_HINT} (or use mp: one process per rank on this machine).")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("--enable-expert-parallel splits the experts across the tensor-parallel ranks and needs "
+                             "--tensor-parallel-size > 1 (expert parallelism across --data-parallel-size replicas "
+                             "is not supported).")
         if backend == "uni" and self.world_size > 1:
             raise ValueError(f"--distributed-executor-backend uni runs one rank in the engine process; "
                              f"--tensor-parallel-size {self.tensor_parallel_size} --pipeline-parallel-size "

@@ -6,8 +6,9 @@ Each family is a tiny random model built with transformers' config and model cla
 explicit head_dim, top-k weights not renormalised (transformers' default) and layer 1 dense (`mlp_only_layers`);
 Mixtral with its `block_sparse_moe.experts.{e}.w1/w2/w3` names. pagedllm must give transformers' greedy tokens
 through every engine path (window_family_checks.check_engine_paths: n > 1, prefix-cache hits, chunked prefill,
-preemption, n-gram speculation, fp8 KV), TP=2 and PP=2; a divergence is allowed only where the reference's top-2
-logit gap is below 1e-4. Their GGUF files: test_llamacpp_gguf.py.
+preemption, n-gram speculation, fp8 KV), TP=2, PP=2 and EP=2 (TP=2 with --enable-expert-parallel: 4 experts whole
+on each rank); a divergence is allowed only where the reference's top-2 logit gap is below 1e-4. Their GGUF files:
+test_llamacpp_gguf.py.
 """
 
 from __future__ import annotations
@@ -19,14 +20,21 @@ import torch
 from paged_runner import PagedRunner
 from safetensors.torch import load_file, save_file
 from window_family_checks import (
+    GREEDY,
+    assert_matches,
     check_engine_paths,
     check_native_step_declines,
     check_pipeline_parallel,
     check_tensor_parallel,
+    llm,
+    prompts,
+    reference,
     save,
+    tokens,
 )
 
-from pagedllm.config import ModelConfig
+from pagedllm.config import ModelConfig, ParallelConfig
+from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.fused_moe import FusedMoE, route
 from pagedllm.models.llama import LlamaMLP
@@ -160,3 +168,47 @@ def test_tensor_parallel_2_matches_transformers(family):
 def test_pipeline_parallel_2_gives_one_stages_tokens(family):
     folder, hf = family
     check_pipeline_parallel(folder, hf.config.vocab_size)
+
+
+def test_expert_parallel_needs_tensor_parallel():
+    with pytest.raises(ValueError, match="--enable-expert-parallel .* needs --tensor-parallel-size > 1"):
+        ParallelConfig(enable_expert_parallel=True)
+    assert ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True).enable_expert_parallel
+
+
+def test_expert_parallel_rank_holds_its_experts_whole(family):
+    """Rank 1 of 2 under expert parallelism loads experts 4-7 of each sparse layer, whole (their full intermediate
+    size), as transformers holds them; the router stays whole on every rank."""
+    folder, hf = family
+    tp = TensorParallelGroup(1, 2, expert_parallel=True)  # no collective runs at load
+    model = load_model(ModelConfig(model=str(folder)), CPU, torch.float32, tp)
+    moe = model.model.layers[0].mlp
+    assert (moe.experts.first_expert, moe.experts.num_experts) == (4, 4)
+    assert moe.gate.out_features == NUM_EXPERTS
+    want = hf.model.layers[0].mlp.experts
+    for local, expert in enumerate(range(4, 8)):
+        x = torch.randn(3, 64)
+        with torch.no_grad():
+            got = moe.experts(local, x)
+            gate, up = torch.nn.functional.linear(x, want.gate_up_proj[expert]).chunk(2, dim=-1)
+            ref = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, want.down_proj[expert])
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow  # two worker processes
+def test_expert_parallel_2_matches_the_single_process_run(family):
+    """EP=2 (TP=2 with --enable-expert-parallel): the single-process engine's greedy tokens and transformers', up to
+    a reference near-tie, on every prompt, the second pass hitting the prefix cache."""
+    folder, hf = family
+    ps = prompts(hf.config.vocab_size)
+    want = [reference(hf, p) for p in ps]
+    single = tokens(llm(folder).generate(ps, GREEDY, use_tqdm=False))
+    engine = llm(folder, tensor_parallel_size=2, enable_expert_parallel=True)
+    try:
+        for _ in range(2):
+            for got, one, ref in zip(tokens(engine.generate(ps, GREEDY, use_tqdm=False)), single, want, strict=True):
+                assert_matches(one, ref)
+                assert_matches(got, ref)
+                assert got == one or min(ref[1]) < 1e-4
+    finally:
+        engine.llm_engine.engine_core.shutdown()

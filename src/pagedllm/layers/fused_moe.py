@@ -11,6 +11,10 @@
 
 With tensor parallelism each rank holds every expert's share of the intermediate size (gate_up_proj rows, down_proj
 columns: models/tensor_parallel_weights.py), and one all-reduce sums the ranks' partial outputs, as LlamaMLP's.
+With expert parallelism too (--enable-expert-parallel: TensorParallelGroup.expert_parallel) rank r of n holds experts
+[r * E / n, (r + 1) * E / n) whole (models/expert_weights.py's local_experts): every rank routes the same tokens (the
+group's ranks run the same batch), runs its experts on the slots routed to them, and the same all-reduce sums the
+ranks' partial outputs: no dispatch is needed, as each token is already on every rank.
 """
 
 from __future__ import annotations
@@ -65,13 +69,21 @@ class Experts(nn.Module):
 class FusedMoE(nn.Module):
     def __init__(self, hidden_size: int, options: MoEOptions, tp: TensorParallelGroup):
         super().__init__()
-        if options.intermediate_size % tp.size:
-            raise ValueError(f"--tensor-parallel-size {tp.size} does not divide the experts' intermediate size "
-                             f"{options.intermediate_size}.")
         self.tp = tp
         self.num_experts, self.top_k, self.renormalize = options.num_experts, options.top_k, options.renormalize
         self.gate = Linear(hidden_size, options.num_experts, bias=False)
-        self.experts = Experts(options.num_experts, hidden_size, options.intermediate_size // tp.size)
+        if tp.expert_parallel:
+            if options.num_experts % tp.size:
+                raise ValueError(f"--enable-expert-parallel: --tensor-parallel-size {tp.size} does not divide the "
+                                 f"model's {options.num_experts} experts.")
+            first, end = tp.split(options.num_experts)
+            self.experts = Experts(end - first, hidden_size, options.intermediate_size, first)
+        else:
+            if options.intermediate_size % tp.size:
+                raise ValueError(f"--tensor-parallel-size {tp.size} does not divide the experts' intermediate size "
+                                 f"{options.intermediate_size} (--enable-expert-parallel splits the experts "
+                                 "instead).")
+            self.experts = Experts(options.num_experts, hidden_size, options.intermediate_size // tp.size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]

@@ -27,7 +27,7 @@ from pagedllm.layers.linear import pack_linear_weights
 from pagedllm.layers.quantized_weight import PackedWeight
 from pagedllm.layers.rotary import use_long_factors
 from pagedllm.models.checkpoint_tensors import prepare_checkpoint_tensors
-from pagedllm.models.expert_weights import stack_experts
+from pagedllm.models.expert_weights import EXPERT_PARALLEL_PLAN, local_experts, stack_experts
 from pagedllm.models.fp8_codes import quantize_fp8, quantizes_to_fp8
 from pagedllm.models.gguf_loader import gguf_model_info, gguf_tensors, open_gguf
 from pagedllm.models.model_info import (
@@ -344,7 +344,10 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
         tensors = _fp8_linears(tensors)
     if tp is not None and tp.size > 1:
         check_tensor_parallel_size(tp.size, info.num_heads, info.num_kv_heads, info.intermediate_size)
-        tensors = shard_tensors(tensors, model_cls.tensor_parallel_plan, info, tp)
+        plan = model_cls.tensor_parallel_plan
+        if tp.expert_parallel:  # a mixture of experts: this rank's experts, whole
+            tensors, plan = local_experts(tensors, model_cls, info, tp), {**EXPERT_PARALLEL_PLAN, **plan}
+        tensors = shard_tensors(tensors, plan, info, tp)
     with torch.device("meta"):
         model = model_cls(info, tp, pp)
     with _one_cpu_thread():
