@@ -72,6 +72,9 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     """Their compile time."""
     grammar_cache_hits_delta: int = 0
     """Requests whose grammar came from the compile cache."""
+    expert_routed_tokens_delta: list[int] | None = None
+    """A mixture-of-experts model: tokens routed to each expert since the last snapshot, summed over its layers (a
+    token counts once per layer and per expert it goes to); None for a dense model."""
     total_ref_cnt: int | None = None
     """Sum of every block's ref_cnt (0 when nothing holds a block). Filled only by the debug `stats` utility:
     it walks the whole pool, too slow for every step."""
@@ -178,6 +181,9 @@ class ModelRunnerOutput:
     spec_token_ids: list[list[int]] | None = None
     """Speculative decoding: aligned with req_ids, the drafts proposed for each request's next step ([]: none);
     None when speculation is off."""
+    expert_routed_tokens: list[int] | None = None
+    """A mixture-of-experts model: [E] tokens routed to each expert this step, summed over the layers (with
+    pipeline parallelism, the last stage's layers); None for a dense model."""
 
     @property
     def req_id_to_index(self) -> dict[str, int]:

@@ -7,12 +7,14 @@ explicit head_dim, top-k weights not renormalised (transformers' default) and la
 Mixtral with its `block_sparse_moe.experts.{e}.w1/w2/w3` names. pagedllm must give transformers' greedy tokens
 through every engine path (window_family_checks.check_engine_paths: n > 1, prefix-cache hits, chunked prefill,
 preemption, n-gram speculation, fp8 KV), TP=2, PP=2 and EP=2 (TP=2 with --enable-expert-parallel: 4 experts whole
-on each rank); a divergence is allowed only where the reference's top-2 logit gap is below 1e-4. Their GGUF files:
-test_llamacpp_gguf.py.
+on each rank); a divergence is allowed only where the reference's top-2 logit gap is below 1e-4. The routed-token
+balance is read from /metrics of a real server. Their GGUF files: test_llamacpp_gguf.py.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,7 @@ from pagedllm.models.llama import LlamaMLP
 from pagedllm.models.loader import load_model
 from pagedllm.models.model_info import ModelLoadError
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))  # server_utils: a real server
 CPU = torch.device("cpu")
 NUM_EXPERTS, TOP_K, EXPERT_SIZE = 8, 2, 32
 
@@ -212,3 +215,36 @@ def test_expert_parallel_2_matches_the_single_process_run(family):
                 assert got == one or min(ref[1]) < 1e-4
     finally:
         engine.llm_engine.engine_core.shutdown()
+
+
+def _routed_tokens(server) -> dict[str, float]:
+    """pagedllm:moe_routed_tokens_total from /metrics: expert label -> value."""
+    counts = {}
+    for line in server.get("/metrics").text.splitlines():
+        if line.startswith("pagedllm:moe_routed_tokens_total{"):
+            expert = line.split('expert="', 1)[1].split('"', 1)[0]
+            counts[expert] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+@pytest.mark.slow  # a real server
+def test_routed_token_balance_in_metrics(mixtral_dir):
+    """/metrics of `pagedllm serve` counts the tokens routed to each expert, summed over the layers: one series per
+    expert, together top_k x layers x the tokens the model ran (the prompt, and each generated token but the last)."""
+    from server_utils import RemoteServer
+
+    server = RemoteServer(mixtral_dir, "--no-enable-prefix-caching")
+    try:
+        assert _routed_tokens(server) == {}  # nothing reported before a step ran
+        out = server.client().completions.create(model="tiny", prompt="The quick brown fox jumps over the lazy dog.",
+                                                 max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True})
+        expected = (out.usage.prompt_tokens + out.usage.completion_tokens - 1) * TOP_K * 3
+        deadline = time.monotonic() + 10
+        while sum(_routed_tokens(server).values()) < expected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        counts = _routed_tokens(server)
+    finally:
+        server.close()
+    assert set(counts) == {str(e) for e in range(NUM_EXPERTS)}
+    assert sum(counts.values()) == expected
+    assert sum(1 for c in counts.values() if c > 0) >= TOP_K

@@ -95,6 +95,8 @@ class Scheduler:
         self._spec_stats = self._new_spec_stats()
         self.spec_decoding_totals = self._new_spec_stats()
         """Every draft verified since start (the per-snapshot deltas go out in make_stats)."""
+        self._routed_tokens: list[int] | None = None
+        """A mixture of experts: tokens routed to each expert since the last make_stats (the runner's counts)."""
 
     # ---- requests in and out ----
 
@@ -364,6 +366,7 @@ class Scheduler:
         max_model_len = self.max_model_len
         running_status = RequestStatus.RUNNING
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        self._add_routed_tokens(model_runner_output.expert_routed_tokens)
         proposals = model_runner_output.spec_token_ids
         outputs = []
         any_finished = False
@@ -454,7 +457,17 @@ class Scheduler:
             prefix_cache_hits_delta=deltas[1],
             num_preemptions_delta=deltas[2],
             spec_decoding_stats=self._take_spec_stats(),
+            expert_routed_tokens_delta=self._take_routed_tokens(),
         )
+
+    def _add_routed_tokens(self, counts: list[int] | None) -> None:
+        if counts:
+            self._routed_tokens = counts if self._routed_tokens is None else [
+                a + b for a, b in zip(self._routed_tokens, counts, strict=True)]
+
+    def _take_routed_tokens(self) -> list[int] | None:
+        counts, self._routed_tokens = self._routed_tokens, None
+        return counts
 
     def _new_spec_stats(self) -> SpecDecodingStats | None:
         if self.speculative_config is None:

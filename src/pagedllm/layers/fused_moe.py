@@ -67,6 +67,9 @@ class Experts(nn.Module):
 
 
 class FusedMoE(nn.Module):
+    routed_tokens: torch.Tensor | None = None
+    """[E] int64 that each forward adds its tokens per expert to (set by `routed_token_counter`), else None."""
+
     def __init__(self, hidden_size: int, options: MoEOptions, tp: TensorParallelGroup):
         super().__init__()
         self.tp = tp
@@ -91,6 +94,8 @@ class FusedMoE(nn.Module):
         flat = ids.reshape(-1)  # [T * k]: slot s is token s // k's (s % k)-th expert
         order = flat.argsort(stable=True)  # slots by expert id; ties keep token order
         counts = torch.bincount(flat, minlength=self.num_experts)  # [E] tokens routed to each expert
+        if self.routed_tokens is not None:
+            self.routed_tokens += counts
         first, n = self.experts.first_expert, self.experts.num_experts
         start = int(counts[:first].sum())  # this rank's experts' slots are order[start:end]
         sizes = counts[first:first + n].tolist()
@@ -109,3 +114,16 @@ class FusedMoE(nn.Module):
             out.mul_(weights.reshape(-1).index_select(0, slots).unsqueeze(1).to(out.dtype))
             y.index_add_(0, tokens, out)
         return self.tp.all_reduce(y)
+
+
+def routed_token_counter(model: nn.Module, device: torch.device) -> torch.Tensor | None:
+    """One [E] int64 counter on `device` (the model's) that every FusedMoE of `model` adds the tokens it routes to
+    each expert to (the model runner zeroes it before a step and reads it after: the routed-token balance in
+    /metrics); None for a model without experts, or whose layers have different numbers of experts."""
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    if not layers or len({m.num_experts for m in layers}) != 1:
+        return None
+    counter = torch.zeros(layers[0].num_experts, dtype=torch.int64, device=device)
+    for m in layers:
+        m.routed_tokens = counter
+    return counter
