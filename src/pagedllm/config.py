@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
-import importlib.util
 import inspect
 import json
 import re
@@ -22,7 +21,6 @@ from typing import Any, Literal
 from pagedllm.config_bounds import (
     CACHE_BOUNDS,
     MODEL_BOUNDS,
-    PARALLEL_BOUNDS,
     SCHEDULER_BOUNDS,
     SPECULATIVE_BOUNDS,
     STRUCTURED_OUTPUTS_BOUNDS,
@@ -30,6 +28,7 @@ from pagedllm.config_bounds import (
 )
 from pagedllm.generation_overrides import parse_generation_overrides
 from pagedllm.kv_events_config import KVEventsConfig
+from pagedllm.parallel_config import EXECUTOR_BACKENDS, RAY_EXTRA_HINT, ParallelConfig  # noqa: F401 (defined here before)
 from pagedllm.server_config import ServerConfig, parse_api_keys  # noqa: F401 (defined here before)
 
 GiB = 1 << 30
@@ -280,65 +279,6 @@ class StructuredOutputsConfig:
         if isinstance(value, StructuredOutputsConfig):
             return value
         return cls(**_json_object_flag(value, cls, "--structured-outputs-config", '{"backend": "guidance"}'))
-
-
-EXECUTOR_BACKENDS = ("uni", "mp", "ray")
-"""Values of --distributed-executor-backend (vLLM's names)."""
-RAY_EXTRA_HINT = 'pip install "pagedllm[ray]"'
-"""How to get Ray: it is an optional extra (pyproject.toml)."""
-
-
-@dataclass
-class ParallelConfig:
-    tensor_parallel_size: int = 1
-    """Ranks that split every layer's weights (attention heads, MLP columns, vocabulary) and all-reduce after the
-    row-parallel layers, over torch.distributed (gloo on the CPU, NCCL on CUDA). Each rank gets its share of the
-    CPU threads. Must divide the attention heads, and the KV heads or be a multiple of them."""
-    pipeline_parallel_size: int = 1
-    """Stages that each hold a contiguous range of the layers (vLLM's split: as even as possible; the embedding on
-    the first stage, the final norm and LM head on the last) and their KV cache; the hidden state and residual go
-    from stage to stage point to point, the last stage samples. One batch at a time (no batch queue yet).
-    Combined with --tensor-parallel-size the world is tp x pp processes (rank = stage * tp + tp rank)."""
-    data_parallel_size: int = 1
-    """Replicas of the whole engine behind one API server (`pagedllm serve` only): each its own engine-core
-    process with its own executor, KV cache (--kv-cache-memory each) and share of the CPU threads. The API server
-    sends each request to the replica that holds the longest cached prefix of it, else to the least loaded
-    (engine/dp_router.py); metrics carry an `engine` label per replica. The replicas fail together, as one engine
-    does and as vLLM's data-parallel engines do: when any replica dies, every open request on every replica fails,
-    /health and new requests answer 503, the dead replica's gauges leave /metrics, and after
-    --engine-death-exit-delay the server stops the other replicas and exits non-zero, so that its orchestrator
-    restarts it whole."""
-    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
-    """How the model's workers run: uni (in the engine process; needs tensor-parallel-size 1), mp (one fresh
-    process per rank on this machine), ray (one Ray actor per rank, placed on a Ray cluster by a placement group;
-    needs the ray extra). Default: uni at size 1, else mp."""
-    ray_address: str | None = None
-    """The Ray cluster the ray backend joins (ray.init's address: HOST:PORT of the head node's GCS, or auto).
-    Default: the RAY_ADDRESS environment variable, else the cluster `ray start` started on this machine, else a
-    new local one (vLLM's behaviour; vLLM has no flag and reads RAY_ADDRESS only)."""
-
-    def __post_init__(self) -> None:
-        check_bounds(self, PARALLEL_BOUNDS)
-        backend = self.distributed_executor_backend
-        if backend is not None and backend not in EXECUTOR_BACKENDS:
-            raise ValueError(f"--distributed-executor-backend must be one of {', '.join(EXECUTOR_BACKENDS)}, got "
-                             f"{backend!r}.")
-        if backend == "ray" and importlib.util.find_spec("ray") is None:
-            raise ValueError(f"--distributed-executor-backend ray needs Ray, which is not installed: "
-                             f"{RAY_EXTRA_HINT} (or use mp: one process per rank on this machine).")
-        if backend == "uni" and self.world_size > 1:
-            raise ValueError(f"--distributed-executor-backend uni runs one rank in the engine process; "
-                             f"--tensor-parallel-size {self.tensor_parallel_size} --pipeline-parallel-size "
-                             f"{self.pipeline_parallel_size} needs mp.")
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
-    @property
-    def executor_backend(self) -> str:
-        """The backend that runs: the one asked for, else uni at world size 1 and mp above."""
-        return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
 
 
 @dataclass

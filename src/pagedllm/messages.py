@@ -48,6 +48,22 @@ class SpecDecodingStats(msgspec.Struct, kw_only=True):
             self.num_accepted_tokens_per_pos[i] += 1
 
 
+class RoutedTokenCounts:
+    """A mixture-of-experts model's tokens routed to each expert, summed over the runner's steps until taken."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] | None = None
+
+    def add(self, counts: list[int] | None) -> None:
+        if counts:
+            self.counts = counts if self.counts is None else [a + b for a, b in zip(self.counts, counts, strict=True)]
+
+    def take(self) -> list[int] | None:
+        """The sums since the last take (None: no step routed a token)."""
+        counts, self.counts = self.counts, None
+        return counts
+
+
 class SchedulerStats(msgspec.Struct, kw_only=True):
     """A snapshot of the scheduler after one step.
 
@@ -72,6 +88,9 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     """Their compile time."""
     grammar_cache_hits_delta: int = 0
     """Requests whose grammar came from the compile cache."""
+    expert_routed_tokens_delta: list[int] | None = None
+    """A mixture-of-experts model: tokens routed to each expert since the last snapshot, summed over its layers (a
+    token counts once per layer and per expert it goes to); None for a dense model."""
     total_ref_cnt: int | None = None
     """Sum of every block's ref_cnt (0 when nothing holds a block). Filled only by the debug `stats` utility:
     it walks the whole pool, too slow for every step."""
@@ -178,6 +197,9 @@ class ModelRunnerOutput:
     spec_token_ids: list[list[int]] | None = None
     """Speculative decoding: aligned with req_ids, the drafts proposed for each request's next step ([]: none);
     None when speculation is off."""
+    expert_routed_tokens: list[int] | None = None
+    """A mixture-of-experts model: [E] tokens routed to each expert this step, summed over the layers (with
+    pipeline parallelism, the last stage's layers); None for a dense model."""
 
     @property
     def req_id_to_index(self) -> dict[str, int]:

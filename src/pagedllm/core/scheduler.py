@@ -24,15 +24,14 @@ from typing import TYPE_CHECKING
 
 from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.acceptance_guard import VerifyCost, drafts_to_verify
-from pagedllm.core.kv_cache_coordinator import HybridKVCacheManager
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_coordinator import AnyKVCacheManager, make_kv_cache_manager
 from pagedllm.core.kv_cache_spec import KVCacheLayout
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.core.step_builder import StepBuilder
 from pagedllm.core.stop_check import append_and_check_stop, check_stop
-from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats, SpecDecodingStats
+from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, RoutedTokenCounts, SchedulerStats, SpecDecodingStats
 
 if TYPE_CHECKING:
     from pagedllm.messages import ModelRunnerOutput
@@ -79,14 +78,9 @@ class Scheduler:
             raise ValueError(
                 f"without chunked prefill, --max-num-batched-tokens ({self.max_num_batched_tokens}) "
                 f"must be at least --max-model-len ({self.max_model_len}) so every prompt fits a step.")
-        if kv_cache_layout is not None and kv_cache_layout.is_hybrid:
-            self.kv_cache_manager: KVCacheManager | HybridKVCacheManager = HybridKVCacheManager(
-                kv_cache_layout, num_blocks, self.block_size, cache_config.enable_prefix_caching, self.max_model_len,
-                enable_kv_cache_events, max_step_tokens=self.max_num_batched_tokens)
-        else:
-            self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size,
-                                                   cache_config.enable_prefix_caching, self.max_model_len,
-                                                   enable_kv_cache_events)
+        self.kv_cache_manager: AnyKVCacheManager = make_kv_cache_manager(
+            kv_cache_layout, num_blocks, self.block_size, cache_config.enable_prefix_caching, self.max_model_len,
+            enable_kv_cache_events, self.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.scheduling_policy)
         self.running: list[Request] = []
@@ -105,6 +99,8 @@ class Scheduler:
         self._spec_stats = self._new_spec_stats()
         self.spec_decoding_totals = self._new_spec_stats()
         """Every draft verified since start (the per-snapshot deltas go out in make_stats)."""
+        self.routed_tokens = RoutedTokenCounts()
+        """A mixture of experts: tokens routed to each expert since the last make_stats (the runner's counts)."""
 
     # ---- requests in and out ----
 
@@ -375,6 +371,7 @@ class Scheduler:
         max_model_len = self.max_model_len
         running_status = RequestStatus.RUNNING
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        self.routed_tokens.add(model_runner_output.expert_routed_tokens)
         proposals = model_runner_output.spec_token_ids
         outputs = []
         any_finished = False
@@ -465,6 +462,7 @@ class Scheduler:
             prefix_cache_hits_delta=deltas[1],
             num_preemptions_delta=deltas[2],
             spec_decoding_stats=self._take_spec_stats(),
+            expert_routed_tokens_delta=self.routed_tokens.take(),
         )
 
     def _new_spec_stats(self) -> SpecDecodingStats | None:

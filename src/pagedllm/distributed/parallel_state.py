@@ -29,6 +29,9 @@ class TensorParallelGroup:
     group: dist.ProcessGroup | None = None  # None at size 1
     shm: ShmAllReduce | None = None
     """The shared-memory all-reduce of this group (CPU, every rank on this host), else None."""
+    expert_parallel: bool = False
+    """A mixture of experts' experts split across this group's ranks (--enable-expert-parallel), not each expert's
+    intermediate size (layers/fused_moe.py)."""
 
     @classmethod
     def single(cls) -> TensorParallelGroup:

@@ -57,7 +57,9 @@ class Linear(nn.Linear):
 
 
 def pack_linear_weights(model: nn.Module) -> None:
-    """`Linear.pack_weights` on every Linear of a loaded model."""
+    """`pack_weights` on every Linear of a loaded model and every module that repacks its weights alike (a
+    mixture-of-experts block's ExpertLinear, layers/expert_linear.py)."""
     for module in model.modules():
-        if isinstance(module, Linear):
-            module.pack_weights()
+        pack = getattr(module, "pack_weights", None)
+        if callable(pack):
+            pack()

@@ -46,6 +46,7 @@ class PrometheusStatLogger:
         self.families = _Families(self.registry, self.label_names)
         self.engines = [_EngineSeries(self.families, self._labels(i)) for i in range(num_engines)]
         self.spec_decode: _SpecDecodeCounters | None = None  # made on the first step that reports speculation
+        self.routed_tokens: Counter | None = None  # made on the first step that reports experts (a MoE model)
 
     def _labels(self, engine: int) -> dict[str, str]:
         return {"model_name": self.model_name, "engine": str(engine)} if "engine" in self.label_names else {
@@ -55,6 +56,17 @@ class PrometheusStatLogger:
         if self.spec_decode is None:
             self.spec_decode = _SpecDecodeCounters(self.registry, self.label_names)
         self.spec_decode.record(self._labels(engine), stats)
+
+    def _record_routed_tokens(self, counts: list[int], engine: int) -> None:
+        """pagedllm:moe_routed_tokens{expert="i"}: tokens routed to expert i, summed over the layers (no vLLM
+        equivalent); the balance across experts is the ratio of these series."""
+        if self.routed_tokens is None:
+            self.routed_tokens = Counter("pagedllm:moe_routed_tokens",
+                                         "Tokens routed to each expert of a mixture-of-experts model, summed over "
+                                         "its layers.", [*self.label_names, "expert"], registry=self.registry)
+        labels = self._labels(engine)
+        for expert, count in enumerate(counts):
+            self.routed_tokens.labels(**labels, expert=str(expert)).inc(count)
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
                engine: int = 0) -> None:
@@ -70,6 +82,8 @@ class PrometheusStatLogger:
             series.num_preemptions.inc(scheduler_stats.num_preemptions_delta)
             if scheduler_stats.spec_decoding_stats is not None:
                 self._record_spec_decode(scheduler_stats.spec_decoding_stats, engine)
+            if scheduler_stats.expert_routed_tokens_delta is not None:
+                self._record_routed_tokens(scheduler_stats.expert_routed_tokens_delta, engine)
         if iteration_stats is None:
             return
         s = iteration_stats

@@ -26,6 +26,7 @@ import torch
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.distributed.pipeline_parallel import PipelineParallelGroup
+from pagedllm.layers.fused_moe import MoEOptions
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.models.llama import AttentionOptions, DecoderOptions, LlamaDecoderLayer, LlamaForCausalLM
 from pagedllm.models.model_info import ModelInfo
@@ -33,8 +34,8 @@ from pagedllm.models.model_info import ModelInfo
 
 class Gemma2DecoderLayer(LlamaDecoderLayer):
     def __init__(self, info: ModelInfo, layer_idx: int, tp: TensorParallelGroup, options: DecoderOptions,
-                 attention: AttentionOptions):
-        super().__init__(info, layer_idx, tp, options, attention)
+                 attention: AttentionOptions, moe: MoEOptions | None = None):
+        super().__init__(info, layer_idx, tp, options, attention, moe)
         self.pre_feedforward_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps)
 
@@ -60,10 +61,6 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     config_defaults: dict[str, Any] = {"sliding_window": 4096, "attn_logit_softcapping": 50.0,
                                        "final_logit_softcapping": 30.0}
     llama_cpp_27b_layers = 46  # llama.cpp's LLM_TYPE_27B for gemma2, scaled by hidden_size / num_heads
-
-    @classmethod
-    def config_value(cls, info: ModelInfo, key: str) -> Any:
-        return info.hf_config.get(key, cls.config_defaults.get(key))
 
     @classmethod
     def layer_types(cls, info: ModelInfo) -> list[str]:

@@ -7,6 +7,9 @@ weight's rows (codes, scales and offsets alike) are permuted the same way. Famil
 rotate-half ("NEOX") rotary, such as Qwen2 and Qwen3, are stored unpermuted (`GGUFArchitecture.rotary_permuted`).
 Phi-3's file ("phi3") has q/k/v fused in `attn_qkv` and gate/up fused in `ffn_up` (gate first), which load as its
 checkpoint's `qkv_proj` and `gate_up_proj`, and longrope as `rope_factors_short` / `rope_factors_long` tensors.
+A mixture of experts ("qwen3moe"; Mixtral, which llama.cpp writes as "llama" with `llama.expert_count`) has its router
+in `ffn_gate_inp` and each layer's experts stacked in `ffn_{gate,up,down}_exps` [E, N, K]; those are yielded one
+expert at a time under the per-expert names models/expert_weights.py reads (a quantized one cut by whole rows).
 Every tensor's byte size is checked against its type and shape, and quantized blocks' fp16 scales must be finite,
 so a truncated or corrupt file fails the load, not a later step.
 """
@@ -40,16 +43,25 @@ class GGUFArchitecture:
     layer_names: dict[str, str] = field(default_factory=dict)  # llama.cpp layer tensor -> HF name, over _LAYER_NAMES
     # metadata key after "{arch}." -> the config.json key it is (ModelInfo.hf_config: what the family reads)
     config_keys: dict[str, str] = field(default_factory=dict)
+    # config.json values llama.cpp assumes for the architecture where the metadata has no key for them
+    config_defaults: dict[str, object] = field(default_factory=dict)
+    moe_architecture: str | None = None  # the architecture instead where the file has experts ({arch}.expert_count)
 
 
+_MOE_KEYS = {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+             "expert_feed_forward_length": "moe_intermediate_size", "expert_weights_norm": "norm_topk_prob"}
 _GEMMA_LAYER_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                       "post_ffw_norm": "post_feedforward_layernorm"}  # sandwich norms
 
 # general.architecture -> the model it is. llama.cpp writes Llama, Mistral and SmolLM2 as "llama".
 GGUF_ARCHITECTURES = {
-    "llama": GGUFArchitecture("LlamaForCausalLM"),
+    "llama": GGUFArchitecture("LlamaForCausalLM", moe_architecture="MixtralForCausalLM",
+                              config_keys={"expert_count": "num_local_experts",
+                                           "expert_used_count": "num_experts_per_tok"}),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", rotary_permuted=False),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", rotary_permuted=False),
+    "qwen3moe": GGUFArchitecture(  # llama.cpp's qwen3moe graph renormalises the top-k weights, and has no dense layer
+        "Qwen3MoeForCausalLM", rotary_permuted=False, config_keys=_MOE_KEYS, config_defaults={"norm_topk_prob": True}),
     "gemma2": GGUFArchitecture(
         "Gemma2ForCausalLM", rotary_permuted=False, layer_names=_GEMMA_LAYER_NAMES,
         config_keys={"attention.sliding_window": "sliding_window", "attn_logit_softcapping": "attn_logit_softcapping",
@@ -74,6 +86,8 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -142,8 +156,10 @@ def gguf_model_info(reader: GGUFFile, path: Path) -> ModelInfo:
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if rope_freqs is not None:
         freq_factors = tuple(float(x) for x in dequantize_tensor(rope_freqs, path).reshape(-1))
+    spec = GGUF_ARCHITECTURES[arch]
+    experts = _int_field(reader, f"{arch}.expert_count", path, 0)
     info = ModelInfo(
-        architecture=GGUF_ARCHITECTURES[arch].architecture,
+        architecture=spec.moe_architecture if experts and spec.moe_architecture else spec.architecture,
         num_layers=_int_field(reader, f"{arch}.block_count", path),
         hidden_size=hidden,
         intermediate_size=_int_field(reader, f"{arch}.feed_forward_length", path),
@@ -160,9 +176,9 @@ def gguf_model_info(reader: GGUFFile, path: Path) -> ModelInfo:
         tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", path, None),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
-        hf_config={hf_key: reader.metadata[f"{arch}.{key}"]
-                   for key, hf_key in GGUF_ARCHITECTURES[arch].config_keys.items()
-                   if f"{arch}.{key}" in reader.metadata},
+        hf_config={**spec.config_defaults, **{hf_key: reader.metadata[f"{arch}.{key}"]
+                                              for key, hf_key in spec.config_keys.items()
+                                              if f"{arch}.{key}" in reader.metadata}},
     )
     info.validate(str(path))
     return info
@@ -202,12 +218,13 @@ def dequantize_tensor(tensor: Any, path: Path) -> np.ndarray:
 
 
 def unpack_tensor(tensor: Any, path: Path) -> QuantizedWeight:
-    """One 2-D GGUF tensor of a type in UNPACKED_TYPES as codes and scales (models/gguf_unpack.py)."""
+    """One 2-D GGUF tensor of a type in UNPACKED_TYPES as codes and scales (models/gguf_unpack.py); a 3-D one
+    (stacked experts [E, N, K]) as its E * N rows."""
     shape = _checked_shape(tensor, path)
-    if len(shape) != 2:
+    if len(shape) not in (2, 3):
         raise ModelLoadError(f"{path}: tensor {tensor.name!r} has shape {list(shape)}, expected a matrix")
     try:
-        return unpack(tensor.data, tensor.tensor_type, shape)
+        return unpack(tensor.data, tensor.tensor_type, (int(np.prod(shape[:-1])), shape[-1]))
     except ValueError as e:
         raise ModelLoadError(f"{path}: tensor {tensor.name!r} ({tensor.tensor_type.name}) is corrupt: {e}") from None
 
@@ -267,7 +284,25 @@ def gguf_tensors(reader: GGUFFile, info: ModelInfo, path: Path, quantized: bool 
             w = _unpermute(w, info.num_heads)
         elif permuted and ".k_proj." in name:
             w = _unpermute(w, info.num_kv_heads)
-        yield name, w
+        if ".experts." in name:
+            yield from _per_expert(name, w, int(tensor.shape[-1]) if len(tensor.shape) == 3 else 0, path)
+        else:
+            yield name, w
+
+
+def _per_expert(name: str, w: np.ndarray | QuantizedWeight, num_experts: int, path: Path
+                ) -> Iterator[tuple[str, np.ndarray | QuantizedWeight]]:
+    """A stacked expert tensor [E, N, K] (quantized: its E * N rows) as E weights [N, K] named
+    `...experts.{e}.{proj}.weight`."""
+    if num_experts < 1:
+        raise ModelLoadError(f"{path}: {name} is not a stack of experts (shape {list(w.shape)})")
+    rows = w.shape[0] // num_experts if isinstance(w, QuantizedWeight) else w.shape[1]
+    for e in range(num_experts):
+        expert = name.replace(".experts.", f".experts.{e}.")
+        if isinstance(w, QuantizedWeight):
+            yield expert, w.map_rows(lambda a, e=e: a[e * rows:(e + 1) * rows])
+        else:
+            yield expert, w[e]
 
 
 def _unpermute(w: np.ndarray | QuantizedWeight, num_heads: int) -> np.ndarray | QuantizedWeight:

@@ -9,7 +9,9 @@ models/qwen3.py. A family whose layers attend differently (a sliding window, log
 scale, their own rope base) overrides `attention_options` (per layer: models/mistral.py, models/gemma2.py,
 models/gemma3.py); one whose layer is shaped differently sets `decoder_layer` (Gemma 2's sandwich norms). A family
 whose checkpoint stores q/k/v or gate/up already fused sets `fused_checkpoint_modules` (models/phi3.py); partial rotary
-(ModelInfo.rotary_dim) needs nothing from a family (models/checkpoint_tensors.py, layers/rotary.py).
+(ModelInfo.rotary_dim) needs nothing from a family (models/checkpoint_tensors.py, layers/rotary.py). A family whose
+MLP is a sparse mixture of experts on some layers overrides `moe_options` (layers/fused_moe.py; models/mixtral.py,
+models/qwen3_moe.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pagedllm.distributed.pipeline_parallel import PipelineParallelGroup
 from pagedllm.layers.activation import GeluTanhAndMul, SiluAndMul
 from pagedllm.layers.attention import PagedAttention
 from pagedllm.layers.embedding import VocabEmbedding
+from pagedllm.layers.fused_moe import FusedMoE, MoEOptions
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
@@ -113,10 +116,12 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, info: ModelInfo, layer_idx: int, tp: TensorParallelGroup,
-                 options: DecoderOptions = DecoderOptions(), attention: AttentionOptions = AttentionOptions()):
+                 options: DecoderOptions = DecoderOptions(), attention: AttentionOptions = AttentionOptions(),
+                 moe: MoEOptions | None = None):
         super().__init__()
         self.self_attn = LlamaAttention(info, layer_idx, tp, options, attention)
-        self.mlp = LlamaMLP(info, tp, options)
+        # a sparse mixture of experts where the family's moe_options says so, else the dense gated MLP
+        self.mlp = LlamaMLP(info, tp, options) if moe is None else FusedMoE(info.hidden_size, moe, tp)
         self.input_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps)
 
@@ -163,7 +168,7 @@ class LlamaModel(nn.Module):
                 self.embed_tokens.shard(tp, vocab_start)
         attention = [family.attention_options(info, i) for i in range(info.num_layers)]
         self.layers = nn.ModuleList(
-            family.decoder_layer(info, i - self.start_layer, tp, options, attention[i])
+            family.decoder_layer(info, i - self.start_layer, tp, options, attention[i], family.moe_options(info, i))
             if self.start_layer <= i < self.end_layer else nn.Identity() for i in range(info.num_layers))
         if pp.is_last:
             self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps)
@@ -211,13 +216,26 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     decoder_options = DecoderOptions()  # a family's switches (subclasses set them)
-    decoder_layer: type[nn.Module] = LlamaDecoderLayer  # (info, layer_idx, tp, options, attention) -> a layer
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer  # (info, layer_idx, tp, options, attention, moe) -> a layer
     native_step_unsupported: str | None = None  # why the native decode step cannot run this family (None: it can)
+    # transformers' config defaults for the keys a family reads from ModelInfo.hf_config (config_value)
+    config_defaults: dict[str, Any] = {}
+
+    @classmethod
+    def config_value(cls, info: ModelInfo, key: str) -> Any:
+        """config.json's `key` (a GGUF file: its metadata's, models/gguf_loader.py), else the family's default."""
+        return info.hf_config.get(key, cls.config_defaults.get(key))
 
     @classmethod
     def attention_options(cls, info: ModelInfo, layer_idx: int) -> AttentionOptions:
         """Layer `layer_idx`'s attention options (a family with windows, caps or another scale overrides it)."""
         return AttentionOptions()
+
+    @classmethod
+    def moe_options(cls, info: ModelInfo, layer_idx: int) -> MoEOptions | None:
+        """Layer `layer_idx`'s mixture of experts, None for a dense MLP (every layer here; models/mixtral.py,
+        models/qwen3_moe.py override it)."""
+        return None
 
     @classmethod
     def checkpoint_tensors(cls, tensors: Iterator[tuple[str, Any]], kind: str) -> Iterator[tuple[str, Any]]:

@@ -12,10 +12,10 @@ plan and the LM head stay in Python, shared with the module path.
 
 When it runs (`forward` returns None otherwise, and the runner runs the model's modules):
 - built (`build`): a LlamaForCausalLM (or a family whose layers are Llama's but for biases, sliding windows or
-  attention soft-caps: Qwen2 and Mistral, not Qwen3's q/k norms nor Gemma 2's layers; logged) on the
-  CPU in float32 with the native kernels, every linear of every layer a quantized weight run by the native
-  kernels (GGUF codes, `--quantization fp8`, or the int8-activation weights of `--activation-quantization int8`),
-  and `PAGEDLLM_NATIVE_STEP` not "0";
+  attention soft-caps: Qwen2 and Mistral, not Qwen3's q/k norms, Gemma 2's layers nor Mixtral's and Qwen3-MoE's
+  experts; logged) on the CPU in float32 with the native kernels, every linear of every layer a quantized weight
+  run by the native kernels (GGUF codes, `--quantization fp8`, or the int8-activation weights of
+  `--activation-quantization int8`), and `PAGEDLLM_NATIVE_STEP` not "0";
 - per step: every scheduled row is a decode (verify rows of speculative decoding included: each a decode row
   of its own length) and the attention plan runs the native decode kernel (a KV cache dtype it reads: fp32,
   bf16, fp8), the batch unpadded. Prefill and mixed steps, oneDNN float weights and CUDA keep the module path.
@@ -134,13 +134,12 @@ class LlamaNativeDecodeStep:
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if any(not _f32(m.weight) or m.eps != norm.eps for m in norms):
                 return None
-            linears = [_linear(m, keep) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            linears = [_linear(m, keep) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)]
             if any(c is None for c in linears):
                 return None
             keep.extend(m.weight for m in norms)
             c_layer.input_norm, c_layer.post_attention_norm = (m.weight.data_ptr() for m in norms)
-            c_layer.qkv, c_layer.o, c_layer.gate_up, c_layer.down = linears
+            c_layer.qkv, c_layer.o = linears
         if model.decoder_options.qk_norm:  # the C loop has no per-head q/k norms
             logger.info("%s: the native decode step has no per-head q/k norms; decode steps run the model's "
                         "modules", model.info.architecture)
@@ -153,6 +152,11 @@ class LlamaNativeDecodeStep:
             logger.info("%s: the native decode step has no %s; decode steps run the model's modules",
                         model.info.architecture, missing)
             return None
+        for c_layer, layer in zip(c_layers, layers, strict=True):  # Llama's gated MLP (a family's are checked above)
+            linears = [_linear(m, keep) for m in (layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            if any(c is None for c in linears):
+                return None
+            c_layer.gate_up, c_layer.down = linears
         for c_layer, attn in zip(c_layers, attns, strict=True):
             c_layer.window, c_layer.softcap = attn.window, attn.softcap
         scale = attns[0].scale if attns else 1.0

@@ -21,11 +21,13 @@ from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import TensorParallelGroup, check_tensor_parallel_size
 from pagedllm.distributed.pipeline_parallel import PipelineParallelGroup, check_pipeline_parallel_size
 from pagedllm.kernels import cpu_kernels, quant_q8act
+from pagedllm.layers.expert_linear import QuantizedExperts
 from pagedllm.layers.int8_activation_weight import Int8ActivationWeight
 from pagedllm.layers.linear import pack_linear_weights
 from pagedllm.layers.quantized_weight import PackedWeight
 from pagedllm.layers.rotary import use_long_factors
 from pagedllm.models.checkpoint_tensors import prepare_checkpoint_tensors
+from pagedllm.models.expert_weights import EXPERT_PARALLEL_PLAN, local_experts, stack_experts
 from pagedllm.models.fp8_codes import quantize_fp8, quantizes_to_fp8
 from pagedllm.models.gguf_loader import gguf_model_info, gguf_tensors, open_gguf
 from pagedllm.models.model_info import (
@@ -342,11 +344,15 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
         tensors = _fp8_linears(tensors)
     if tp is not None and tp.size > 1:
         check_tensor_parallel_size(tp.size, info.num_heads, info.num_kv_heads, info.intermediate_size)
-        tensors = shard_tensors(tensors, model_cls.tensor_parallel_plan, info, tp)
+        plan = model_cls.tensor_parallel_plan
+        if tp.expert_parallel:  # a mixture of experts: this rank's experts, whole
+            tensors, plan = local_experts(tensors, model_cls, info, tp), {**EXPERT_PARALLEL_PLAN, **plan}
+        tensors = shard_tensors(tensors, plan, info, tp)
     with torch.device("meta"):
         model = model_cls(info, tp, pp)
     with _one_cpu_thread():
         state = _fused_state_dict(model, tensors, source, device, dtype, pack)
+        stack_experts(model, state, source)  # a mixture of experts' per-expert weights into its stacked ones
     expected = model.state_dict()
     if info.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -362,7 +368,7 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
             raise ModelLoadError(f"{source}: weight {name} has shape {list(t.shape)}, "
                                  f"expected {list(expected[name].shape)}")
     quantized_weights = {name: state.pop(name) for name in list(state)
-                         if isinstance(state[name], PackedWeight | Int8ActivationWeight)}
+                         if isinstance(state[name], PackedWeight | Int8ActivationWeight | QuantizedExperts)}
     model.load_state_dict(state, assign=True, strict=not quantized_weights)
     for name, weight in quantized_weights.items():
         model.get_submodule(name.removesuffix(".weight")).set_quantized_weight(weight)

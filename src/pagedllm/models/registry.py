@@ -9,10 +9,12 @@ from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mistral import MistralForCausalLM
+from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.model_info import ModelInfo, ModelLoadError
 from pagedllm.models.phi3 import Phi3ForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
+from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -22,6 +24,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 

@@ -7,6 +7,7 @@ A model's `tensor_parallel_plan` maps a checkpoint name fragment to how its weig
     out       rows, evenly                              (column-parallel: gate_proj, up_proj)
     in        columns, evenly; a bias stays on rank 0 only, as the all-reduce sums it once (o_proj, down_proj)
     vocab     rows of this rank's vocabulary slice, zero-padded to cdiv(vocab, size) (embed_tokens, lm_head)
+    whole     the whole tensor (an expert of this rank's under expert parallelism: models/expert_weights.py)
 
 Weights kept quantized (QuantizedWeight, a GGUF model) are cut the same way: whole rows, or whole groups of
 k's (a column cut that does not fall on a group boundary is a ValueError).
@@ -52,6 +53,8 @@ def _shard(t: Any, kind: str, is_bias: bool, info: ModelInfo, tp: TensorParallel
         if is_bias:
             return t if tp.rank == 0 else _zeros_like(t)
         return _columns(t, *tp.split(t.shape[1]))
+    if kind == "whole":
+        return t
     if kind == "vocab":
         start, end = tp.padded_split(info.vocab_size)
         return _pad_rows(_rows(t, start, min(end, t.shape[0])), end - start)

@@ -15,6 +15,7 @@ from pagedllm.core.scheduler_output import CachedRequestData, SchedulerOutput
 from pagedllm.distributed.pipeline_parallel import PipelineParallelGroup, run_stage
 from pagedllm.kernels import cpu_kernels
 from pagedllm.layers.forward_context import AttentionMetadata, kv_cache_shape, set_forward_context
+from pagedllm.layers.fused_moe import routed_token_counter
 from pagedllm.layers.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs, logprobs_to_entries
 from pagedllm.layers.sampling.grammar_bitmask import apply_grammar_bitmask
 from pagedllm.layers.sampling.rejection_sampler import rejection_sample
@@ -75,6 +76,8 @@ class ModelRunner:
                         num_groups)
             native = False
         self.native_step = LlamaNativeDecodeStep.build(model) if native else None
+        self.routed_tokens = routed_token_counter(model, device)
+        """A mixture of experts: [E] tokens routed to each expert in this step's forward (all layers), else None."""
         self.speculative_config = config.speculative_config
         self.proposer = _make_proposer(config.speculative_config, draft_model, device, dtype, max_model_len,
                                        self.block_size, config.scheduler_config.max_num_batched_tokens)
@@ -121,6 +124,8 @@ class ModelRunner:
         if num_drafts is not None:
             attn_metadata.verify_reqs = np.flatnonzero(num_drafts)
         layer_metadata = self._layer_metadata(attn_metadata, rows) if self.kv_cache_layout.num_groups > 1 else None
+        if self.routed_tokens is not None:
+            self.routed_tokens.zero_()
         with set_forward_context(attn_metadata, self.kv_caches, layer_metadata):
             hidden_states = self._forward(input_ids, positions)  # [T, hidden]
         if hidden_states is None:  # a pipeline stage before the last: the tokens come in the next step's diffs
@@ -146,9 +151,11 @@ class ModelRunner:
                 if entry is not None:
                     logprobs[req_ids[i]] = [entry]
         prompt_logprobs = self._prompt_logprobs(req_ids, rows, num_sched, attn_metadata, hidden_states)
+        routed = None if self.routed_tokens is None else self.routed_tokens.tolist()
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs,
-                                 spec_token_ids=self._propose(rows, sampling) if self.proposer else None)
+                                 spec_token_ids=self._propose(rows, sampling) if self.proposer else None,
+                                 expert_routed_tokens=routed)
 
     # ---- speculative decoding -------------------------------------------------------------------------
     def _write_drafts(self, spec: dict[str, list[int]], req_ids: list[str]) -> np.ndarray:

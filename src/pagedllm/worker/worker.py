@@ -74,9 +74,10 @@ class Worker:
         if pc.pipeline_parallel_size > 1:
             self.tp, self.pp = init_pipeline(self.rank, pc.tensor_parallel_size, pc.pipeline_parallel_size,
                                              self.distributed_init_method or "", self.device)
-            return
-        self.tp = init_tensor_parallel_group(self.rank, pc.tensor_parallel_size, self.distributed_init_method or "",
-                                             self.device)
+        else:
+            self.tp = init_tensor_parallel_group(self.rank, pc.tensor_parallel_size,
+                                                 self.distributed_init_method or "", self.device)
+        self.tp = dataclasses.replace(self.tp, expert_parallel=pc.enable_expert_parallel)
 
     def load_model(self) -> None:
         """Load this rank's share of the weights and build the runner (before the KV cache exists)."""
