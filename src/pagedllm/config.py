@@ -161,6 +161,9 @@ class SchedulerConfig:
     """Most requests waiting, counted as vllm:num_requests_waiting counts them: one per choice per prompt (a
     request with n=16, or 16 prompts, counts 16). A request that would go beyond is rejected at once (HTTP 503,
     Retry-After); one that needs more places than the cap on an empty queue, with HTTP 400. Default: no cap."""
+    disable_hybrid_kv_cache_manager: bool = False
+    """One block table for every layer, as for a model without windows: sliding-window layers still attend only
+    their window but keep the whole context's KV (the default frees the blocks behind the window)."""
 
     def __post_init__(self) -> None:
         check_bounds(self, SCHEDULER_BOUNDS)

@@ -16,14 +16,19 @@ import pytest
 import torch
 from paged_runner import PagedRunner
 from window_family_checks import (
+    GREEDY,
     check_engine_paths,
     check_native_step_declines,
     check_pipeline_parallel,
     check_tensor_parallel,
+    llm,
     save,
+    tokens,
 )
 
 from pagedllm.config import ModelConfig
+from pagedllm.core.kv_cache_coordinator import HybridKVCacheManager
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.kernels import cpu_kernels
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.llama import AttentionOptions
@@ -124,6 +129,16 @@ def test_logits_match_transformers_prefill_and_decodes(gemma3_dir, gemma3_hf):
 def test_greedy_matches_transformers_on_every_engine_path(gemma3_dir, gemma3_hf):
     check_engine_paths(gemma3_dir, gemma3_hf, long_prompts(gemma3_hf.config.vocab_size), small_blocks=25,
                        small_len=192, small_budget=16)
+
+
+def test_disable_hybrid_kv_cache_manager_keeps_every_block_and_the_tokens(gemma3_dir, gemma3_hf):
+    """vLLM's --disable-hybrid-kv-cache-manager: one block table of every layer (a block of 4 layers, not 1), the
+    sliding layers' blocks never freed, and the default's greedy tokens."""
+    ps = long_prompts(gemma3_hf.config.vocab_size)
+    default, plain = llm(gemma3_dir), llm(gemma3_dir, disable_hybrid_kv_cache_manager=True)
+    assert type(default.llm_engine.engine_core.scheduler.kv_cache_manager) is HybridKVCacheManager
+    assert type(plain.llm_engine.engine_core.scheduler.kv_cache_manager) is KVCacheManager
+    assert tokens(plain.generate(ps, GREEDY, use_tqdm=False)) == tokens(default.generate(ps, GREEDY, use_tqdm=False))
 
 
 @pytest.mark.skipif(not cpu_kernels.available(torch.float32, CPU), reason="native CPU kernels unavailable")

@@ -75,7 +75,8 @@ class EngineCore:
             pp_size = config.parallel_config.pipeline_parallel_size
             self.scheduler = Scheduler(sc, cc, self.num_blocks, self.max_model_len, config.speculative_config,
                                        enable_kv_cache_events=kec is not None and kec.enable_kv_cache_events,
-                                       pipeline_parallel=pp_size > 1, kv_cache_layout=kv_cache_layout(info))
+                                       pipeline_parallel=pp_size > 1,
+                                       kv_cache_layout=kv_cache_layout(info, sc.disable_hybrid_kv_cache_manager))
             self.batch_queue_size = pp_size
             """Steps kept in flight (vLLM's batch queue): one per pipeline stage, so every stage has work."""
             self.batch_queue: deque[tuple[StepFuture, SchedulerOutput]] = deque()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from pagedllm.core.kv_cache_spec import KVCacheLayout, make_kv_cache_layout
+from pagedllm.core.kv_cache_spec import KVCacheLayout, make_kv_cache_layout, single_group_layout
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
@@ -37,10 +37,13 @@ def get_model_class(architecture: str, source: str) -> type[nn.Module]:
                              f"(supported: {', '.join(MODEL_CLASSES)})") from None
 
 
-def kv_cache_layout(info: ModelInfo) -> KVCacheLayout:
+def kv_cache_layout(info: ModelInfo, disable_hybrid: bool = False) -> KVCacheLayout:
     """The model's KV cache groups (core/kv_cache_spec.py) from each layer's sliding window (0: full attention), as
-    its family's attention_options give them. The engine core (the scheduler's managers) and every worker (the pool's
+    its family's attention_options give them; one full-attention group with `disable_hybrid`
+    (--disable-hybrid-kv-cache-manager). The engine core (the scheduler's managers) and every worker (the pool's
     tensors) compute the same one."""
+    if disable_hybrid:
+        return single_group_layout(info.num_layers)
     family = get_model_class(info.architecture, info.architecture)
     options = getattr(family, "attention_options", None)
     windows = [0 if options is None else int(options(info, i).sliding_window or 0) for i in range(info.num_layers)]

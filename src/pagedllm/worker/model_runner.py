@@ -50,7 +50,7 @@ class ModelRunner:
         self.pp = pp or PipelineParallelGroup.single()
         self.num_layers = getattr(model, "num_layers", model_info.num_layers)
         """Layers this rank runs and caches (its pipeline stage's)."""
-        self.kv_cache_layout = kv_cache_layout(model_info)
+        self.kv_cache_layout = kv_cache_layout(model_info, config.scheduler_config.disable_hybrid_kv_cache_manager)
         """The model's KV cache groups (core/kv_cache_spec.py): with several, each has its own block table."""
         first_layer = self.pp.layers(model_info.num_layers)[0] if self.pp.size > 1 else 0
         self.layer_groups = np.array([self.kv_cache_layout.layer_group(first_layer + i)
