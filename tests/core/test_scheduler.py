@@ -109,6 +109,18 @@ def test_prefill_attention_budget_off_and_first_chunk_always_advances():
     assert [step(scheduler)[0].num_scheduled_tokens["0"] for _ in range(9)] == [3, 2, 1, 1, 1, 1, 1, 1, 1]
 
 
+def test_spent_attention_budget_admits_no_more_prompts_a_token_each():
+    """The budget's last pairs once let every waiting prompt in with a one-token chunk (such chunks went
+    uncounted): 29 long prompts admitted in one step, each holding blocks it would not use for many steps."""
+    scheduler = create_scheduler(max_num_batched_tokens=2048, max_model_len=8192)
+    for request in create_requests(12, num_tokens=6000, max_tokens=1):
+        scheduler.add_request(request)
+    out, _ = step(scheduler)
+    # 1,448 x 1,448 pairs, 21 x 21 and 2 x 2 of the 448 left, 1 x 1 three times for the last 3, and no more
+    assert list(out.num_scheduled_tokens.values()) == [1448, 21, 2, 1, 1, 1]
+    assert len(scheduler.running) == 6 and len(scheduler.waiting) == 6
+
+
 def test_chunked_prefill_off_waits_for_whole_prompt():
     scheduler = create_scheduler(block_size=4, num_blocks=40, max_num_batched_tokens=16, max_model_len=16,
                                  enable_chunked_prefill=False)

@@ -205,7 +205,8 @@ class Scheduler:
                 num_new_tokens = threshold
             if num_new_tokens > token_budget:
                 num_new_tokens = token_budget
-            if num_new_tokens > 1:
+            prefill = num_new_tokens > 1  # else a decode (its drafts come below)
+            if prefill:
                 num_new_tokens = step.cap_prefill(request.num_computed_tokens, num_new_tokens)
             if num_new_tokens <= 0:
                 i += 1
@@ -240,7 +241,7 @@ class Scheduler:
                 token_budget -= num_new_tokens
                 if drafts:
                     step.spec_tokens[request.request_id] = drafts
-                else:
+                elif prefill:
                     step.count_prefill(request, request.num_computed_tokens, num_new_tokens)
                 i += 1
         step.token_budget = token_budget

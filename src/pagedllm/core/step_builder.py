@@ -63,8 +63,9 @@ class StepBuilder:
         return min(num_new_tokens, fit)
 
     def count_prefill(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> None:
-        """Take a scheduled prefill chunk's pairs from the attention budget."""
-        if self.attention_pairs is not None and num_new_tokens > 1:
-            pairs = num_new_tokens * (num_computed_tokens + num_new_tokens)
+        """Take a scheduled prefill chunk's pairs from the attention budget (a one-token chunk too: uncounted, the
+        budget's last pairs let every waiting prompt in with one token each; at most what is left)."""
+        if self.attention_pairs is not None:
+            pairs = min(num_new_tokens * (num_computed_tokens + num_new_tokens), self.attention_pairs)
             self.prefill_pairs[request.request_id] = pairs
             self.attention_pairs -= pairs
