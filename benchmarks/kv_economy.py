@@ -8,10 +8,12 @@ third runs the real engine on the file.
 
 1. Sliding blocks per request: the most blocks a request holds in any sliding group while it decodes (bound:
    ceil(W / block_size) + 1), and while a prefill chunk runs (the window plus the chunk).
-2. 8k-token requests at once: `--requests` requests of 8,000 prompt tokens + 192 generated (max_model_len 8,192)
-   over one pool of the same memory in both layouts (all-full: every layer keeps every block, as vLLM's
-   --disable-hybrid-kv-cache-manager; a block of 18 layers there is 6 blocks of 3 layers in the hybrid pool). The
-   figure is the most requests decoding in the same step, and the preemptions it took.
+2. 8k-token requests in one pool of the same memory in both layouts (all-full: every layer keeps every block, as
+   --disable-hybrid-kv-cache-manager; a block of 18 layers there is 6 blocks of 3 layers in the hybrid pool, sized
+   for four 8k requests): how many requests of 8,192 tokens the pool holds at once, each prefilled in
+   --max-num-batched-tokens chunks and one token decoded, until an allocation fails; then the Scheduler itself
+   serving `--requests` requests of 6,000 prompt tokens + 2,192 generated (the most decoding in one step, and the
+   preemptions it took).
 3. A repeated 1,500-token prompt on the real engine (the GGUF, fp32): the second run's num_cached_tokens (target:
    at least L - block_size) and both runs' tokens equal.
 """
@@ -24,7 +26,7 @@ import time
 from pathlib import Path
 
 from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
-from pagedllm.core.kv_cache_coordinator import HybridKVCacheManager
+from pagedllm.core.kv_cache_coordinator import HybridKVCacheManager, make_kv_cache_manager
 from pagedllm.core.kv_cache_spec import KVCacheLayout, single_group_layout
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
@@ -35,9 +37,9 @@ from pagedllm.models.registry import kv_cache_layout
 from pagedllm.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
-PROMPT_LEN = 8000
-MAX_TOKENS = 192
-MAX_MODEL_LEN = PROMPT_LEN + MAX_TOKENS
+PROMPT_LEN = 6000
+MAX_TOKENS = 2192
+MAX_MODEL_LEN = PROMPT_LEN + MAX_TOKENS  # 8,192
 ALL_FULL_BLOCKS = 4 * cdiv(MAX_MODEL_LEN, BLOCK_SIZE)  # the pool: four whole 8k requests in the all-full layout
 BUDGET = 2048  # --max-num-batched-tokens (vLLM's default with chunked prefill)
 
@@ -48,8 +50,28 @@ def gemma3_path() -> Path:
     return Path(assemble())
 
 
+def resident_capacity(layout: KVCacheLayout, num_blocks: int) -> int:
+    """How many 8,192-token requests (distinct prompts) the manager holds at once: each prefilled in BUDGET-token
+    chunks and one token decoded (so its sliding groups have freed what lies behind their window)."""
+    kv = make_kv_cache_manager(layout, num_blocks, BLOCK_SIZE, True, MAX_MODEL_LEN, False, BUDGET)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    for n in range(num_blocks):
+        prompt = [(n * 7919 + j * 31) % 262144 for j in range(MAX_MODEL_LEN - 1)]
+        request = Request(f"c{n}", prompt, params, eos_token_id=None, arrival_time=0.0, block_size=BLOCK_SIZE)
+        while request.num_computed_tokens < request.num_tokens:
+            chunk = min(BUDGET, request.num_tokens - request.num_computed_tokens)
+            if kv.allocate_slots(request, chunk) is None:
+                return n
+            request.num_computed_tokens += chunk
+        request.append_output_token_ids(0)
+        if kv.allocate_slots(request, 1) is None:
+            return n
+        request.num_computed_tokens += 1
+    return num_blocks
+
+
 def simulate(layout: KVCacheLayout, num_layers: int, num_requests: int) -> dict:
-    """The requests through the real Scheduler, every token sampled as 0; block counts read after each step."""
+    """The requests through the real Scheduler, every token sampled as 0; block counts read every 8th step."""
     num_blocks = ALL_FULL_BLOCKS * num_layers // layout.group_size  # the same bytes, in blocks of group_size layers
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=BUDGET),
                           CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True), num_blocks, MAX_MODEL_LEN,
@@ -63,24 +85,28 @@ def simulate(layout: KVCacheLayout, num_layers: int, num_requests: int) -> dict:
     sliding = [g for g, spec in enumerate(layout.groups) if spec.window > 0]
     most_decoding = steps = 0
     held_decode = held_prefill = 0
+    requests = scheduler.requests
     while scheduler.has_unfinished_requests():
         output = scheduler.schedule()
         req_ids = list(output.num_scheduled_tokens)
+        decodes = {r for r, n in output.num_scheduled_tokens.items()  # one token, the last it sampled
+                   if n == 1 and requests[r].num_output_tokens > 0 and requests[r].num_computed_tokens
+                   == requests[r].num_tokens}
         scheduler.update_from_output(output, ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[
             [0] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens else []
             for r in req_ids]))
         steps += 1
-        decoding = [r for r in scheduler.running if r.num_output_tokens > 0]
-        most_decoding = max(most_decoding, len(decoding))
-        if isinstance(kv, HybridKVCacheManager) and sliding:
-            for r in scheduler.running:
-                held = max(kv.num_blocks_held(r.request_id)[g] for g in sliding)
-                if r.num_output_tokens > 1:  # it has decoded since its prefill's last chunk
+        most_decoding = max(most_decoding, len(decodes))
+        if isinstance(kv, HybridKVCacheManager) and sliding and steps % 8 == 0:
+            for req_id in req_ids:
+                held = max(kv.num_blocks_held(req_id)[g] for g in sliding)
+                if req_id in decodes:
                     held_decode = max(held_decode, held)
                 else:
                     held_prefill = max(held_prefill, held)
     return {"num_blocks": num_blocks, "blocks_of_layers": layout.group_size, "groups": layout.num_groups,
-            "most_decoding_at_once": most_decoding, "preemptions": scheduler.num_preemptions, "steps": steps,
+            "resident_8k_requests": resident_capacity(layout, num_blocks), "most_decoding_at_once": most_decoding,
+            "preemptions": scheduler.num_preemptions, "steps": steps,
             "sliding_blocks_decode_max": held_decode, "sliding_blocks_prefill_max": held_prefill}
 
 
@@ -118,15 +144,17 @@ def main() -> None:
               "bound_sliding_blocks_decode": bound, "all_full_pool_blocks": ALL_FULL_BLOCKS}
     result["hybrid"] = simulate(hybrid, info.num_layers, args.requests)
     result["all_full"] = simulate(single_group_layout(info.num_layers), info.num_layers, args.requests)
-    result["ratio_8k_requests"] = round(result["hybrid"]["most_decoding_at_once"]
-                                        / result["all_full"]["most_decoding_at_once"], 2)
+    result["ratio_8k_requests"] = round(result["hybrid"]["resident_8k_requests"]
+                                        / result["all_full"]["resident_8k_requests"], 2)
     result["repeated_prompt"] = repeated_prompt(path, args.prompt_len)
     print(json.dumps(result, indent=1))
     h, f, rep = result["hybrid"], result["all_full"], result["repeated_prompt"]
     print(f"sliding blocks per request, decoding: {h['sliding_blocks_decode_max']} (bound {bound}); "
           f"during a {BUDGET}-token prefill chunk: {h['sliding_blocks_prefill_max']}")
-    print(f"8k-token requests decoding at once: hybrid {h['most_decoding_at_once']}, all-full "
-          f"{f['most_decoding_at_once']} -> {result['ratio_8k_requests']}x")
+    print(f"8k-token requests one pool holds: hybrid {h['resident_8k_requests']}, all-full "
+          f"{f['resident_8k_requests']} -> {result['ratio_8k_requests']}x; serving {args.requests}: most decoding at "
+          f"once {h['most_decoding_at_once']} vs {f['most_decoding_at_once']}, preemptions {h['preemptions']} vs "
+          f"{f['preemptions']}, steps {h['steps']} vs {f['steps']}")
     print(f"repeated {rep['prompt_tokens']}-token prompt: {rep['second']} tokens hit (target >= {rep['target']}), "
           f"same tokens: {rep['same_tokens']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
