@@ -18,10 +18,9 @@ all on one BlockPool whose block 0 is the null block. The scheduler sees KVCache
 
 from __future__ import annotations
 
-from pagedllm.core.block_pool import BlockPool, KVCacheBlock
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.block_pool import KVCacheBlock
+from pagedllm.core.kv_cache_manager import KVCacheManager, PooledKVCache
 from pagedllm.core.kv_cache_spec import KVCacheLayout
-from pagedllm.core.kv_events import KVCacheEvent, KVEventQueue, int_block_hashes_from_env
 from pagedllm.core.request import Request
 from pagedllm.core.single_type_kv_cache_manager import make_group_manager
 
@@ -29,7 +28,7 @@ GroupBlocks = list[list[KVCacheBlock]]
 """Blocks per KV cache group, in group order."""
 
 
-class HybridKVCacheManager:
+class HybridKVCacheManager(PooledKVCache):
     """Per-group block tables over one BlockPool (KVCacheManager's interface; the module docstring says how it
     differs).
 
@@ -47,11 +46,8 @@ class HybridKVCacheManager:
                  max_model_len: int = 8192, enable_kv_cache_events: bool = False, max_step_tokens: int = 8192):
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}.")
-        self.block_size = block_size
-        self.enable_caching = enable_caching
-        self.max_model_len = max_model_len
-        kv_events = KVEventQueue(block_size, int_block_hashes_from_env()) if enable_kv_cache_events else None
-        self.block_pool = BlockPool(num_blocks, enable_caching, kv_events, reserve_null_block=True)
+        self._init_pool(num_blocks, block_size, enable_caching, max_model_len, enable_kv_cache_events,
+                        reserve_null_block=True)
         self.groups = [make_group_manager(self.block_pool, block_size, g, spec.window)
                        for g, spec in enumerate(layout.groups)]
         self.block_pool.event_group_id = next((g for g, spec in enumerate(layout.groups) if spec.window == 0), 0)
@@ -62,16 +58,6 @@ class HybridKVCacheManager:
                 f"of max_model_len={max_model_len} tokens, which needs {blocks_per_request} blocks over "
                 f"{len(self.groups)} KV cache groups. Raise --kv-cache-memory or lower --max-model-len.")
         self._first = self.groups[0]
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
-
-    @property
-    def usage(self) -> float:
-        return self.block_pool.get_usage()
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.get_num_free_blocks()
 
     def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
         """The longest prefix every group has cached (capped below the last token, as KVCacheManager's).
@@ -130,11 +116,6 @@ class HybridKVCacheManager:
         new_blocks = [m.allocate(req_id, hits[g] if hits else no_hits, counts[g]) for g, m in enumerate(groups)]
         return new_blocks if any(new_blocks) else []
 
-    def _count_first_lookup(self, request: Request, num_hit_tokens: int) -> None:
-        if self.enable_caching and request.num_preemptions == 0:
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += num_hit_tokens
-
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register every group's blocks that are full and computed (null slots stay out)."""
         num_full = min(num_computed_tokens // self.block_size, len(request.block_hashes))
@@ -159,13 +140,6 @@ class HybridKVCacheManager:
         """Blocks the request holds in each group, null slots excluded (the KV economy benchmark reads this)."""
         null = self.block_pool.null_block
         return [sum(1 for b in m.req_to_blocks.get(req_id, ()) if b is not null) for m in self.groups]
-
-    def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
-
-    def take_events(self) -> list[KVCacheEvent]:
-        kv_events = self.block_pool.kv_events
-        return [] if kv_events is None else kv_events.take()
 
 
 AnyKVCacheManager = KVCacheManager | HybridKVCacheManager

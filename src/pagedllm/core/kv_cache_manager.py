@@ -13,7 +13,45 @@ from pagedllm.core.request import Request
 from pagedllm.math_utils import cdiv
 
 
-class KVCacheManager:
+class PooledKVCache:
+    """What both KV cache managers (this one and core/kv_cache_coordinator.py's hybrid one) share: one BlockPool,
+    the prefix-cache counters, usage and KV events."""
+
+    def _init_pool(self, num_blocks: int, block_size: int, enable_caching: bool, max_model_len: int,
+                   enable_kv_cache_events: bool, reserve_null_block: bool = False) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.max_model_len = max_model_len
+        kv_events = KVEventQueue(block_size, int_block_hashes_from_env()) if enable_kv_cache_events else None
+        self.block_pool = BlockPool(num_blocks, enable_caching, kv_events, reserve_null_block)
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use, in [0, 1]."""
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def _count_first_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        if self.enable_caching and request.num_preemptions == 0:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash; only possible when no request holds blocks. Returns success."""
+        return self.block_pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV-cache events recorded since the last call ([] when events are off)."""
+        kv_events = self.block_pool.kv_events
+        return [] if kv_events is None else kv_events.take()
+
+
+class KVCacheManager(PooledKVCache):
     """Per-request block tables on top of a BlockPool.
 
     Prefix-cache counters (`prefix_cache_queries`, `prefix_cache_hits`, in tokens, cumulative) count
@@ -44,25 +82,10 @@ class KVCacheManager:
                 f"The KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens), so it cannot hold one "
                 f"request of max_model_len={max_model_len} tokens, which needs {blocks_per_request} blocks. Raise "
                 "--kv-cache-memory or lower --max-model-len.")
-        self.block_size = block_size
-        self.enable_caching = enable_caching
-        self.max_model_len = max_model_len
-        kv_events = KVEventQueue(block_size, int_block_hashes_from_env()) if enable_kv_cache_events else None
-        self.block_pool = BlockPool(num_blocks, enable_caching, kv_events)
+        self._init_pool(num_blocks, block_size, enable_caching, max_model_len, enable_kv_cache_events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         """req_id -> how many leading blocks of its table are registered in the prefix cache."""
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
-
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks in use, in [0, 1]."""
-        return self.block_pool.get_usage()
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.get_num_free_blocks()
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest chain of cached blocks that starts the request's tokens. Changes nothing.
@@ -141,11 +164,6 @@ class KVCacheManager:
         req_blocks.extend(new_blocks)
         return new_blocks
 
-    def _count_first_lookup(self, request: Request, num_hit_tokens: int) -> None:
-        if self.enable_caching and request.num_preemptions == 0:
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += num_hit_tokens
-
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's blocks that are full and computed in the prefix cache.
 
@@ -183,12 +201,3 @@ class KVCacheManager:
     def get_block_ids(self, req_id: str) -> list[int]:
         """The request's block table as physical block ids ([] when it holds none)."""
         return [block.block_id for block in self.req_to_blocks.get(req_id, ())]
-
-    def reset_prefix_cache(self) -> bool:
-        """Drop every cached hash; only possible when no request holds blocks. Returns success."""
-        return self.block_pool.reset_prefix_cache()
-
-    def take_events(self) -> list[KVCacheEvent]:
-        """The KV-cache events recorded since the last call ([] when events are off)."""
-        kv_events = self.block_pool.kv_events
-        return [] if kv_events is None else kv_events.take()
