@@ -170,3 +170,17 @@ def test_one_full_attention_group_keeps_the_plain_manager_and_every_block():
     assert type(plain.kv_cache_manager) is KVCacheManager and plain.num_total_blocks == 8
     hybrid = Scheduler(scheduler.scheduler_config, scheduler.cache_config, 64, 32, kv_cache_layout=LAYOUT)
     assert type(hybrid.kv_cache_manager) is HybridKVCacheManager and hybrid.num_total_blocks == 63
+
+
+def test_cache_salts_keep_prefixes_apart_in_every_group():
+    m = manager(num_blocks=128)  # room for b without evicting a's blocks
+    prompt = list(range(300, 341))
+    (a,) = create_requests(1, prompt_token_ids=prompt, block_size=BS, max_tokens=None, cache_salt="tenant-a")
+    (b,) = create_requests(1, prompt_token_ids=prompt, block_size=BS, max_tokens=None, cache_salt="tenant-b",
+                           id_prefix="b")
+    (c,) = create_requests(1, prompt_token_ids=prompt, block_size=BS, max_tokens=None, cache_salt="tenant-a",
+                           id_prefix="c")
+    prefill(m, a)
+    m.free(a)
+    assert prefill(m, b) == 0  # the other tenant's blocks are not its prefix, in no group
+    assert prefill(m, c) == 40  # its own tenant's are, in every group
