@@ -283,6 +283,7 @@ def test_api_key(server, client):
         assert response.status_code == 401 and _assert_error_body(response.json())["code"] == "invalid_api_key"
     assert server.post("/tokenize", json={"prompt": "x"}).status_code == 401
     assert server.get("/health").status_code == 200
+    assert server.get("/ping").status_code == server.post("/ping").status_code == 200  # vLLM's probe alias
     assert server.get("/metrics").status_code == 200
     _next_request_succeeds(client)
 

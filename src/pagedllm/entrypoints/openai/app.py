@@ -117,7 +117,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState, completions: OpenAI
 
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
-    """GET /v1/models, /health (and HEAD), /version and /metrics."""
+    """GET /v1/models, /health (and HEAD), /ping (GET and POST), /version and /metrics."""
     engine = state.engine
 
     @app.get("/v1/models", responses={200: {"model": ModelList}, **error_responses(401, 503)})
@@ -138,6 +138,8 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
     # HEAD answers as GET does (load balancers probe with it); one operation in the OpenAPI document
     app.add_api_route("/health", health, methods=["HEAD"], response_class=Response, include_in_schema=False)
+    # /ping, GET or POST: vLLM's alias of /health (SageMaker's probe)
+    app.add_api_route("/ping", health, methods=["GET", "POST"], response_class=Response, include_in_schema=False)
 
     @app.get("/version")
     async def version():

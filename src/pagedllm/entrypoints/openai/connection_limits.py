@@ -45,7 +45,7 @@ MAX_LINGERING = RESERVED_FDS // 2
 PROBE_CONNECTIONS = RESERVED_FDS // 4
 """Connections past --max-connections that are still read, for /health and /metrics, while every connection
 under the cap is inside a request; past them a new connection is refused at once."""
-PROBE_PATHS = frozenset({"/health", "/metrics"})
+PROBE_PATHS = frozenset({"/health", "/ping", "/metrics"})
 """What a connection past the cap may ask for: cheap, and what load balancers and monitoring poll."""
 
 

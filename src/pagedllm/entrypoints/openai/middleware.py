@@ -19,7 +19,7 @@ from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.request_caps import precheck_caps
 from pagedllm.entrypoints.openai.server_state import ServerState
 
-UNGUARDED_PATHS = {"/health", "/metrics"}
+UNGUARDED_PATHS = {"/health", "/ping", "/metrics"}
 
 API_KEY_SCOPE_KEY = "pagedllm.api_key"
 """Where the guard leaves the caller's (checked) API key in the ASGI scope, for --cache-salt-from-api-key."""
