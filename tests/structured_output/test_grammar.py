@@ -10,7 +10,7 @@ import pytest
 from pagedllm.config import EngineConfig, StructuredOutputsConfig
 from pagedllm.sampling_params import StructuredOutputsParams as S
 from pagedllm.structured_output import grammar as grammar_module
-from pagedllm.structured_output.grammar import StructuredOutputError, check_grammar
+from pagedllm.structured_output.grammar import StructuredOutputError, check_grammar, prepared_key
 
 
 def _error(params: S, timeout_s: float = 10.0) -> StructuredOutputError:
@@ -37,6 +37,14 @@ def test_bad_input_names_the_field(params, param, text):
     error = _error(params)
     assert error.param == param
     assert text in str(error)
+
+
+def test_params_that_cannot_cross_to_the_engine_are_refused_naming_the_field():
+    """The API server's digest of the params (msgpack, as they cross to the engine): an integer past 64 bits was an
+    OverflowError there, a 500 a fuzzer found; now the schema's own error, a 400 naming the field."""
+    with pytest.raises(StructuredOutputError) as info:
+        prepared_key(S(json={"enum": [279625954528442454114304]}), True, True)
+    assert info.value.param == "structured_outputs.json" and "not JSON serializable" in str(info.value)
 
 
 def test_a_compile_over_the_time_limit_is_refused(monkeypatch):

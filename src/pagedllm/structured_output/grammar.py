@@ -142,9 +142,11 @@ def prepared_key(params: StructuredOutputsParams, disable_any_whitespace: bool,
     param = f"structured_outputs.{constraint_of(params)}"
     try:  # the params cross to the engine as msgpack: UTF-8 only
         encoded = msgspec.msgpack.encode(params)
-    except (UnicodeEncodeError, msgspec.EncodeError, TypeError):
+    except (UnicodeEncodeError, msgspec.EncodeError, TypeError, OverflowError) as e:
         grammar_of(params, disable_any_whitespace, disable_additional_properties)  # its own error comes first
-        raise StructuredOutputError(param, "structured_outputs must be valid Unicode (no lone surrogates).") from None
+        reason = ("its integers must fit 64 bits" if isinstance(e, OverflowError)
+                  else "it must be valid Unicode (no lone surrogates)")
+        raise StructuredOutputError(param, f"{param} cannot be used: {reason}.") from None
     return hashlib.sha256(encoded + bytes([disable_any_whitespace, disable_additional_properties])).digest(), param
 
 
