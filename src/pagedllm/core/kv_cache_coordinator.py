@@ -84,7 +84,8 @@ class HybridKVCacheManager(PooledKVCache):
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: GroupBlocks | None = None) -> GroupBlocks | list | None:
         """Make room for `num_new_tokens` more tokens in every group, taking prefix hits first; sliding groups first
-        free the blocks the request no longer reads. Nothing else changes unless the whole allocation succeeds.
+        free the blocks the request no longer reads (always, whatever follows); nothing else changes unless the whole
+        allocation succeeds.
 
         Returns:
             The new blocks per group, [] when no group needed one, or None when the pool cannot supply them."""
