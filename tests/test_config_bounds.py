@@ -1,7 +1,7 @@
 """Every numeric engine and server argument is bounded: nonsense is refused at start-up with a ValueError naming
 the flag (before: `num_speculative_tokens: 10000`, a negative --port, a NaN timeout or a --max-num-seqs of a billion
 were accepted silently). The walk covers every numeric field of the configuration dataclasses, so a new field
-without a bound (config_bounds.py) fails here."""
+without a bound (config/bounds.py) fails here."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from pagedllm.config import (
     SpeculativeConfig,
     StructuredOutputsConfig,
 )
-from pagedllm.config_bounds import numeric_fields
-from pagedllm.kv_events_config import KVEventsConfig
-from pagedllm.server_config import ServerConfig
+from pagedllm.config.bounds import numeric_fields
+from pagedllm.config.kv_events import KVEventsConfig
+from pagedllm.config.server import ServerConfig
 
 CONFIGS = {  # each dataclass -> (the smallest valid arguments, how its fields are named in messages)
     ModelConfig: ({}, None),

@@ -6,7 +6,7 @@ under `if TYPE_CHECKING:` count too: a deferred import still couples the two mod
 
 The layers, bottom first (a top-level module or sub-package is named by its first name under `pagedllm`):
 
-    values       sampling_params, messages, outputs, config, server_config, parallel_config, kv_events_config,
+    values       sampling_params, messages, outputs, config (the package: engine and server settings),
                  log_escape, math_utils, child_process, native_thread_name   (no torch; the last two: a process's own
                  exit and thread names)
     core         core (pure Python, no torch), kernels (native code)
@@ -37,9 +37,8 @@ import pagedllm
 SRC = Path(pagedllm.__file__).parent
 
 LAYERS = [
-    {"sampling_params", "messages", "outputs", "config", "server_config", "parallel_config", "kv_events_config",
-     "log_escape", "math_utils", "child_process", "native_thread_name", "config_bounds", "gc_heap",
-     "generation_overrides"},
+    {"sampling_params", "messages", "outputs", "config", "log_escape", "math_utils", "child_process",
+     "native_thread_name", "gc_heap"},
     {"core", "kernels"},
     {"layers", "models", "tokenizer", "spec_decode", "distributed", "structured_output"},
     {"worker"},

@@ -12,6 +12,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
 from pagedllm.config import ServerConfig
+from pagedllm.config.server import TOOL_CALL_PARSERS
 from pagedllm.entrypoints.openai import chat_template
 from pagedllm.entrypoints.openai.chat_protocol import (
     ChatCompletionRequest,
@@ -24,7 +25,6 @@ from pagedllm.entrypoints.openai.tool_calling import ToolCalling
 from pagedllm.entrypoints.openai.tool_parsers import hermes
 from pagedllm.entrypoints.openai.tool_parsers.partial_calls import scan_calls
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.server_config import TOOL_CALL_PARSERS
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",

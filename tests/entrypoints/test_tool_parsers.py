@@ -14,6 +14,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
 from pagedllm.config import ServerConfig
+from pagedllm.config.server import TOOL_CALL_PARSERS
 from pagedllm.entrypoints.openai.chat_protocol import (
     ChatCompletionRequest,
     ChatCompletionStreamChoice,
@@ -23,7 +24,6 @@ from pagedllm.entrypoints.openai.chat_protocol import (
 from pagedllm.entrypoints.openai.tool_calling import ToolCalling
 from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser, qwen3_xml
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.server_config import TOOL_CALL_PARSERS
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {

@@ -27,8 +27,8 @@ from collections import deque
 import msgspec
 import zmq
 
+from pagedllm.config.kv_events import KVEventsConfig
 from pagedllm.core.kv_events import EventBatch
-from pagedllm.kv_events_config import KVEventsConfig
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from pagedllm.server_config import TOOL_CALL_PARSERS
+from pagedllm.config.server import TOOL_CALL_PARSERS
 
 
 def get_tool_parser(name: str) -> ModuleType:

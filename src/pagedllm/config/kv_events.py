@@ -1,4 +1,4 @@
-"""KVEventsConfig: vLLM's --kv-events-config (the same JSON keys and defaults), parsed in config.py.
+"""KVEventsConfig: vLLM's --kv-events-config (the same JSON keys and defaults), parsed in config/engine.py.
 
 With events enabled, the block pool records what enters and leaves the prefix cache (core/kv_events.py) and the
 engine core publishes it once per step (engine/kv_event_publisher.py), so an external router can track each
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.config_bounds import KV_EVENTS_BOUNDS, check_bounds
+from pagedllm.config.bounds import KV_EVENTS_BOUNDS, check_bounds
 
 KV_EVENT_PUBLISHERS = ("null", "zmq")
 

@@ -1,13 +1,12 @@
 """The API server's configuration (`ServerConfig`: one field per `pagedllm serve` server flag, one docstring per
-field, from which config.py generates the flags); re-exported by config.py, where it lived until config.py
-reached its 500 lines."""
+field, from which config/engine.py generates the flags)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from pagedllm.config_bounds import SERVER_BOUNDS, check_bounds
+from pagedllm.config.bounds import SERVER_BOUNDS, check_bounds
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """ParallelConfig: how the engine's model is split across processes (tensor, pipeline, expert and data
-parallelism); one of the engine configuration's dataclasses (config.py), with one docstring per field."""
+parallelism); one of the engine configuration's dataclasses (config/engine.py), with one docstring per field."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Literal
 
-from pagedllm.config_bounds import PARALLEL_BOUNDS, check_bounds
+from pagedllm.config.bounds import PARALLEL_BOUNDS, check_bounds
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 """Values of --distributed-executor-backend (vLLM's names)."""

@@ -1,6 +1,6 @@
 """The bounds of every numeric engine and server argument, and the check that applies them at start-up.
 
-Each config dataclass (config.py, server_config.py, kv_events_config.py) checks its numeric fields against its
+Each config dataclass (engine.py, server.py, kv_events.py) checks its numeric fields against its
 table below in `__post_init__`, so nonsense (a negative size, zero where zero means nothing, 10,000 speculative
 tokens, a NaN timeout) is refused before anything starts, with a ValueError that names the flag:
 

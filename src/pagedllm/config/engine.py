@@ -18,7 +18,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from pagedllm.config_bounds import (
+from pagedllm.config.bounds import (
     CACHE_BOUNDS,
     MODEL_BOUNDS,
     SCHEDULER_BOUNDS,
@@ -26,10 +26,9 @@ from pagedllm.config_bounds import (
     STRUCTURED_OUTPUTS_BOUNDS,
     check_bounds,
 )
-from pagedllm.generation_overrides import parse_generation_overrides
-from pagedllm.kv_events_config import KVEventsConfig
-from pagedllm.parallel_config import EXECUTOR_BACKENDS, RAY_EXTRA_HINT, ParallelConfig  # noqa: F401 (defined here before)
-from pagedllm.server_config import ServerConfig, parse_api_keys  # noqa: F401 (defined here before)
+from pagedllm.config.generation_overrides import parse_generation_overrides
+from pagedllm.config.kv_events import KVEventsConfig
+from pagedllm.config.parallel import ParallelConfig
 
 GiB = 1 << 30
 QUANTIZATION_METHODS = ("gguf", "fp8")
