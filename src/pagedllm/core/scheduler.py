@@ -200,7 +200,9 @@ class Scheduler:
         i = 0
         while i < len(running) and token_budget > 0:
             request = running[i]
-            num_new_tokens = len(request.all_token_ids) - request.num_computed_tokens
+            num_new_tokens = len(request.all_token_ids) + request.num_output_placeholders - request.num_computed_tokens
+            if request.num_output_placeholders and self._reaches_limit_in_flight(request):
+                num_new_tokens = 0  # --async-scheduling: the steps in flight already take it to its last token
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             if num_new_tokens > token_budget:
@@ -246,17 +248,17 @@ class Scheduler:
                 i += 1
         step.token_budget = token_budget
 
+    def _reaches_limit_in_flight(self, request: Request) -> bool:  # placeholders exist only in AsyncScheduler
+        return False
+
     def _select_victim(self) -> int:
         """Index in self.running of the lowest-priority, latest-arrived request (fcfs: latest-arrived).
 
         Ties go to the later position in the running list.
         """
-        if self.scheduler_config.scheduling_policy == "priority":
-            key = lambda r: (r.priority, r.arrival_time)
-        else:
-            key = lambda r: r.arrival_time
-        best = 0
-        best_key = key(self.running[0])
+        priority = self.scheduler_config.scheduling_policy == "priority"
+        key = (lambda r: (r.priority, r.arrival_time)) if priority else (lambda r: r.arrival_time)
+        best, best_key = 0, key(self.running[0])
         for index in range(1, len(self.running)):
             k = key(self.running[index])
             if k >= best_key:
@@ -385,6 +387,8 @@ class Scheduler:
             start = num_computed_tokens - num_scheduled  # computed before this step
             index = req_id_to_index.get(req_id)
             new_token_ids = sampled_token_ids[index] if index is not None else None
+            if new_token_ids and request.num_output_placeholders:
+                request.num_output_placeholders -= 1  # --async-scheduling: the token is known now
             drafts = spec_tokens.get(req_id) if spec_tokens else None
             if drafts:
                 # Roll back over the rejected drafts before any block is cached: their K/V stays in blocks
