@@ -5,6 +5,8 @@ again at the end; speculative decoding and pipeline parallelism are refused with
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from pagedllm import SamplingParams
@@ -104,3 +106,15 @@ def test_aborts_while_steps_are_in_flight(engines):
 def test_refused_with_speculative_decoding_and_pipeline_parallelism(kwargs, match):
     with pytest.raises(ValueError, match=f"--async-scheduling is not supported with .*{match}"):
         EngineConfig.from_kwargs(async_scheduling=True, **kwargs)
+
+
+def test_the_flag_is_spelt_as_vllm_spells_it():
+    from pagedllm.entrypoints.cli.serve import add_parser, configs_from_args
+
+    def scheduler_config(*argv):
+        parser = argparse.ArgumentParser(prog="pagedllm")
+        return configs_from_args(add_parser(parser.add_subparsers()).parse_args(list(argv)))[0].scheduler_config
+
+    assert scheduler_config("--async-scheduling").async_scheduling is True
+    assert scheduler_config("--no-async-scheduling").async_scheduling is False
+    assert scheduler_config().async_scheduling is False  # vLLM-CPU turns it off too

@@ -76,9 +76,9 @@ class EngineCore:
             pp_size = config.parallel_config.pipeline_parallel_size
             scheduler_cls = AsyncScheduler if sc.async_scheduling else Scheduler
             self.scheduler = scheduler_cls(sc, cc, self.num_blocks, self.max_model_len, config.speculative_config,
-                                       enable_kv_cache_events=kec is not None and kec.enable_kv_cache_events,
-                                       pipeline_parallel=pp_size > 1,
-                                       kv_cache_layout=kv_cache_layout(info, sc.disable_hybrid_kv_cache_manager))
+                                           enable_kv_cache_events=kec is not None and kec.enable_kv_cache_events,
+                                           pipeline_parallel=pp_size > 1,
+                                           kv_cache_layout=kv_cache_layout(info, sc.disable_hybrid_kv_cache_manager))
             self.async_scheduling = sc.async_scheduling
             self.batch_queue_size = 2 if self.async_scheduling else pp_size
             """Steps kept in flight (vLLM's batch queue): one per pipeline stage, so every stage has work; with
