@@ -45,11 +45,13 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["uni"], choices=["uni", "mp"])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--kv-cache-memory", type=int, default=768 << 20, help="bytes of KV pool per engine")
     args = parser.parse_args()
     engines = {}
     for backend in args.backends:
         for flag in (False, True):
-            kwargs = {"async_scheduling": flag, "distributed_executor_backend": backend}
+            kwargs = {"async_scheduling": flag, "distributed_executor_backend": backend,
+                      "kv_cache_memory": args.kv_cache_memory}
             engines[(backend, flag)] = LLM(args.model, **kwargs) if args.model else LLM(**kwargs)
     for llm in engines.values():  # warm-up
         measure(llm, 4, 8, args.input_len, 0)
