@@ -28,6 +28,8 @@ class FinishedRequestStats:
     queue_time: float
     prefill_time: float
     decode_time: float
+    is_pooling: bool = False
+    """A pooling request (an embedding): prompt tokens, e2e, queue and prefill times only."""
 
 
 @dataclass
@@ -50,6 +52,7 @@ class _RequestTimes:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_generation_tokens: int = 0
+    is_pooling: bool = False
 
 
 class RequestStatsTracker:
@@ -88,6 +91,10 @@ class RequestStatsTracker:
                 times.last_token_time = now
                 times.num_generation_tokens += num_new
                 stats.num_generation_tokens += num_new
+            if output.pooled is not None:  # its prompt is computed: prompt tokens count now (no token is generated)
+                times.is_pooling = True
+                stats.num_prompt_tokens += times.num_prompt_tokens
+                times.first_token_time = now  # the prefill ends here
             if output.finish_reason is not None:
                 self.finish(output.request_id, str(output.finish_reason), stats, now)
         return stats
@@ -100,7 +107,7 @@ def _finished(times: _RequestTimes, finish_reason: str, now: float) -> FinishedR
         finish_reason=finish_reason, e2e_latency=now - times.arrival_time,
         num_prompt_tokens=times.num_prompt_tokens, num_generation_tokens=times.num_generation_tokens,
         queue_time=max(0.0, scheduled - times.arrival_time), prefill_time=max(0.0, first_token - scheduled),
-        decode_time=max(0.0, (times.last_token_time or first_token) - first_token))
+        decode_time=max(0.0, (times.last_token_time or first_token) - first_token), is_pooling=times.is_pooling)
 
 
 class LoggingStatLogger:
