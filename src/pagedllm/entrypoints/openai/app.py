@@ -1,6 +1,7 @@
 """The API server's FastAPI app: its routes over AsyncLLM and its error handlers.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET (and HEAD) /health, GET /version,
+Routes: POST /v1/completions and POST /v1/chat/completions (or, on a pooling server, POST /v1/embeddings only, as
+vLLM registers one kind), GET /v1/models, GET (and HEAD) /health, GET /version,
 POST /tokenize, POST /detokenize, GET /metrics, GET /openapi.json and GET /docs (the OpenAPI document and its
 Swagger page, as vLLM serves them), and GET /debug/kv_cache with --enable-debug-routes. With --api-key every
 route but /health (and /metrics unless --protect-metrics) needs the key, the OpenAPI document included
@@ -22,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedllm
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
+from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest, EmbeddingResponse
 from pagedllm.entrypoints.openai.middleware import API_KEY_SCOPE_KEY, GuardMiddleware, prechecked_route_class
 from pagedllm.entrypoints.openai.openapi import SSE_CONTENT, error_responses, openapi_document
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse, ModelCard, ModelList
@@ -29,6 +31,7 @@ from pagedllm.entrypoints.openai.responses import guard, respond, run_until_disc
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.tenant_salt import tenant_cache_salt
 from pagedllm.entrypoints.openai.tokenize_protocol import (
@@ -53,10 +56,15 @@ def build_app(state: ServerState) -> FastAPI:
     _add_error_handlers(app)
     # one set of tokenizer threads for every route: a big text in any of them delays no small one in another
     serving = (state.engine, state.served_model_names, state.config, TokenizerThreads())
-    completions = OpenAIServingCompletion(*serving)
-    chat = OpenAIServingChat(*serving)
-    tokenization = OpenAIServingTokenization(*serving, chat_prompts=chat.chat_prompts)
-    _add_generation_routes(app, state, completions, chat)
+    limits = getattr(getattr(state.engine, "ready", None), "limits", None)
+    if getattr(limits, "runner_type", "generate") == "pooling":  # as vLLM: one kind of routes, the other is a 404
+        _add_embedding_routes(app, state, OpenAIServingEmbedding(*serving))
+        tokenization = OpenAIServingTokenization(*serving)
+    else:
+        completions = OpenAIServingCompletion(*serving)
+        chat = OpenAIServingChat(*serving)
+        tokenization = OpenAIServingTokenization(*serving, chat_prompts=chat.chat_prompts)
+        _add_generation_routes(app, state, completions, chat)
     _add_info_routes(app, state)
     _add_token_routes(app, state, tokenization)
     if state.config.enable_debug_routes:
@@ -114,6 +122,21 @@ def _add_generation_routes(app: FastAPI, state: ServerState, completions: OpenAI
         return respond(await run_until_disconnect(request, guard(chat.create_chat_completion(body))))
 
     app.include_router(generation)
+
+
+def _add_embedding_routes(app: FastAPI, state: ServerState, embeddings: OpenAIServingEmbedding) -> None:
+    """POST /v1/embeddings (runner pooling), its raw body prechecked against the request caps."""
+    router = APIRouter(route_class=prechecked_route_class(state.config))
+    salt_secret = os.urandom(32)
+
+    @router.post("/v1/embeddings", responses={200: {"model": EmbeddingResponse}, **error_responses(400, 401, 404,
+                                                                                                    413, 503)})
+    async def create_embedding(body: EmbeddingRequest, request: Request):
+        if state.config.cache_salt_from_api_key:
+            body.cache_salt = tenant_cache_salt(salt_secret, request.scope[API_KEY_SCOPE_KEY], body.cache_salt)
+        return respond(await run_until_disconnect(request, guard(embeddings.create_embedding(body))))
+
+    app.include_router(router)
 
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
