@@ -13,8 +13,8 @@ from pagedllm.entrypoints.openai.protocol import PROMPT_SCHEMA, Int, random_uuid
 
 class EmbeddingRequest(OpenAIBaseModel):
     """OpenAI's fields (input, model, encoding_format, dimensions, user) and vLLM's extras. Every field is honoured,
-    or refused with a 400 naming it where a value asks for what is not built (tests/entrypoints/test_embeddings_server.py
-    walks them all)."""
+    or refused with a 400 naming it where a value asks for what is not built
+    (tests/entrypoints/test_embeddings_server.py walks them all)."""
 
     model: str | None = None
     input: Any = Field(..., json_schema_extra=PROMPT_SCHEMA)
