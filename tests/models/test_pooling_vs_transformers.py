@@ -10,6 +10,7 @@ sentence-transformers folder, from its modules.json and 1_Pooling/config.json.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -24,16 +25,26 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Hello", "Paged atten
            "Numbers like 12345 and 2024 appear in text."]
 
 
-def _reference(model_dir: Path, prompt_ids: list[list[int]], pooling: str) -> list[torch.Tensor]:
+@functools.cache
+def _hidden_states(model_dir: Path, ids: tuple[int, ...]) -> torch.Tensor:
+    """transformers' last hidden state (after the final norm) of one prompt: [T, H]."""
+    with torch.no_grad():
+        return _model(model_dir)(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+
+
+@functools.cache
+def _model(model_dir: Path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _reference(model_dir: Path, prompt_ids: list[list[int]], pooling: str) -> list[torch.Tensor]:
     vectors = []
-    with torch.no_grad():
-        for ids in prompt_ids:
-            hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]  # [T, H], normed
-            pooled = {"LAST": hidden[-1], "MEAN": hidden.mean(dim=0), "CLS": hidden[0]}[pooling]
-            vectors.append(torch.nn.functional.normalize(pooled, dim=-1))
+    for ids in prompt_ids:
+        hidden = _hidden_states(model_dir, tuple(ids))
+        pooled = {"LAST": hidden[-1], "MEAN": hidden.mean(dim=0), "CLS": hidden[0]}[pooling]
+        vectors.append(torch.nn.functional.normalize(pooled, dim=-1))
     return vectors
 
 
@@ -67,6 +78,14 @@ def test_llama_pooling_matches_transformers(tiny_llama_dir, pooling):
         assert again.outputs.embedding == llm.embed(PROMPTS, use_tqdm=False)[2].outputs.embedding
     else:  # MEAN and CLS need every row: no prefix-cache hit
         assert llm.embed(PROMPTS[2], use_tqdm=False)[0].num_cached_tokens == 0
+    if pooling == "MEAN":  # 5 blocks, chunks of 8 tokens: the prompts preempt each other, same vectors
+        expected = [o.outputs.embedding for o in llm.embed(PROMPTS * 2, use_tqdm=False)]
+        small = LLM(str(tiny_llama_dir), runner="pooling", pooler_config={"pooling_type": pooling}, dtype="float32",
+                    max_model_len=64, num_gpu_blocks_override=5, max_num_batched_tokens=32,
+                    long_prefill_token_threshold=8)
+        assert [o.outputs.embedding for o in small.embed(PROMPTS * 2, use_tqdm=False)] == expected
+        scheduler = small.llm_engine.engine_core.scheduler
+        assert scheduler.num_preemptions > 0 and scheduler.num_free_blocks == scheduler.num_total_blocks
 
 
 def test_sentence_transformers_folder_decides(tiny_llama_dir, tmp_path):
