@@ -37,7 +37,7 @@ class IterationStats:
     """What one engine step produced, as seen by the frontend."""
 
     num_prompt_tokens: int = 0
-    """Prompt tokens of requests that produced their first token this step."""
+    """Prompt tokens of requests that produced their first token (or, an embedding, their vector) this step."""
     num_generation_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
@@ -91,9 +91,10 @@ class RequestStatsTracker:
                 times.last_token_time = now
                 times.num_generation_tokens += num_new
                 stats.num_generation_tokens += num_new
-            if output.pooled is not None:  # its prompt is computed: prompt tokens count now (no token is generated)
+            if output.pooled is not None:  # an embedding: its prompt is computed, its vector out (no token)
                 times.is_pooling = True
                 stats.num_prompt_tokens += times.num_prompt_tokens
+                stats.time_to_first_tokens.append(now - times.arrival_time)  # vLLM's: the time to the vector
                 times.first_token_time = now  # the prefill ends here
             if output.finish_reason is not None:
                 self.finish(output.request_id, str(output.finish_reason), stats, now)
