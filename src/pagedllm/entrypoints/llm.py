@@ -102,13 +102,21 @@ class LLM:
               truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in input order (vLLM's LLM.embed): `output.outputs.embedding`. Needs a pooling
         model (runner="pooling", or convert="embed"). pooling_params: `dimensions` (matryoshka models) and
-        `use_activation` (normalise), one for all prompts or one per prompt."""
+        `use_activation` (normalise), one for all prompts or one per prompt; truncate_prompt_tokens: keep that many
+        tokens of each prompt (-1: max_model_len)."""
         if self.runner_type != "pooling":  # vLLM's message
             raise ValueError("Embedding API is not supported by this model. Try converting the model using "
                              "`--convert embed`.")
-        if truncate_prompt_tokens is not None:
-            raise ValueError("truncate_prompt_tokens is not supported by pagedllm's LLM.embed.")
         prompts, salts = _as_prompt_list(prompts)
+        if truncate_prompt_tokens is not None:  # vLLM's: keep that many tokens (-1: max_model_len), tokenizer's side
+            limit = truncate_prompt_tokens
+            if limit == -1:
+                limit = self.llm_engine.engine_core.max_model_len
+            if limit < 1:
+                raise ValueError(f"truncate_prompt_tokens must be -1 or positive, got {truncate_prompt_tokens}.")
+            left = getattr(self.get_tokenizer(), "truncation_side", "right") == "left"
+            prompts = [self.llm_engine.tokenize(p) if isinstance(p, str) else p for p in prompts]
+            prompts = [p[-limit:] if left else p[:limit] for p in prompts]
         if isinstance(pooling_params, Sequence):
             if len(pooling_params) != len(prompts):
                 raise ValueError(f"got {len(pooling_params)} PoolingParams for {len(prompts)} prompts")
