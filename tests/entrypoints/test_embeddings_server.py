@@ -6,7 +6,7 @@ base64 answers (the SDK asks for base64 by default and decodes little-endian flo
 input as a string, a list of strings, token ids and lists of token ids; a batch gives the vectors one input at a
 time gives; `dimensions` (matryoshka: cut, then normalised; a value the model does not list is vLLM's 400); usage;
 every declared field of EmbeddingRequest honoured or refused with a 400 naming it; the generation routes are a 404
-on a pooling server and /v1/embeddings a 404 on a generate server (vLLM registers one kind); the metrics count
+on a pooling server (vLLM registers one kind); the metrics count
 prompt tokens, latency and time to the vector, no generation tokens; every KV block is free at the end.
 """
 
@@ -82,12 +82,11 @@ def test_openai_client_float_and_base64(server):
     assert server.wait_idle()["num_free_blocks"] == server.kv_cache()["num_total_blocks"]
 
 
-def test_other_routes_and_runner(server, remote_server_factory):
+def test_generation_routes_are_a_404(server):
+    """vLLM registers one kind of routes (/v1/embeddings on a generate server: test_openai_server.py)."""
     assert server.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi"}).status_code == 404
     assert server.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": [
         {"role": "user", "content": "Hi"}]}).status_code == 404
-    generator = remote_server_factory()
-    assert generator.post("/v1/embeddings", json={"model": MODEL_NAME, "input": "Hi"}).status_code == 404
 
 
 def test_metrics_count_prompt_tokens_not_generation(server):
