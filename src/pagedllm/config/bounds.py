@@ -116,6 +116,7 @@ SERVER_BOUNDS = {
     "max_connections": at_least(1, 1 << 24),
     "header_read_timeout": positive(3600.0),
     "body_read_timeout": positive(DAY_S),
+    "api_server_count": at_least(1, 256),
 }
 
 

@@ -102,6 +102,11 @@ class ServerConfig:
     """Seconds a request's body has to arrive in full after its head; then the connection is closed."""
     enable_debug_routes: bool = False
     """Serve GET /debug/kv_cache (free and total KV blocks, running and waiting requests) for tests."""
+    api_server_count: int = 1
+    """How many API-server processes serve the port, in front of the same engine core(s) (one per data-parallel
+    rank): each one parses, tokenizes, detokenizes and streams its share of the connections, and the engine core
+    batches the requests of all of them together. Metrics are summed over them (prometheus_client's multiprocess
+    mode, in PROMETHEUS_MULTIPROC_DIR or a temporary folder). vLLM's default is the data-parallel size; here 1."""
 
     def __post_init__(self) -> None:
         parse_api_keys(self.api_key)

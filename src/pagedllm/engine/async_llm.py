@@ -84,6 +84,8 @@ class AsyncLLM:
         """Every engine request (child) sent or about to be sent and not finished there -> its request id."""
         self.last_progress_time = [time.monotonic()] * num_replicas
         """Per replica: when it last finished a step (or got work while idle)."""
+        self.num_api_servers = 1
+        """How many API servers share the engine cores (--api-server-count; set by the server)."""
         self.on_death: Callable[[str], None] = lambda reason: None
         """Called once, when the first replica dies: the server stops (fail fast)."""
         self._pending_sends: set[asyncio.Future] = set()
@@ -121,7 +123,11 @@ class AsyncLLM:
     # ---- admission and requests ---------------------------------------------------------------------
 
     def estimated_num_waiting(self) -> int:
-        return sum(max(0, self.router.num_unfinished(replica) - stats.num_running_reqs)
+        """With several API servers (--api-server-count), the engine's running requests are not all this server's:
+        its own unfinished ones less them may be below what the engine reports waiting, so the larger counts."""
+        shared = self.num_api_servers > 1
+        return sum(max(0, self.router.num_unfinished(replica) - stats.num_running_reqs,
+                       stats.num_waiting_reqs if shared else 0)
                    for replica, stats in enumerate(self.scheduler_stats))
 
     def check_admission(self, num_seqs: int = 1) -> None:

@@ -184,7 +184,8 @@ def _add_debug_routes(app: FastAPI, state: ServerState) -> None:
         body = {key: sum(getattr(stats, key) for _, stats in alive)
                 for key in ("num_free_blocks", "num_total_blocks", "total_ref_cnt", "num_running_reqs",
                             "num_waiting_reqs")}
-        body |= {"num_open_requests": engine.num_open_requests, "engine_pid": engine.client.ready.pid}
+        body |= {"num_open_requests": engine.num_open_requests, "engine_pid": engine.client.ready.pid,
+                 "api_server_pid": os.getpid()}  # which API server answered (--api-server-count)
         if len(engine.clients) > 1:  # data parallelism: the sums above, and each replica (null once dead)
             body["engines"] = [None if stats is None else {
                 "engine_pid": client.ready.pid, "num_free_blocks": stats.num_free_blocks,

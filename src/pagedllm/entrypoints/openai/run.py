@@ -1,4 +1,7 @@
-"""Run the server: start the engine core (and load the tokenizer meanwhile), then uvicorn until exit."""
+"""Run the server: start the engine core (and load the tokenizer meanwhile), then uvicorn until exit.
+
+With --api-server-count N > 1, `pagedllm serve` runs api_server_manager.py instead: the parent of N API servers,
+each of which runs `run` here with `shared`: the engine cores and the listening socket the parent made."""
 
 from __future__ import annotations
 
@@ -7,12 +10,15 @@ import dataclasses
 import functools
 import logging
 import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from socket import socket
 
 import uvicorn
 
 from pagedllm.config import EngineConfig, ModelConfig, ServerConfig
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.engine.core_client import EngineStartupError, start_engine_cores
+from pagedllm.engine.core_client import EngineCoreClient, EngineStartupError, start_engine_cores
 from pagedllm.entrypoints.openai.app import build_app
 from pagedllm.entrypoints.openai.chat_template import load_chat_template
 from pagedllm.entrypoints.openai.connection_limits import (
@@ -29,7 +35,17 @@ from pagedllm.gc_heap import freeze_gc_heap
 logger = logging.getLogger(__name__)
 
 
-def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+@dataclass
+class SharedEngines:
+    """What an API server of several (--api-server-count) gets from its parent: the listening socket, and how to
+    attach to the engine cores the parent started (an awaitable of their clients, taking the startup timeout)."""
+
+    client_index: int
+    socket: socket
+    attach: Callable[[float], Awaitable[list[EngineCoreClient]]]
+
+
+def run(engine_config: EngineConfig, server_config: ServerConfig, shared: SharedEngines | None = None) -> int:
     """Serve until SIGTERM/SIGINT or engine death. Returns the process exit code.
 
     With PAGEDLLM_API_PROFILE=PATH in the environment, the event loop's thread runs under cProfile and its stats
@@ -43,7 +59,7 @@ def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         profiler.enable()
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            return runner.run(run_server(engine_config, server_config))
+            return runner.run(run_server(engine_config, server_config, shared))
     except KeyboardInterrupt:
         return 0
     finally:
@@ -78,7 +94,7 @@ async def _load_tokenizer_soon(mc: ModelConfig) -> asyncio.Future | None:
     return asyncio.ensure_future(asyncio.to_thread(get_tokenizer, source))
 
 
-async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:
+async def run_server(engine_config: EngineConfig, sc: ServerConfig, shared: SharedEngines | None = None) -> int:
     try:
         chat_template = None if sc.chat_template is None else load_chat_template(sc.chat_template)
     except (OSError, ValueError) as e:
@@ -99,7 +115,10 @@ async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:
         scheduler_config=dataclasses.replace(engine_config.scheduler_config, max_num_queued_reqs=None),
         parallel_config=dataclasses.replace(engine_config.parallel_config, data_parallel_size=1))
     try:
-        clients = await start_engine_cores(core_config, num_replicas, sc.engine_startup_timeout)
+        if shared is None:
+            clients = await start_engine_cores(core_config, num_replicas, sc.engine_startup_timeout)
+        else:
+            clients = await shared.attach(sc.engine_startup_timeout)
     except EngineStartupError as e:
         logger.error("The engine core failed to start: %s", e)
         tokenizer_task.cancel()
@@ -115,8 +134,9 @@ async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:
         tokenizer.chat_template = chat_template
     names = list(mc.served_model_name or [clients[0].ready.model_name])
     engine = AsyncLLM(clients, tokenizer, names[0], engine_config.scheduler_config.max_num_queued_reqs,
-                      log_stats=not sc.disable_log_stats, watchdog_timeout_s=sc.engine_hang_timeout or None,
-                      max_buffered_outputs=sc.max_buffered_outputs)
+                      log_stats=not sc.disable_log_stats and (shared is None or shared.client_index == 0),
+                      watchdog_timeout_s=sc.engine_hang_timeout or None, max_buffered_outputs=sc.max_buffered_outputs)
+    engine.num_api_servers = sc.api_server_count
     state = ServerState(engine, sc, names)
     limits = ConnectionLimits(effective_max_connections(sc.max_connections, fd_limit), sc.header_read_timeout,
                               sc.body_read_timeout)
@@ -128,10 +148,14 @@ async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:
     engine.on_death = lambda reason: server.exit_later(sc.engine_death_exit_delay)
     if engine.is_dead:  # a replica died while the others were starting: fail fast all the same
         engine.on_death(engine.dead_reason)
-    logger.info("Serving %s on http://%s:%d", names[0], sc.host or "0.0.0.0", sc.port)
+    if shared is None:
+        logger.info("Serving %s on http://%s:%d", names[0], sc.host or "0.0.0.0", sc.port)
+    else:
+        logger.info("API server %d (pid %d) serving %s on http://%s:%d", shared.client_index, os.getpid(), names[0],
+                    sc.host or "0.0.0.0", sc.port)
     freeze_gc_heap()
     try:
-        await server.serve()
+        await server.serve(sockets=None if shared is None else [shared.socket])
     finally:
         engine.shutdown()
     if engine.is_dead:
