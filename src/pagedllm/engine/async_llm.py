@@ -38,6 +38,7 @@ from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.messages import EngineCoreRequest, FromEngine, Outputs, Ready, Rejected, SchedulerStats, UtilityResult
 from pagedllm.metrics.loggers import IterationStats, LoggingStatLogger, RequestStatsTracker
 from pagedllm.metrics.prometheus import PrometheusStatLogger
+from pagedllm.metrics.tracing import RequestTrace, RequestTracer, current_request_trace
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -84,6 +85,10 @@ class AsyncLLM:
         """Every engine request (child) sent or about to be sent and not finished there -> its request id."""
         self.last_progress_time = [time.monotonic()] * num_replicas
         """Per replica: when it last finished a step (or got work while idle)."""
+        self.tracer: RequestTracer | None = None
+        """--otlp-traces-endpoint: one span per finished engine request (set by the server)."""
+        self._pending_traces: dict[str, tuple[RequestTrace, SamplingParams]] = {}
+        """With a tracer: each engine request not yet sent -> its request's trace and parameters."""
         self.num_api_servers = 1
         """How many API servers share the engine cores (--api-server-count; set by the server)."""
         self.on_death: Callable[[str], None] = lambda reason: None
@@ -175,6 +180,10 @@ class AsyncLLM:
             self.last_progress_time[replica] = time.monotonic()
         for request in requests:
             self._engine_to_request[request.request_id] = request_id
+        if self.tracer is not None:
+            trace = current_request_trace.get() or RequestTrace()
+            for request in requests:
+                self._pending_traces[request.request_id] = (trace, params)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.queues[request_id] = queue
         self._send_add(requests[0])
@@ -244,6 +253,7 @@ class AsyncLLM:
         """An engine request is over (finished, rejected, aborted, failed to send): drop it from the frontend's
         counts. Returns its replica (None if it was already forgotten)."""
         self._engine_to_request.pop(engine_id, None)
+        self._pending_traces.pop(engine_id, None)
         return self.router.release(engine_id)
 
     # ---- sends that never wait (safe in finally blocks of cancelled tasks) ---------------------------
@@ -252,7 +262,8 @@ class AsyncLLM:
         replica = self.router.replica_of(request.request_id)
         if replica is None:  # aborted before it could be sent
             return
-        self.stats_tracker.add(request.request_id, request.arrival_time, len(request.prompt_token_ids))
+        self.stats_tracker.add(request.request_id, request.arrival_time, len(request.prompt_token_ids),
+                               self._pending_traces.pop(request.request_id, None))
         self._track(self.clients[replica].add_request(request), replica, request.request_id)
 
     def _send_abort(self, replica: int, engine_ids: list[str]) -> None:
@@ -367,6 +378,11 @@ class AsyncLLM:
 
     def _record(self, replica: int, scheduler_stats: SchedulerStats | None, stats: IterationStats | None) -> None:
         self.prometheus.record(scheduler_stats, stats, engine=replica)
+        if self.tracer is not None and stats is not None:
+            for finished in stats.finished_requests:
+                if finished.trace is not None:
+                    trace, params = finished.trace
+                    self.tracer.record(trace, params, finished)
         if self.log_loggers:
             self.log_loggers[replica].record(scheduler_stats, stats)
 
@@ -427,3 +443,5 @@ class AsyncLLM:
                 client.request_stop()
         for client in self.clients:
             client.shutdown()
+        if self.tracer is not None:
+            self.tracer.shutdown()  # the spans still queued are exported now

@@ -51,7 +51,12 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     model = args.model or args.model_tag
     if args.model and args.model_tag and args.model != args.model_tag:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}.")
-    return EngineConfig.from_kwargs(model=model, **engine_kwargs), ServerConfig(**server_kwargs)
+    server_config = ServerConfig(**server_kwargs)
+    if server_config.otlp_traces_endpoint is not None:
+        from pagedllm.metrics.tracing import check_tracing_available
+
+        check_tracing_available()
+    return EngineConfig.from_kwargs(model=model, **engine_kwargs), server_config
 
 
 def cmd(args: argparse.Namespace) -> int:

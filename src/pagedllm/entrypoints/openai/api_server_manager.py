@@ -21,7 +21,6 @@ and stops.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
@@ -37,6 +36,7 @@ import msgspec
 from pagedllm.config import EngineConfig, ServerConfig
 from pagedllm.engine.core_client import _stop_process, data_parallel_env, spawn_engine_core
 from pagedllm.entrypoints.openai.api_server_proc import APIServerSpec, EngineAddress
+from pagedllm.entrypoints.openai.run import engine_core_config
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +74,7 @@ class APIServerManager:
     def start(self, sock: socket.socket) -> None:
         num_servers = self.sc.api_server_count
         num_replicas = self.engine_config.parallel_config.data_parallel_size
-        core_config = dataclasses.replace(
-            self.engine_config,
-            scheduler_config=dataclasses.replace(self.engine_config.scheduler_config, max_num_queued_reqs=None),
-            parallel_config=dataclasses.replace(self.engine_config.parallel_config, data_parallel_size=1))
+        core_config = engine_core_config(self.engine_config)
         engine_env, threads = data_parallel_env(num_replicas) if num_replicas > 1 else (self.env, None)
         addresses: list[list[EngineAddress]] = [[] for _ in range(num_servers)]
         for rank in range(num_replicas):

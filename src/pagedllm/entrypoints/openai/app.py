@@ -39,6 +39,7 @@ from pagedllm.entrypoints.openai.tokenize_protocol import (
 )
 from pagedllm.entrypoints.openai.tokenizer_threads import TokenizerThreads
 from pagedllm.log_escape import escape_control
+from pagedllm.metrics.tracing import TRACE_HEADERS, RequestTrace, current_request_trace
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,9 @@ def _add_generation_routes(app: FastAPI, state: ServerState, completions: OpenAI
     salt_secret = os.urandom(32)
 
     def apply_tenant_salt(body, request: Request) -> None:
+        if state.config.otlp_traces_endpoint is not None:  # this request's spans: its trace headers
+            current_request_trace.set(RequestTrace({h: request.headers[h] for h in TRACE_HEADERS
+                                                    if h in request.headers}))
         if state.config.cache_salt_from_api_key:
             body.cache_salt = tenant_cache_salt(salt_secret, request.scope[API_KEY_SCOPE_KEY], body.cache_salt)
 

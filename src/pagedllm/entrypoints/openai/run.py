@@ -94,6 +94,25 @@ async def _load_tokenizer_soon(mc: ModelConfig) -> asyncio.Future | None:
     return asyncio.ensure_future(asyncio.to_thread(get_tokenizer, source))
 
 
+def engine_core_config(engine_config: EngineConfig) -> EngineConfig:
+    """What each engine core runs. The API server admits or refuses whole requests against --max-num-queued-reqs
+    (AsyncLLM.check_admission): the engine core must not refuse one child of an admitted request (n > 1, a list of
+    prompts). Data parallelism: N engine cores of the same configuration, each one whole replica."""
+    return dataclasses.replace(
+        engine_config,
+        scheduler_config=dataclasses.replace(engine_config.scheduler_config, max_num_queued_reqs=None),
+        parallel_config=dataclasses.replace(engine_config.parallel_config, data_parallel_size=1))
+
+
+def _make_tracer(sc: ServerConfig, model_name: str):
+    """--otlp-traces-endpoint: the span exporter (None without the flag)."""
+    if sc.otlp_traces_endpoint is None:
+        return None
+    from pagedllm.metrics.tracing import RequestTracer
+
+    return RequestTracer(sc.otlp_traces_endpoint, model_name)
+
+
 async def run_server(engine_config: EngineConfig, sc: ServerConfig, shared: SharedEngines | None = None) -> int:
     try:
         chat_template = None if sc.chat_template is None else load_chat_template(sc.chat_template)
@@ -106,17 +125,11 @@ async def run_server(engine_config: EngineConfig, sc: ServerConfig, shared: Shar
     tokenizer_task = await _load_tokenizer_soon(mc)
     if tokenizer_task is None:
         return 1
-    # The API server admits or refuses whole requests against --max-num-queued-reqs (AsyncLLM.check_admission):
-    # the engine core must not refuse one child of an admitted request (n > 1, a list of prompts).
-    # Data parallelism: N engine cores of the same configuration, each one whole replica.
-    num_replicas = engine_config.parallel_config.data_parallel_size
-    core_config = dataclasses.replace(
-        engine_config,
-        scheduler_config=dataclasses.replace(engine_config.scheduler_config, max_num_queued_reqs=None),
-        parallel_config=dataclasses.replace(engine_config.parallel_config, data_parallel_size=1))
     try:
         if shared is None:
-            clients = await start_engine_cores(core_config, num_replicas, sc.engine_startup_timeout)
+            clients = await start_engine_cores(engine_core_config(engine_config),
+                                               engine_config.parallel_config.data_parallel_size,
+                                               sc.engine_startup_timeout)
         else:
             clients = await shared.attach(sc.engine_startup_timeout)
     except EngineStartupError as e:
@@ -137,6 +150,7 @@ async def run_server(engine_config: EngineConfig, sc: ServerConfig, shared: Shar
                       log_stats=not sc.disable_log_stats and (shared is None or shared.client_index == 0),
                       watchdog_timeout_s=sc.engine_hang_timeout or None, max_buffered_outputs=sc.max_buffered_outputs)
     engine.num_api_servers = sc.api_server_count
+    engine.tracer = _make_tracer(sc, names[0])
     state = ServerState(engine, sc, names)
     limits = ConnectionLimits(effective_max_connections(sc.max_connections, fd_limit), sc.header_read_timeout,
                               sc.body_read_timeout)
@@ -148,11 +162,8 @@ async def run_server(engine_config: EngineConfig, sc: ServerConfig, shared: Shar
     engine.on_death = lambda reason: server.exit_later(sc.engine_death_exit_delay)
     if engine.is_dead:  # a replica died while the others were starting: fail fast all the same
         engine.on_death(engine.dead_reason)
-    if shared is None:
-        logger.info("Serving %s on http://%s:%d", names[0], sc.host or "0.0.0.0", sc.port)
-    else:
-        logger.info("API server %d (pid %d) serving %s on http://%s:%d", shared.client_index, os.getpid(), names[0],
-                    sc.host or "0.0.0.0", sc.port)
+    logger.info("%sServing %s on http://%s:%d", "" if shared is None else f"API server {shared.client_index} (pid "
+                f"{os.getpid()}): ", names[0], sc.host or "0.0.0.0", sc.port)
     freeze_gc_heap()
     try:
         await server.serve(sockets=None if shared is None else [shared.socket])

@@ -17,6 +17,7 @@ from pagedllm.entrypoints.openai.protocol import MAX_REQUEST_ID_LEN, SamplingFie
 from pagedllm.entrypoints.openai.request_caps import check_request_caps, n_above_cap
 from pagedllm.entrypoints.openai.tokenizer_threads import TokenizerThreads
 from pagedllm.log_escape import escape_control
+from pagedllm.metrics.tracing import current_request_trace
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -139,6 +140,8 @@ class OpenAIServing:
         if not 1 <= params.n <= self.config.max_n:
             raise n_above_cap(params.n, self.config)
         engine_id = f"{request_id}-{random_uuid()[:8]}"
+        if (trace := current_request_trace.get()) is not None:  # --otlp-traces-endpoint: the span's request id
+            trace.request_id = request_id
         if not self.config.disable_log_requests:
             logger.info("Received request %s: %d prompt(s), %d prompt tokens, params %s", escape_control(engine_id),
                         len(prompts), sum(len(ids) for _, ids in prompts), escape_control(_short(params)))
