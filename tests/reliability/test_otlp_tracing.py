@@ -58,7 +58,7 @@ def grpc_collector():
 
 def test_spans_reach_the_collector_with_vllm_attributes_and_the_callers_trace(server_factory, grpc_collector):
     collector, endpoint = grpc_collector
-    server = server_factory("--otlp-traces-endpoint", endpoint, name="otlp")
+    server = server_factory("--otlp-traces-endpoint", endpoint, "--api-server-count", "2", name="otlp")  # each exports
     client = server.client()
     plain = client.completions.create(model=MODEL_NAME, prompt="Hello there", max_tokens=5, n=2, temperature=0.5,
                                       top_p=0.9, seed=1, extra_body={"ignore_eos": True})
