@@ -77,6 +77,7 @@ class APIServerManager:
         core_config = engine_core_config(self.engine_config)
         engine_env, threads = data_parallel_env(num_replicas) if num_replicas > 1 else (self.env, None)
         addresses: list[list[EngineAddress]] = [[] for _ in range(num_servers)]
+        salt_secret = os.urandom(32)
         for rank in range(num_replicas):
             inputs = [f"ipc://{self.socket_dir}/e{rank}-s{i}-input" for i in range(num_servers)]
             outputs = [f"ipc://{self.socket_dir}/e{rank}-s{i}-output" for i in range(num_servers)]
@@ -87,7 +88,7 @@ class APIServerManager:
         logger.info("engine cores started: %s%s", ", ".join(f"pid {p.pid}" for p in self.engines),
                     "" if threads is None else f" (data parallel size {num_replicas}, {threads} threads each)")
         for i in range(num_servers):
-            spec = APIServerSpec(self.engine_config, self.sc, i, sock.fileno(), addresses[i])
+            spec = APIServerSpec(self.engine_config, self.sc, i, sock.fileno(), addresses[i], salt_secret)
             proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.openai.api_server_proc"],
                                     stdin=subprocess.PIPE, pass_fds=(sock.fileno(),), env=self.env,
                                     start_new_session=True)

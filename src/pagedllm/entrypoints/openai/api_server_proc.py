@@ -43,6 +43,8 @@ class APIServerSpec(msgspec.Struct):
     listen_fd: int
     engines: list[EngineAddress]
     """One per data-parallel rank, in rank order."""
+    salt_secret: bytes
+    """--cache-salt-from-api-key's key, made by the parent: one for all the API servers."""
 
 
 async def attach_engine_cores(engines: list[EngineAddress], client_index: int,
@@ -84,7 +86,7 @@ def main() -> int:
     threading.Thread(target=_stop_when_parent_dies, name="parent-watch", daemon=True).start()
     sock = socket.socket(fileno=spec.listen_fd)
     shared = SharedEngines(spec.client_index, sock, lambda timeout_s: attach_engine_cores(
-        spec.engines, spec.client_index, timeout_s))
+        spec.engines, spec.client_index, timeout_s), spec.salt_secret)
     return run(spec.engine_config, spec.server_config, shared)
 
 

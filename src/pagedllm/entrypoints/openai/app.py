@@ -94,14 +94,13 @@ def _add_generation_routes(app: FastAPI, state: ServerState, completions: OpenAI
                            chat: OpenAIServingChat) -> None:
     """POST /v1/completions and /v1/chat/completions, their raw bodies prechecked against the request caps."""
     generation = APIRouter(route_class=prechecked_route_class(state.config))
-    salt_secret = os.urandom(32)
 
     def apply_tenant_salt(body, request: Request) -> None:
         if state.config.otlp_traces_endpoint is not None:  # this request's spans: its trace headers
             current_request_trace.set(RequestTrace({h: request.headers[h] for h in TRACE_HEADERS
                                                     if h in request.headers}))
         if state.config.cache_salt_from_api_key:
-            body.cache_salt = tenant_cache_salt(salt_secret, request.scope[API_KEY_SCOPE_KEY], body.cache_salt)
+            body.cache_salt = tenant_cache_salt(state.salt_secret, request.scope[API_KEY_SCOPE_KEY], body.cache_salt)
 
     generation_errors = error_responses(400, 401, 404, 413, 503)
 

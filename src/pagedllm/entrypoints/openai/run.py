@@ -43,6 +43,8 @@ class SharedEngines:
     client_index: int
     socket: socket
     attach: Callable[[float], Awaitable[list[EngineCoreClient]]]
+    salt_secret: bytes
+    """--cache-salt-from-api-key's key, the same in every API server."""
 
 
 def run(engine_config: EngineConfig, server_config: ServerConfig, shared: SharedEngines | None = None) -> int:
@@ -151,7 +153,7 @@ async def run_server(engine_config: EngineConfig, sc: ServerConfig, shared: Shar
                       watchdog_timeout_s=sc.engine_hang_timeout or None, max_buffered_outputs=sc.max_buffered_outputs)
     engine.num_api_servers = sc.api_server_count
     engine.tracer = _make_tracer(sc, names[0])
-    state = ServerState(engine, sc, names)
+    state = ServerState(engine, sc, names, salt_secret=os.urandom(32) if shared is None else shared.salt_secret)
     limits = ConnectionLimits(effective_max_connections(sc.max_connections, fd_limit), sc.header_read_timeout,
                               sc.body_read_timeout)
     config = uvicorn.Config(build_app(state), host=sc.host or "0.0.0.0", port=sc.port,
