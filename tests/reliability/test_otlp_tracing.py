@@ -56,6 +56,7 @@ def grpc_collector():
     server.stop(0)
 
 
+@pytest.mark.slow
 def test_spans_reach_the_collector_with_vllm_attributes_and_the_callers_trace(server_factory, grpc_collector):
     collector, endpoint = grpc_collector
     server = server_factory("--otlp-traces-endpoint", endpoint, "--api-server-count", "2", name="otlp")  # each exports
