@@ -1,8 +1,9 @@
 """The API server's FastAPI app: its routes over AsyncLLM and its error handlers.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET (and HEAD) /health, GET /version,
-POST /tokenize, POST /detokenize, GET /metrics, GET /openapi.json and GET /docs (the OpenAPI document and its
-Swagger page, as vLLM serves them), and GET /debug/kv_cache with --enable-debug-routes. With --api-key every
+POST /tokenize, POST /detokenize, GET /metrics, GET /openapi.json, GET /docs and GET /redoc (the OpenAPI document
+and its Swagger and ReDoc pages, as vLLM serves them, unless --disable-fastapi-docs), and GET /debug/kv_cache with
+--enable-debug-routes. CORS and X-Request-Id headers: middleware.py. With --api-key every
 route but /health (and /metrics unless --protect-metrics) needs the key, the OpenAPI document included
 (middleware.py). run.py serves the app; draining.py handles SIGTERM.
 """
@@ -22,7 +23,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedllm
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
-from pagedllm.entrypoints.openai.middleware import API_KEY_SCOPE_KEY, GuardMiddleware, prechecked_route_class
+from pagedllm.entrypoints.openai.middleware import (
+    API_KEY_SCOPE_KEY,
+    GuardMiddleware,
+    add_outer_middleware,
+    prechecked_route_class,
+)
 from pagedllm.entrypoints.openai.openapi import SSE_CONTENT, error_responses, openapi_document
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse, ModelCard, ModelList
 from pagedllm.entrypoints.openai.responses import guard, respond, run_until_disconnect
@@ -44,12 +50,16 @@ logger = logging.getLogger(__name__)
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="pagedllm", version=pagedllm.__version__, docs_url="/docs", redoc_url=None,
-                  openapi_url="/openapi.json",
+    docs = not state.config.disable_fastapi_docs
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None,
                   description="An OpenAI-compatible LLM server (vLLM's API: OpenAI's fields plus vLLM's sampling "
                               "extras). Errors are `{\"error\": {message, type, param, code}}`.")
+    if state.config.root_path:
+        app.root_path = state.config.root_path  # as vLLM sets it (FastAPI puts it in each request's scope)
     app.openapi = lambda: openapi_document(app)
     app.add_middleware(GuardMiddleware, state=state)
+    add_outer_middleware(app, state.config)
     _add_error_handlers(app)
     # one set of tokenizer threads for every route: a big text in any of them delays no small one in another
     serving = (state.engine, state.served_model_names, state.config, TokenizerThreads())

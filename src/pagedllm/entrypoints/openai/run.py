@@ -7,8 +7,10 @@ import dataclasses
 import functools
 import logging
 import os
+import ssl
 
 import uvicorn
+import uvicorn.config
 
 from pagedllm.config import EngineConfig, ModelConfig, ServerConfig
 from pagedllm.engine.async_llm import AsyncLLM
@@ -78,11 +80,37 @@ async def _load_tokenizer_soon(mc: ModelConfig) -> asyncio.Future | None:
     return asyncio.ensure_future(asyncio.to_thread(get_tokenizer, source))
 
 
+def ssl_options(sc: ServerConfig) -> dict:
+    """uvicorn's TLS settings from --ssl-keyfile, --ssl-certfile, --ssl-ca-certs, --ssl-cert-reqs and
+    --ssl-ciphers (none without --ssl-certfile: plain HTTP), as vLLM passes them."""
+    if not sc.tls:
+        return {}
+    return {"ssl_keyfile": sc.ssl_keyfile, "ssl_certfile": sc.ssl_certfile, "ssl_ca_certs": sc.ssl_ca_certs,
+            "ssl_cert_reqs": sc.ssl_cert_reqs, "ssl_ciphers": sc.ssl_ciphers}
+
+
+def check_ssl_options(sc: ServerConfig) -> str | None:
+    """Why the TLS files or ciphers cannot make a TLS context (a message for the user), or None: checked before
+    the engine starts, so a wrong path fails in a second, not after the model has loaded."""
+    if not sc.tls:
+        return None
+    try:
+        uvicorn.config.create_ssl_context(sc.ssl_certfile, sc.ssl_keyfile, None, ssl.PROTOCOL_TLS_SERVER,
+                                          sc.ssl_cert_reqs, sc.ssl_ca_certs, sc.ssl_ciphers)
+    except (OSError, ssl.SSLError, ValueError) as e:
+        return f"Cannot set up TLS from --ssl-certfile/--ssl-keyfile/--ssl-ca-certs/--ssl-ciphers: {e}"
+    return None
+
+
 async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:
     try:
         chat_template = None if sc.chat_template is None else load_chat_template(sc.chat_template)
     except (OSError, ValueError) as e:
         logger.error("%s", e)
+        return 1
+    tls_problem = check_ssl_options(sc)
+    if tls_problem is not None:
+        logger.error("%s", tls_problem)
         return 1
     fd_limit = raise_fd_limit()
     asyncio.get_running_loop().set_exception_handler(RateLimitedLoopErrors())
@@ -123,12 +151,14 @@ async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:
     config = uvicorn.Config(build_app(state), host=sc.host or "0.0.0.0", port=sc.port,
                             log_level=sc.uvicorn_log_level, timeout_graceful_shutdown=5,
                             timeout_keep_alive=5, http=functools.partial(ConnectionLimitedH11Protocol, limits=limits),
-                            h11_max_incomplete_event_size=sc.max_header_bytes)
+                            h11_max_incomplete_event_size=sc.max_header_bytes,
+                            access_log=not sc.disable_uvicorn_access_log, **ssl_options(sc))
     server = DrainingServer(config, state, sc.drain_timeout)
     engine.on_death = lambda reason: server.exit_later(sc.engine_death_exit_delay)
     if engine.is_dead:  # a replica died while the others were starting: fail fast all the same
         engine.on_death(engine.dead_reason)
-    logger.info("Serving %s on http://%s:%d", names[0], sc.host or "0.0.0.0", sc.port)
+    logger.info("Serving %s on %s://%s:%d%s", names[0], "https" if sc.tls else "http", sc.host or "0.0.0.0", sc.port,
+                sc.root_path or "")
     freeze_gc_heap()
     try:
         await server.serve()
