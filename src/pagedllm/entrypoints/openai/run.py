@@ -80,6 +80,14 @@ async def _load_tokenizer_soon(mc: ModelConfig) -> asyncio.Future | None:
     return asyncio.ensure_future(asyncio.to_thread(get_tokenizer, source))
 
 
+def uvicorn_config(app, sc: ServerConfig, limits: ConnectionLimits) -> uvicorn.Config:
+    return uvicorn.Config(app, host=sc.host or "0.0.0.0", port=sc.port, log_level=sc.uvicorn_log_level,
+                          timeout_graceful_shutdown=5, timeout_keep_alive=5,
+                          http=functools.partial(ConnectionLimitedH11Protocol, limits=limits),
+                          h11_max_incomplete_event_size=sc.max_header_bytes,
+                          access_log=not sc.disable_uvicorn_access_log, **ssl_options(sc))
+
+
 def ssl_options(sc: ServerConfig) -> dict:
     """uvicorn's TLS settings from --ssl-keyfile, --ssl-certfile, --ssl-ca-certs, --ssl-cert-reqs and
     --ssl-ciphers (none without --ssl-certfile: plain HTTP), as vLLM passes them."""
@@ -148,12 +156,7 @@ async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:
     state = ServerState(engine, sc, names)
     limits = ConnectionLimits(effective_max_connections(sc.max_connections, fd_limit), sc.header_read_timeout,
                               sc.body_read_timeout)
-    config = uvicorn.Config(build_app(state), host=sc.host or "0.0.0.0", port=sc.port,
-                            log_level=sc.uvicorn_log_level, timeout_graceful_shutdown=5,
-                            timeout_keep_alive=5, http=functools.partial(ConnectionLimitedH11Protocol, limits=limits),
-                            h11_max_incomplete_event_size=sc.max_header_bytes,
-                            access_log=not sc.disable_uvicorn_access_log, **ssl_options(sc))
-    server = DrainingServer(config, state, sc.drain_timeout)
+    server = DrainingServer(uvicorn_config(build_app(state), sc, limits), state, sc.drain_timeout)
     engine.on_death = lambda reason: server.exit_later(sc.engine_death_exit_delay)
     if engine.is_dead:  # a replica died while the others were starting: fail fast all the same
         engine.on_death(engine.dead_reason)
