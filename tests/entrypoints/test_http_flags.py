@@ -1,8 +1,8 @@
 """vLLM's API-server flags, each through a real `pagedllm serve` and real HTTP: --root-path, CORS (--allowed-origins,
 --allowed-methods, --allowed-headers, --allow-credentials), TLS (--ssl-keyfile, --ssl-certfile, --ssl-ca-certs,
---ssl-cert-reqs, --ssl-ciphers), request logging (--enable-log-requests, --enable-log-outputs, --max-log-len),
---response-role, --return-tokens-as-token-ids, --enable-prompt-tokens-details, --enable-force-include-usage,
---enable-request-id-headers, --disable-fastapi-docs and --disable-uvicorn-access-log.
+--ssl-cert-reqs, --ssl-ciphers, --enable-ssl-refresh), request logging (--enable-log-requests, --enable-log-outputs,
+--max-log-len), --response-role, --return-tokens-as-token-ids, --enable-prompt-tokens-details,
+--enable-force-include-usage, --enable-request-id-headers, --disable-fastapi-docs and --disable-uvicorn-access-log.
 
 Two servers: one over plain HTTP with all the other flags on, and one over mutual TLS with the defaults of the others
 (docs off), so that each flag is seen on and off."""
@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shutil
 import socket
 import ssl
 import subprocess
@@ -73,20 +75,29 @@ class Server:
             self.proc.wait()
 
 
-def _certificates(folder: Path) -> dict[str, Path]:
-    """A CA, and a server and a client certificate it signs (EC keys, 127.0.0.1), made by the openssl CLI."""
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
+EC_KEY = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
 
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=pagedllm-test-ca")
+
+def _openssl(folder: Path, *args: str) -> None:
+    subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
+
+
+def _sign(folder: Path, name: str) -> None:
+    """`name`.key and `name`.pem in `folder`: a new EC key and its certificate for 127.0.0.1, signed by ca.pem."""
     (folder / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\nbasicConstraints=critical,CA:FALSE\n"
                                     "keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth,clientAuth\n"
                                     "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n")
+    _openssl(folder, "req", "-new", *EC_KEY, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+    _openssl(folder, "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+             "-out", f"{name}.pem", "-days", "2", "-extfile", "ext.cnf")
+
+
+def _certificates(folder: Path) -> dict[str, Path]:
+    """A CA, and a server and a client certificate it signs (EC keys, 127.0.0.1), made by the openssl CLI."""
+    _openssl(folder, "req", "-x509", *EC_KEY, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj",
+             "/CN=pagedllm-test-ca")
     for name in ("server", "client"):
-        run("req", "-new", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", f"{name}.pem", "-days", "2", "-extfile", "ext.cnf")
+        _sign(folder, name)
     return {name: folder / name for name in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
 
 
@@ -106,9 +117,13 @@ def servers(tiny_llama_dir, tmp_path_factory, certs):
                      "--response-role", "bot", "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
                      "--enable-force-include-usage", "--enable-request-id-headers", "--disable-uvicorn-access-log",
                      "--uvicorn-log-level", "info")
-    tls = Server(tiny_llama_dir, logs / "tls.log", "https", "--ssl-keyfile", str(certs["server.key"]),
-                 "--ssl-certfile", str(certs["server.pem"]), "--ssl-ca-certs", str(certs["ca.pem"]),
-                 "--ssl-cert-reqs", "2", "--ssl-ciphers", CIPHER, "--disable-fastapi-docs",
+    serving = certs["ca.pem"].parent / "serving"  # the server's own copies: test_ssl_refresh replaces them
+    serving.mkdir(exist_ok=True)
+    for name in ("server.key", "server.pem"):
+        shutil.copy(certs[name], serving / name)
+    tls = Server(tiny_llama_dir, logs / "tls.log", "https", "--ssl-keyfile", str(serving / "server.key"),
+                 "--ssl-certfile", str(serving / "server.pem"), "--ssl-ca-certs", str(certs["ca.pem"]),
+                 "--ssl-cert-reqs", "2", "--ssl-ciphers", CIPHER, "--enable-ssl-refresh", "--disable-fastapi-docs",
                  "--uvicorn-log-level", "info")
     try:
         flagged.wait_ready(httpx.Client(timeout=5))
@@ -228,21 +243,54 @@ def test_mutual_tls(tls, certs):
         httpx.get(tls.url.replace("https", "http") + "/health")  # no plain HTTP
 
 
+def _handshake(tls: Server, certs, ciphers: str | None = None, tls12: bool = False) -> ssl.SSLSocket:
+    """A TLS connection to `tls` with the client certificate (closed by the caller)."""
+    context = ssl.create_default_context(cafile=str(certs["ca.pem"]))
+    context.load_cert_chain(str(certs["client.pem"]), str(certs["client.key"]))
+    if tls12:
+        context.maximum_version = ssl.TLSVersion.TLSv1_2
+    if ciphers:
+        context.set_ciphers(ciphers)
+    raw = socket.create_connection(("127.0.0.1", tls.port), timeout=10)
+    try:
+        return context.wrap_socket(raw, server_hostname="127.0.0.1")
+    except BaseException:
+        raw.close()
+        raise
+
+
 def test_ssl_ciphers(tls, certs):
     """TLS 1.2 (the ciphers flag's range) negotiates the one cipher given; a client without it is refused."""
-    def handshake(ciphers: str | None) -> str:
-        context = ssl.create_default_context(cafile=str(certs["ca.pem"]))
-        context.load_cert_chain(str(certs["client.pem"]), str(certs["client.key"]))
-        context.maximum_version = ssl.TLSVersion.TLSv1_2
-        if ciphers:
-            context.set_ciphers(ciphers)
-        with socket.create_connection(("127.0.0.1", tls.port), timeout=10) as raw, \
-                context.wrap_socket(raw, server_hostname="127.0.0.1") as conn:
-            return conn.cipher()[0]
-
-    assert handshake(None) == CIPHER
+    with _handshake(tls, certs, tls12=True) as conn:
+        assert conn.cipher()[0] == CIPHER
     with pytest.raises(ssl.SSLError):
-        handshake("ECDHE-ECDSA-AES256-GCM-SHA384")
+        _handshake(tls, certs, "ECDHE-ECDSA-AES256-GCM-SHA384", tls12=True)
+
+
+def test_ssl_refresh(tls, certs):
+    """A renewed certificate written over the served files is served to new connections, without a restart."""
+    def served_certificate() -> bytes:
+        with _handshake(tls, certs) as conn:
+            return conn.getpeercert(binary_form=True)
+
+    before = served_certificate()
+    folder = certs["ca.pem"].parent
+    _sign(folder, "renewed")
+    serving = folder / "serving"
+    for suffix in ("key", "pem"):
+        (serving / f"server.{suffix}.new").write_bytes((folder / f"renewed.{suffix}").read_bytes())
+        os.replace(serving / f"server.{suffix}.new", serving / f"server.{suffix}")  # as cert managers swap them
+    renewed = ssl.PEM_cert_to_DER_cert((folder / "renewed.pem").read_text())
+    assert _wait_for(lambda: served_certificate() == renewed, 15), tls.log()[-2000:]
+    assert before != renewed and "Reloading SSL certificate chain" in tls.log()
+    with _mtls_client(certs) as client:
+        assert client.get(tls.url + "/health").status_code == 200
+
+
+def test_bad_tls_files_fail_before_the_engine_starts(tiny_llama_dir, tmp_path):
+    done = subprocess.run(serve_command(tiny_llama_dir, free_port(), "--ssl-certfile", str(tmp_path / "none.pem")),
+                          env=serve_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Cannot set up TLS" in done.stderr and "engine core ready" not in done.stderr
 
 
 # ---- responses ------------------------------------------------------------------------------------------------

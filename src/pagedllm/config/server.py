@@ -132,6 +132,9 @@ class ServerConfig:
     ssl_cert_reqs: int = int(ssl.CERT_NONE)
     """Whether a client certificate is required, as the stdlib ssl module's values: 0 (CERT_NONE), 1
     (CERT_OPTIONAL: verified when sent), 2 (CERT_REQUIRED: mutual TLS)."""
+    enable_ssl_refresh: bool = False
+    """Reload the TLS certificate chain when --ssl-certfile or --ssl-keyfile change on disk, and the CA
+    certificates when --ssl-ca-certs does (a renewed certificate without a restart); new connections use them."""
     ssl_ciphers: str | None = None
     """The TLS cipher suites (OpenSSL's syntax; TLS 1.2 and below only), e.g.
     'ECDHE-RSA-AES256-GCM-SHA384:ECDHE-RSA-CHACHA20-POLY1305'; default: OpenSSL's."""

@@ -26,6 +26,7 @@ from pagedllm.entrypoints.openai.connection_limits import (
 from pagedllm.entrypoints.openai.draining import DrainingServer
 from pagedllm.entrypoints.openai.loop_errors import RateLimitedLoopErrors
 from pagedllm.entrypoints.openai.server_state import ServerState
+from pagedllm.entrypoints.openai.ssl_refresh import SSLCertRefresher
 from pagedllm.gc_heap import freeze_gc_heap
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,19 @@ async def _load_tokenizer_soon(mc: ModelConfig) -> asyncio.Future | None:
     return asyncio.ensure_future(asyncio.to_thread(get_tokenizer, source))
 
 
+async def _serve(server: DrainingServer, config: uvicorn.Config, sc: ServerConfig) -> None:
+    """uvicorn until it exits, with --enable-ssl-refresh's watch of the TLS files meanwhile."""
+    refresher = None
+    if sc.tls and sc.enable_ssl_refresh:
+        config.load()  # the TLS context the server will listen with
+        refresher = SSLCertRefresher(config.ssl, sc.ssl_keyfile, sc.ssl_certfile, sc.ssl_ca_certs)
+    try:
+        await server.serve()
+    finally:
+        if refresher is not None:
+            await refresher.stop()
+
+
 def uvicorn_config(app, sc: ServerConfig, limits: ConnectionLimits) -> uvicorn.Config:
     return uvicorn.Config(app, host=sc.host or "0.0.0.0", port=sc.port, log_level=sc.uvicorn_log_level,
                           timeout_graceful_shutdown=5, timeout_keep_alive=5,
@@ -97,28 +111,25 @@ def ssl_options(sc: ServerConfig) -> dict:
             "ssl_cert_reqs": sc.ssl_cert_reqs, "ssl_ciphers": sc.ssl_ciphers}
 
 
-def check_ssl_options(sc: ServerConfig) -> str | None:
-    """Why the TLS files or ciphers cannot make a TLS context (a message for the user), or None: checked before
-    the engine starts, so a wrong path fails in a second, not after the model has loaded."""
+def check_ssl_options(sc: ServerConfig) -> None:
+    """Raises ValueError (a message for the user) when the TLS files or ciphers cannot make a TLS context: checked
+    before the engine starts, so a wrong path fails in a second, not after the model has loaded."""
     if not sc.tls:
-        return None
+        return
     try:
         uvicorn.config.create_ssl_context(sc.ssl_certfile, sc.ssl_keyfile, None, ssl.PROTOCOL_TLS_SERVER,
                                           sc.ssl_cert_reqs, sc.ssl_ca_certs, sc.ssl_ciphers)
     except (OSError, ssl.SSLError, ValueError) as e:
-        return f"Cannot set up TLS from --ssl-certfile/--ssl-keyfile/--ssl-ca-certs/--ssl-ciphers: {e}"
-    return None
+        raise ValueError(f"Cannot set up TLS from --ssl-certfile/--ssl-keyfile/--ssl-ca-certs/--ssl-ciphers: "
+                         f"{e}") from None
 
 
 async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:
     try:
+        check_ssl_options(sc)
         chat_template = None if sc.chat_template is None else load_chat_template(sc.chat_template)
     except (OSError, ValueError) as e:
         logger.error("%s", e)
-        return 1
-    tls_problem = check_ssl_options(sc)
-    if tls_problem is not None:
-        logger.error("%s", tls_problem)
         return 1
     fd_limit = raise_fd_limit()
     asyncio.get_running_loop().set_exception_handler(RateLimitedLoopErrors())
@@ -156,7 +167,8 @@ async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:
     state = ServerState(engine, sc, names)
     limits = ConnectionLimits(effective_max_connections(sc.max_connections, fd_limit), sc.header_read_timeout,
                               sc.body_read_timeout)
-    server = DrainingServer(uvicorn_config(build_app(state), sc, limits), state, sc.drain_timeout)
+    config = uvicorn_config(build_app(state), sc, limits)
+    server = DrainingServer(config, state, sc.drain_timeout)
     engine.on_death = lambda reason: server.exit_later(sc.engine_death_exit_delay)
     if engine.is_dead:  # a replica died while the others were starting: fail fast all the same
         engine.on_death(engine.dead_reason)
@@ -164,7 +176,7 @@ async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:
                 sc.root_path or "")
     freeze_gc_heap()
     try:
-        await server.serve()
+        await _serve(server, config, sc)
     finally:
         engine.shutdown()
     if engine.is_dead:
