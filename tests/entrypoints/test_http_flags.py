@@ -224,6 +224,9 @@ def test_request_id_headers(flagged, tls, certs):
     stream = httpx.post(flagged.url + "/v1/completions", headers={**AUTH, "X-Request-Id": "s-1"},
                         json={**GREEDY, "prompt": "Hi", "stream": True})
     assert stream.headers["x-request-id"] == "s-1"
+    named = httpx.post(flagged.url + "/v1/completions", headers={**AUTH, "X-Request-Id": "trace-7"}, timeout=30,
+                       json={**GREEDY, "prompt": "Hi", "request_id": "body-id"})
+    assert named.json()["id"] == "cmpl-trace-7"  # vLLM's: the header names the request, before request_id
     with _mtls_client(certs) as client:
         assert "x-request-id" not in client.get(tls.url + "/v1/models", headers={"X-Request-Id": "x"}).headers
 

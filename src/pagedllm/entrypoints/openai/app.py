@@ -105,7 +105,11 @@ def _add_generation_routes(app: FastAPI, state: ServerState, completions: OpenAI
     generation = APIRouter(route_class=prechecked_route_class(state.config))
     salt_secret = os.urandom(32)
 
-    def apply_tenant_salt(body, request: Request) -> None:
+    def apply_request_context(body, request: Request) -> None:
+        """The X-Request-Id header and (--cache-salt-from-api-key) the caller's key's cache salt into `body`."""
+        header_id = request.headers.get("x-request-id")
+        if header_id is not None:  # vLLM's: the X-Request-Id header names the request, before its request_id field
+            body.request_id = header_id
         if state.config.cache_salt_from_api_key:
             body.cache_salt = tenant_cache_salt(salt_secret, request.scope[API_KEY_SCOPE_KEY], body.cache_salt)
 
@@ -114,13 +118,13 @@ def _add_generation_routes(app: FastAPI, state: ServerState, completions: OpenAI
     @generation.post("/v1/completions", responses={200: {"model": CompletionResponse, "content": SSE_CONTENT},
                                                    **generation_errors})
     async def create_completion(body: CompletionRequest, request: Request):
-        apply_tenant_salt(body, request)
+        apply_request_context(body, request)
         return respond(await run_until_disconnect(request, guard(completions.create_completion(body))))
 
     @generation.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse,
                                                               "content": SSE_CONTENT}, **generation_errors})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
-        apply_tenant_salt(body, request)
+        apply_request_context(body, request)
         return respond(await run_until_disconnect(request, guard(chat.create_chat_completion(body))))
 
     app.include_router(generation)
