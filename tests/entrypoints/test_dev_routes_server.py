@@ -57,9 +57,11 @@ def test_load_counts_the_requests_being_served(server):
     assert server.get("/load", headers=AUTH).json() == {"server_load": 1}
     # a prefix cache in use cannot be reset (vLLM: success false, retry when idle)
     assert server.post("/reset_prefix_cache", headers=AUTH).json() == {"success": False}
-    for _ in stream:
-        pass
+    stream.close()  # the client goes away: its request ends, and with it the count
     server.wait_idle()
+    deadline = time.monotonic() + 10
+    while server.get("/load", headers=AUTH).json()["server_load"] and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert server.get("/load", headers=AUTH).json() == {"server_load": 0}
 
 
@@ -68,7 +70,10 @@ def test_reset_prefix_cache_forgets_cached_prefixes(server):
     assert _complete(server, max_tokens=2).usage.prompt_tokens_details.cached_tokens > 0
     server.wait_idle()
     assert server.post("/reset_prefix_cache", headers=AUTH).json() == {"success": True}
+    hits, queries = server.metric("vllm:prefix_cache_hits_total"), server.metric("vllm:prefix_cache_queries_total")
     assert _complete(server, max_tokens=2).usage.prompt_tokens_details.cached_tokens == 0
+    assert server.metric("vllm:prefix_cache_hits_total") == hits
+    assert server.metric("vllm:prefix_cache_queries_total") > queries
     response = server.post("/reset_prefix_cache?reset_running_requests=true", headers=AUTH)
     assert response.status_code == 400 and response.json()["error"]["param"] == "reset_running_requests"
 

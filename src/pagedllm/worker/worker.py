@@ -176,6 +176,7 @@ class Worker:
             runner.kv_caches.clear()
             del runner
         self.kv_cache_asleep = True
+        gc.unfreeze()  # the start-up heap (gc_heap.py) holds the model: a cycle in it is only collected unfrozen
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -197,6 +198,9 @@ class Worker:
             reloaded = True
         if reloaded and runner is not None and runner.kv_caches and self.config.cache_config.kv_scales_calculated:
             self.calculate_kv_scales()
+        if reloaded:  # out of the collector's reach again, as at start-up (gc_heap.py)
+            gc.collect()
+            gc.freeze()
 
     def calculate_kv_scales(self) -> None:
         """--calculate-kv-scales: every attention layer's k_scale and v_scale from the fixed calibration text (with
