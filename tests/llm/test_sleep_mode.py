@@ -24,17 +24,16 @@ def _greedy(llm: LLM) -> list[int]:
 def test_sleep_drops_weights_and_pool_and_wake_up_restores_greedy_output(llm):
     before = _greedy(llm)
     worker = llm.llm_engine.engine_core.executor.driver_worker
-    for level in (1, 2):
-        llm.sleep(level)
-        assert llm.is_sleeping() and worker.model_runner is None  # weights and pool gone, with their runner
-        with pytest.raises(RuntimeError, match="asleep"):
-            llm.generate([PROMPT], GREEDY, use_tqdm=False)
-        assert llm.wake_up(["weights"]) is False  # the pool still sleeps: not fully awake
-        assert worker.model_runner is not None and not worker.model_runner.kv_caches
-        assert llm.wake_up(["kv_cache"]) is True and not llm.is_sleeping()
-        out = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
-        assert list(out.outputs[0].token_ids) == before
-        assert out.num_cached_tokens == 0  # the prefix cache was forgotten with the pool
+    llm.sleep(2)  # (level 1: the last test)
+    assert llm.is_sleeping() and worker.model_runner is None  # weights and pool gone, with their runner
+    with pytest.raises(RuntimeError, match="asleep"):
+        llm.generate([PROMPT], GREEDY, use_tqdm=False)
+    assert llm.wake_up(["weights"]) is False  # the pool still sleeps: not fully awake
+    assert worker.model_runner is not None and not worker.model_runner.kv_caches
+    assert llm.wake_up(["kv_cache"]) is True and not llm.is_sleeping()
+    out = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == before
+    assert out.num_cached_tokens == 0  # the prefix cache was forgotten with the pool
 
 
 def test_level_0_pauses_only_and_unknown_tags_are_refused(llm):
@@ -59,3 +58,14 @@ def test_reset_prefix_cache(llm):
     assert llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].num_cached_tokens > 0
     assert llm.reset_prefix_cache() is True
     assert llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_sleep_after_a_partial_wake_up_drops_the_weights_again(llm):
+    worker = llm.llm_engine.engine_core.executor.driver_worker
+    before = _greedy(llm)
+    llm.sleep(1)
+    assert llm.wake_up(["weights"]) is False and worker.model_runner is not None
+    llm.sleep(1)
+    assert worker.model_runner is None
+    assert llm.wake_up() is True and worker.model_runner.kv_caches
+    assert _greedy(llm) == before

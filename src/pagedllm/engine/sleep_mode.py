@@ -52,7 +52,7 @@ class SleepMode:
         outputs += [EngineCoreOutput(request_id=r, new_token_ids=[], finish_reason=FinishReason.ABORT)
                     for r in open_ids]
         self.paused = True
-        if level >= 1 and not self.sleeping_tags:
+        if level >= 1 and "weights" not in self.sleeping_tags:  # (asleep already: nothing more to drop, as vLLM's)
             self.reset_prefix_cache()  # the pool's contents are about to go: no block may be found again
             start = time.perf_counter()
             self.executor.collective_rpc("sleep", (level,))

@@ -66,6 +66,8 @@ class Worker:
         """The KV pool's size in blocks (set by initialize_kv_cache; wake_up allocates the same again)."""
         self.kv_cache_asleep = False
         """Sleep mode: the pool is dropped and not yet woken (engine/sleep_mode.py)."""
+        self.heap_was_frozen = False
+        """Sleep mode: the heap was frozen (gc_heap.py) before sleep unfroze it; wake_up freezes it again."""
         self.step_spans: deque[tuple[float, float]] = deque(maxlen=STEP_SPANS_KEPT)
         """Bytes of the draft model's scratch KV cache (draft_model method), taken from the KV budget."""
 
@@ -176,7 +178,9 @@ class Worker:
             runner.kv_caches.clear()
             del runner
         self.kv_cache_asleep = True
-        gc.unfreeze()  # the start-up heap (gc_heap.py) holds the model: a cycle in it is only collected unfrozen
+        # A server froze its start-up heap, the model with it (gc_heap.py): a cycle in it is only collected unfrozen
+        self.heap_was_frozen = gc.get_freeze_count() > 0
+        gc.unfreeze()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -198,7 +202,7 @@ class Worker:
             reloaded = True
         if reloaded and runner is not None and runner.kv_caches and self.config.cache_config.kv_scales_calculated:
             self.calculate_kv_scales()
-        if reloaded:  # out of the collector's reach again, as at start-up (gc_heap.py)
+        if reloaded and self.heap_was_frozen:  # out of the collector's reach again, as at start-up (gc_heap.py)
             gc.collect()
             gc.freeze()
 
