@@ -88,6 +88,8 @@ def test_sleep_frees_memory_queues_requests_and_wake_up_restores_greedy_output(s
     assert server.post("/sleep?level=1", headers=AUTH).json() == {"status": "sleeping", "level": 1}
     assert [c.choices[0].finish_reason for c in stream][-1] == "abort"
     assert server.get("/is_sleeping", headers=AUTH).json() == {"is_sleeping": True}
+    assert server.metric('vllm:engine_sleep_state{model_name="tiny",sleep_state="weights_offloaded"}') == 1.0
+    assert server.metric('vllm:engine_sleep_state{model_name="tiny",sleep_state="awake"}') == 0.0
     assert rss_awake - _rss_bytes(pid) > 32 << 20  # the 64 MiB KV pool (and the weights) went back to the OS
 
     result = {}
@@ -103,6 +105,7 @@ def test_sleep_frees_memory_queues_requests_and_wake_up_restores_greedy_output(s
     waiting.join(30)
     assert result["text"] == before
     assert server.get("/is_sleeping", headers=AUTH).json() == {"is_sleeping": False}
+    assert server.metric('vllm:engine_sleep_state{model_name="tiny",sleep_state="awake"}') == 1.0
 
     assert server.post("/sleep?level=3", headers=AUTH).status_code == 400
     assert server.post("/sleep?level=2", headers=AUTH).json() == {"status": "sleeping", "level": 2}

@@ -12,6 +12,7 @@ import time
 
 from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.messages import UtilityResult
+from pagedllm.metrics.prometheus import PrometheusStatLogger
 
 
 class UtilityCallRefused(ValueError):
@@ -19,9 +20,10 @@ class UtilityCallRefused(ValueError):
 
 
 class UtilityCalls:
-    """Mixed into AsyncLLM (which provides `clients` and `last_progress_time`)."""
+    """Mixed into AsyncLLM (which provides `clients`, `prometheus` and `last_progress_time`)."""
 
     clients: list[EngineCoreClient]
+    prometheus: PrometheusStatLogger
     sleeping: bool = False
     """Between sleep() and a wake_up() that returned True: the watchdog does not count."""
 
@@ -39,6 +41,7 @@ class UtilityCalls:
         except UtilityCallRefused:
             self.sleeping = was_sleeping
             raise
+        self.prometheus.record_sleep_state(True, level)
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
         """Bring back `tags` (None: all) on every replica; True once every replica is fully awake."""
@@ -46,6 +49,7 @@ class UtilityCalls:
         if awake:
             self.last_progress_time = [time.monotonic()] * len(self.clients)  # the watchdog counts from now
             self.sleeping = False
+            self.prometheus.record_sleep_state()
         return awake
 
     async def is_sleeping(self) -> bool:
