@@ -159,7 +159,12 @@ class ServerConfig:
     disable_uvicorn_access_log: bool = False
     """Do not write uvicorn's access log (one line per HTTP request)."""
     enable_debug_routes: bool = False
-    """Serve GET /debug/kv_cache (free and total KV blocks, running and waiting requests) for tests."""
+    """Serve GET /debug/kv_cache (free and total KV blocks, running and waiting requests) for tests, and vLLM's
+    development routes (as VLLM_SERVER_DEV_MODE=1 does): POST /reset_prefix_cache, POST /sleep, POST /wake_up and
+    GET /is_sleeping."""
+    enable_server_load_tracking: bool = False
+    """Count the generation requests this API server is serving (from their arrival to the end of their response)
+    and report the count at GET /load as `{"server_load": N}` (without this flag /load answers 0, as vLLM's)."""
 
     def __post_init__(self) -> None:
         parse_api_keys(self.api_key)

@@ -1,9 +1,11 @@
 """The API server's FastAPI app: its routes over AsyncLLM and its error handlers.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET (and HEAD) /health, GET /version,
-POST /tokenize, POST /detokenize, GET /metrics, GET /openapi.json, GET /docs and GET /redoc (the OpenAPI document
-and its Swagger and ReDoc pages, as vLLM serves them, unless --disable-fastapi-docs), and GET /debug/kv_cache with
---enable-debug-routes. CORS and X-Request-Id headers: middleware.py. With --api-key every
+GET /load (server_load.py), POST /tokenize, POST /detokenize, GET /metrics, GET /openapi.json, GET /docs and GET
+/redoc (the OpenAPI document and its Swagger and ReDoc pages, as vLLM serves them, unless --disable-fastapi-docs),
+GET /debug/kv_cache with --enable-debug-routes, and vLLM's development routes (/reset_prefix_cache, /sleep,
+/wake_up, /is_sleeping: dev_routes.py) with --enable-debug-routes or VLLM_SERVER_DEV_MODE=1. CORS and X-Request-Id
+headers: middleware.py. With --api-key every
 route but /health (and /metrics unless --protect-metrics) needs the key, the OpenAPI document included
 (middleware.py). run.py serves the app; draining.py handles SIGTERM.
 """
@@ -23,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedllm
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
+from pagedllm.entrypoints.openai.dev_routes import add_dev_routes, dev_mode
 from pagedllm.entrypoints.openai.middleware import (
     API_KEY_SCOPE_KEY,
     GuardMiddleware,
@@ -32,6 +35,7 @@ from pagedllm.entrypoints.openai.middleware import (
 from pagedllm.entrypoints.openai.openapi import SSE_CONTENT, error_responses, openapi_document
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse, ModelCard, ModelList
 from pagedllm.entrypoints.openai.responses import guard, respond, run_until_disconnect
+from pagedllm.entrypoints.openai.server_load import add_load_route
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -58,6 +62,7 @@ def build_app(state: ServerState) -> FastAPI:
     if state.config.root_path:
         app.root_path = state.config.root_path  # as vLLM sets it (FastAPI puts it in each request's scope)
     app.openapi = lambda: openapi_document(app)
+    add_load_route(app, state.config.enable_server_load_tracking)  # its counter inside the guard: added first
     app.add_middleware(GuardMiddleware, state=state)
     add_outer_middleware(app, state.config)
     _add_error_handlers(app)
@@ -71,6 +76,8 @@ def build_app(state: ServerState) -> FastAPI:
     _add_token_routes(app, state, tokenization)
     if state.config.enable_debug_routes:
         _add_debug_routes(app, state)
+    if dev_mode(state.config.enable_debug_routes):
+        add_dev_routes(app, state)
     return app
 
 
