@@ -27,7 +27,8 @@ LONG = {"max_tokens": 400, "extra_body": {"ignore_eos": True}}
 def server(tiny_llama_dir):
     # greedy and 12 tokens by default, so that the terminal clients (which send no sampling parameters, as
     # vLLM's) are deterministic and short
-    s = RemoteServer(tiny_llama_dir, "--enable-sleep-mode", "--enable-server-load-tracking", "--api-key", KEY,
+    s = RemoteServer(tiny_llama_dir, "--enable-sleep-mode", "--enable-server-load-tracking",
+                     "--enable-prompt-tokens-details", "--api-key", KEY,
                      "--override-generation-config", '{"temperature": 0.0, "max_new_tokens": 12}')
     s.headers = AUTH
     yield s
