@@ -14,6 +14,7 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.input_processor import is_valid_unicode, json_options
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.protocol import MAX_REQUEST_ID_LEN, SamplingFields, random_uuid
+from pagedllm.entrypoints.openai.reasoning import ReasoningParser, RequestReasoning
 from pagedllm.entrypoints.openai.request_caps import check_request_caps, n_above_cap
 from pagedllm.entrypoints.openai.tokenizer_threads import TokenizerThreads
 from pagedllm.log_escape import escape_control
@@ -41,6 +42,15 @@ class OpenAIServing:
         self.max_prompt_chars = max_prompt_chars(engine.max_model_len, self.tokenizer)
         self.tokenizer_threads = tokenizer_threads if tokenizer_threads is not None else TokenizerThreads()
         """Shared by every route of one app (app.py), so that a big text delays no small one anywhere."""
+        self.reasoning_parser = (ReasoningParser(self.config.reasoning_parser, self.tokenizer)
+                                 if self.config.reasoning_parser else None)
+        """--reasoning-parser over the tokenizer (reasoning.py); None without the flag."""
+
+    def request_reasoning(self, chat_template_kwargs: dict[str, Any] | None) -> RequestReasoning | None:
+        """A chat request's reasoning split (None without --reasoning-parser)."""
+        if self.reasoning_parser is None:
+            return None
+        return self.reasoning_parser.for_request(chat_template_kwargs)
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """The token ids of `text`, tokenized in a worker thread (tokenizer_threads.py): the event loop serves
