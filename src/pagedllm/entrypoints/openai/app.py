@@ -1,10 +1,11 @@
 """The API server's FastAPI app: its routes over AsyncLLM and its error handlers.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET (and HEAD) /health, GET /version,
-POST /tokenize, POST /detokenize, GET /metrics, GET /openapi.json and GET /docs (the OpenAPI document and its
-Swagger page, as vLLM serves them), and GET /debug/kv_cache with --enable-debug-routes. With --api-key every
-route but /health (and /metrics unless --protect-metrics) needs the key, the OpenAPI document included
-(middleware.py). run.py serves the app; draining.py handles SIGTERM.
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses and GET /v1/responses/{id},
+GET /v1/models, GET (and HEAD) /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics,
+GET /openapi.json and GET /docs (the OpenAPI document and its Swagger page, as vLLM serves them), and
+GET /debug/kv_cache with --enable-debug-routes. With --api-key every route but /health (and /metrics unless
+--protect-metrics) needs the key, the OpenAPI document included (middleware.py). run.py serves the app;
+draining.py handles SIGTERM.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from pagedllm.entrypoints.openai.middleware import API_KEY_SCOPE_KEY, GuardMiddl
 from pagedllm.entrypoints.openai.openapi import SSE_CONTENT, error_responses, openapi_document
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse, ModelCard, ModelList
 from pagedllm.entrypoints.openai.responses import guard, respond, run_until_disconnect
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest, ResponsesResponse
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.tenant_salt import tenant_cache_salt
 from pagedllm.entrypoints.openai.tokenize_protocol import (
@@ -56,7 +59,8 @@ def build_app(state: ServerState) -> FastAPI:
     completions = OpenAIServingCompletion(*serving)
     chat = OpenAIServingChat(*serving)
     tokenization = OpenAIServingTokenization(*serving, chat_prompts=chat.chat_prompts)
-    _add_generation_routes(app, state, completions, chat)
+    responses = OpenAIServingResponses(*serving, chat_prompts=chat.chat_prompts)
+    _add_generation_routes(app, state, completions, chat, responses)
     _add_info_routes(app, state)
     _add_token_routes(app, state, tokenization)
     if state.config.enable_debug_routes:
@@ -90,8 +94,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState, completions: OpenAIServingCompletion,
-                           chat: OpenAIServingChat) -> None:
-    """POST /v1/completions and /v1/chat/completions, their raw bodies prechecked against the request caps."""
+                           chat: OpenAIServingChat, responses: OpenAIServingResponses) -> None:
+    """POST /v1/completions, /v1/chat/completions and /v1/responses, their raw bodies prechecked against the
+    request caps; GET /v1/responses/{id} (a stored response)."""
     generation = APIRouter(route_class=prechecked_route_class(state.config))
     salt_secret = os.urandom(32)
 
@@ -112,6 +117,17 @@ def _add_generation_routes(app: FastAPI, state: ServerState, completions: OpenAI
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         apply_tenant_salt(body, request)
         return respond(await run_until_disconnect(request, guard(chat.create_chat_completion(body))))
+
+    @generation.post("/v1/responses", responses={200: {"model": ResponsesResponse, "content": SSE_CONTENT},
+                                                 **generation_errors})
+    async def create_response(body: ResponsesRequest, request: Request):
+        apply_tenant_salt(body, request)
+        return respond(await run_until_disconnect(request, guard(responses.create_response(body))))
+
+    @generation.get("/v1/responses/{response_id}", responses={200: {"model": ResponsesResponse},
+                                                              **error_responses(401, 404)})
+    async def retrieve_response(response_id: str):
+        return respond(responses.retrieve(response_id))
 
     app.include_router(generation)
 

@@ -57,6 +57,18 @@ class RequestReasoning:
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self)
 
+    def count_tokens(self, token_ids: Sequence[int]) -> int:
+        """Output tokens inside the reasoning (before its end; the tags themselves not counted)."""
+        if not self.thinking:
+            return 0
+        ends = {self.server.end_id, *self.server.implicit_end_ids}
+        count = 0
+        for token_id in token_ids:
+            if token_id in ends:
+                break
+            count += token_id != self.server.start_id
+        return count
+
     def ended_in_prompt(self, prompt_token_ids: Sequence[int]) -> bool:
         """Whether the prompt has already closed the reasoning (a template that turns thinking off writes
         `<think></think>` itself), as vLLM's is_reasoning_end reads the prompt: the last tag of the current turn."""
