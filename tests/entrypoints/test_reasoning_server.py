@@ -41,7 +41,8 @@ def test_chat_reasoning_whole_and_streamed(thinking):
     raw = raw_text(server, client, bias, 16)
     reasoning, content = raw.split("</think>", 1)
     assert reasoning and content  # the bias closed the reasoning after a few tokens
-    message = client.chat.completions.create(messages=HELLO, max_tokens=16, logit_bias=bias, **GREEDY).choices[0].message
+    message = client.chat.completions.create(messages=HELLO, max_tokens=16, logit_bias=bias,
+                                             **GREEDY).choices[0].message
     assert message.reasoning == message.reasoning_content == reasoning  # vLLM 0.32's name, and the older one
     assert message.content == content.replace("</think>", "")  # qwen3 drops a later </think>
     chunks = list(client.chat.completions.create(messages=HELLO, max_tokens=16, logit_bias=bias, stream=True,
@@ -83,7 +84,8 @@ def test_grammar_constrains_only_after_the_reasoning(thinking):
 
 def test_responses_reasoning_items(thinking):
     server, client, bias = thinking
-    message = client.chat.completions.create(messages=HELLO, max_tokens=16, logit_bias=bias, **GREEDY).choices[0].message
+    message = client.chat.completions.create(messages=HELLO, max_tokens=16, logit_bias=bias,
+                                             **GREEDY).choices[0].message
     extra = {"logit_bias": bias}
     response = client.responses.create(input="Hello world", max_output_tokens=16, **GREEDY, extra_body=extra)
     assert [item.type for item in response.output] == ["reasoning", "message"]
