@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.chat_prompt import ChatPrompts
 from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.protocol import random_uuid
 from pagedllm.entrypoints.openai.reasoning import RequestReasoning
 from pagedllm.entrypoints.openai.responses_input import input_messages, output_messages
 from pagedllm.entrypoints.openai.responses_protocol import (
@@ -76,7 +77,9 @@ class OpenAIServingResponses(OpenAIServing):
         reasoning = self.request_reasoning(chat.chat_template_kwargs)
         if reasoning is not None:
             params = reasoning.constrain_after_reasoning(params, token_ids)
-        response_id = self.request_id("resp", chat).replace("resp-", "resp_", 1)
+        self.request_id("resp", chat)  # the client's request_id checked as on the other routes
+        # a random part even with a client's request_id: ids name stored responses, which no one may guess
+        response_id = f"resp_{chat.request_id}-{random_uuid()[:16]}" if chat.request_id else f"resp_{random_uuid()}"
         stream, = self.add_requests(response_id, [(prompt, token_ids)], params, chat,
                                     "delta" if request.stream else "final_only")
         response = _response(request, response_id, self.model_name, params)
