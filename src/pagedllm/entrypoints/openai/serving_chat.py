@@ -19,7 +19,7 @@ from pagedllm.entrypoints.openai.chat_protocol import (
     DeltaMessage,
     TopLogprob,
 )
-from pagedllm.entrypoints.openai.chat_stream_chunks import content_chunk_template, stream_choice
+from pagedllm.entrypoints.openai.chat_stream_chunks import choice_delta, content_chunk_template, stream_choice
 from pagedllm.entrypoints.openai.formatting import (
     SSE_DONE,
     chosen_entry,
@@ -123,13 +123,12 @@ class OpenAIServingChat(OpenAIServing):
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         continuous_usage = bool(request.stream_options and request.stream_options.continuous_usage_stats)
         echo = echo_text(request)
-        started: dict[int, ChoiceStream] = {}
+        started: dict[int, tuple[ChoiceStream, ReasoningStream | None]] = {}
         num_completion = num_cached = 0
         template: SSETemplate | None = None
         # Chunks of content only (no tool parsing, logprobs, token ids or usage) are written from a template.
         plain = not (tools.parses_output or request.logprobs or request.return_token_ids or continuous_usage
                      or reasoning is not None)
-        thoughts: dict[int, ReasoningStream] = {}
 
         def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
             so_far = usage(len(prompt_token_ids), num_completion, num_cached) if continuous_usage else None
@@ -142,14 +141,10 @@ class OpenAIServingChat(OpenAIServing):
                 choices: list[ChatCompletionStreamChoice | tuple] = []
                 for completion in output.outputs:
                     if completion.index not in started:
-                        started[completion.index] = tools.stream()
-                        if reasoning is not None:
-                            thoughts[completion.index] = reasoning.stream()
-                        yield chunk([ChatCompletionStreamChoice(
-                            index=completion.index, delta=DeltaMessage(role="assistant", content=""))])
-                        if echo:
-                            yield chunk([ChatCompletionStreamChoice(index=completion.index,
-                                                                    delta=DeltaMessage(content=echo))])
+                        started[completion.index] = (tools.stream(), reasoning and reasoning.stream())
+                        for first in [DeltaMessage(role="assistant", content="")] + ([DeltaMessage(content=echo)]
+                                                                                     if echo else []):
+                            yield chunk([ChatCompletionStreamChoice(index=completion.index, delta=first)])
                     num_completion += len(completion.token_ids)
                     if not completion.text and not completion.token_ids and completion.finish_reason is None:
                         continue
@@ -157,17 +152,8 @@ class OpenAIServingChat(OpenAIServing):
                         choices.append((completion.index, completion.text, completion.finish_reason,
                                         completion.stop_reason))
                         continue
-                    text, thought = completion.text, ""
-                    if reasoning is not None:
-                        thought, text = thoughts[completion.index].feed(text, completion.finish_reason is not None)
-                    delta, finish_reason = DeltaMessage(content=text), completion.finish_reason
-                    if tools.parses_output:
-                        delta, finish_reason = started[completion.index].delta(text, finish_reason)
-                    elif reasoning is not None and not text:
-                        delta = DeltaMessage() if finish_reason is not None else None
-                    if thought:
-                        delta = delta or DeltaMessage()
-                        delta.reasoning = delta.reasoning_content = thought
+                    delta, finish_reason = choice_delta(completion.text, completion.finish_reason, tools,
+                                                        *started[completion.index])
                     if delta is None and not (request.logprobs or request.return_token_ids):
                         continue  # held back (a tail that may begin a tool call or a tag)
                     choices.append(ChatCompletionStreamChoice(
