@@ -12,6 +12,7 @@ import json
 
 import pytest
 from server_utils import MODEL_NAME, RemoteServer
+
 from thinking_model import build_thinking_model
 
 HELLO = [{"role": "user", "content": "Hello world"}]
@@ -77,6 +78,12 @@ def test_grammar_constrains_only_after_the_reasoning(thinking):
                                            response_format=format_, **GREEDY).choices[0].message
     # </think> first (a token the grammar refuses: it was off), then the grammar took over and refused later ones
     assert getattr(first, "reasoning", None) is None and first.content.replace(" ", "").startswith('{"a":')
+    # /v1/completions too, as vLLM's engine gates every constrained request (the prompt opened <think>)
+    prompt = server.post("/tokenize", json={"model": MODEL_NAME, "messages": HELLO}).json()["tokens"]
+    text = client.completions.create(prompt=prompt, max_tokens=24, logit_bias=bias, **GREEDY,
+                                     extra_body={"response_format": format_}).choices[0].text
+    assert text.split("</think>", 1)[0] == reasoning and text.split("</think>", 1)[1].replace(" ", "").startswith(
+        '{"a":')
     call = client.chat.completions.create(messages=HELLO, max_tokens=40, logit_bias=bias, tools=[TOOL],
                                           tool_choice="required", **GREEDY).choices[0].message
     assert call.reasoning == reasoning and call.tool_calls[0].function.name == "now"

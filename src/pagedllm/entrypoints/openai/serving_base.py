@@ -139,13 +139,16 @@ class OpenAIServing:
             include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=logit_bias, **kwargs)
 
     def add_requests(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
-                     params: SamplingParams, request: SamplingFields,
+                     params: SamplingParams | list[SamplingParams], request: SamplingFields,
                      output_kind: str) -> list[AsyncIterator[RequestOutput]]:
-        """Send every prompt as `{engine_id}-{i}` (one prompt: `engine_id`); all or none.
+        """Send every prompt as `{engine_id}-{i}` (one prompt: `engine_id`); all or none. `params`: for every
+        prompt, or one each (they differ only in where a grammar starts, reasoning.py).
 
         The engine id is the response's id plus a random suffix, as vLLM does: a client-supplied request_id is
         echoed in the response but never shared with another request, so two requests (two tenants) with the
         same request_id both run and neither can tell that the other exists."""
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        params = per_prompt[0]
         if not 1 <= params.n <= self.config.max_n:
             raise n_above_cap(params.n, self.config)
         engine_id = f"{request_id}-{random_uuid()[:8]}"
@@ -156,8 +159,8 @@ class OpenAIServing:
         streams = []
         ids = [engine_id] if len(prompts) == 1 else [f"{engine_id}-{i}" for i in range(len(prompts))]
         try:
-            for sub_id, (text, token_ids) in zip(ids, prompts, strict=True):
-                streams.append(self.engine.add_request(sub_id, token_ids, params, text, output_kind,
+            for sub_id, (text, token_ids), prompt_params in zip(ids, prompts, per_prompt, strict=True):
+                streams.append(self.engine.add_request(sub_id, token_ids, prompt_params, text, output_kind,
                                                        request.priority, request.cache_salt))
         except BaseException:
             for sub_id in ids[:len(streams)]:
