@@ -15,7 +15,7 @@ import json
 import re
 import textwrap
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
 from pagedllm.config.bounds import (
@@ -350,7 +350,8 @@ def add_dataclass_flags(group, cls: type, prefix: str, skip: frozenset[str] | se
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        default = argparse.SUPPRESS if suppress_defaults else f.default
+        field_default = f.default_factory() if f.default_factory is not MISSING else f.default
+        default = argparse.SUPPRESS if suppress_defaults else field_default
         kwargs: dict[str, Any] = {"dest": prefix + f.name, "default": default, "help": docs.get(f.name, "")}
         kind = hints[f.name]
         args = [a for a in typing.get_args(kind) if a is not type(None)]
@@ -360,6 +361,8 @@ def add_dataclass_flags(group, cls: type, prefix: str, skip: frozenset[str] | se
             group.add_argument(flag, choices=typing.get_args(kind), **kwargs)
         elif len(args) == 1 and typing.get_origin(args[0]) is Literal:  # Literal[...] | None
             group.add_argument(flag, choices=typing.get_args(args[0]), **kwargs)
+        elif typing.get_origin(kind) is list:  # list[str] with a default list: one JSON list, as vLLM's CORS flags
+            group.add_argument(flag, type=json_list_flag, metavar="JSON_LIST", **kwargs)
         elif len(args) == 1 and typing.get_origin(args[0]) is list:  # list[X] | None: `--flag a b`, as vLLM's
             group.add_argument(flag, nargs="+", type=typing.get_args(args[0])[0], metavar=f.name.upper(), **kwargs)
         else:
@@ -368,6 +371,18 @@ def add_dataclass_flags(group, cls: type, prefix: str, skip: frozenset[str] | se
                 base = parse_bytes
             group.add_argument(flag, type=base if base in (int, float, parse_bytes) else str,
                                metavar=f.name.upper(), **kwargs)
+
+
+def json_list_flag(text: str) -> list[str]:
+    """A flag's value as a JSON list of strings (`'["https://a.example", "https://b.example"]'`), as vLLM parses
+    --allowed-origins, --allowed-methods and --allowed-headers."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a JSON list: {text!r} (write e.g. '[\"*\"]')") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r}")
+    return value
 
 
 def add_engine_flags(group, skip: frozenset[str] | set[str] = frozenset(), suppress_defaults: bool = False,
