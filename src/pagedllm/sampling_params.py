@@ -28,6 +28,9 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    reasoning_end_token_ids: list[int] | None = None
+    """Set by the server's reasoning parser: the output begins inside the model's reasoning, which is left
+    unconstrained; the grammar applies from the token after the first of these tokens (`</think>`) on."""
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -26,4 +26,4 @@ from pagedllm.config.engine import (  # noqa: F401
 )
 from pagedllm.config.kv_events import KVEventsConfig  # noqa: F401
 from pagedllm.config.parallel import EXECUTOR_BACKENDS, RAY_EXTRA_HINT, ParallelConfig  # noqa: F401
-from pagedllm.config.server import TOOL_CALL_PARSERS, ServerConfig, parse_api_keys  # noqa: F401
+from pagedllm.config.server import REASONING_PARSERS, TOOL_CALL_PARSERS, ServerConfig, parse_api_keys  # noqa: F401

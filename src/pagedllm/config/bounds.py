@@ -109,6 +109,7 @@ SERVER_BOUNDS = {
     "max_choices": at_least(1, 1 << 20),
     "max_logit_bias": at_least(1, 1 << 20, "past the largest vocabulary"),
     "max_stop": at_least(1, 1 << 16),
+    "max_stored_responses": at_least(1, 1 << 20),
     "chat_template_timeout": positive(3600.0),
     "max_chat_template_chars": at_least(1, GiB),
     "max_request_bytes": at_least(1, 4 * GiB),

@@ -95,6 +95,15 @@ class ServerConfig:
     (`<tool_call><function=NAME><parameter=KEY>VALUE</parameter></function></tool_call>`)."""
     exclude_tools_when_tool_choice_none: bool = False
     """Do not pass a request's tools to the chat template when its tool_choice is `none`."""
+    reasoning_parser: str | None = None
+    """Split the model's reasoning out of its output (vLLM's parser names): `qwen3` or `deepseek_r1`
+    (`<think>...</think>`). The reasoning goes to the message's `reasoning` (vLLM 0.32's name) and
+    `reasoning_content` (the older name), in responses and stream deltas, and to a reasoning item of
+    /v1/responses; tool calls are read from the content after it, and a request's grammar (response_format,
+    structured_outputs, tool_choice required or named) constrains only the output after the reasoning ends."""
+    max_stored_responses: int = 1024
+    """Most responses of /v1/responses kept in memory for `previous_response_id` and GET /v1/responses/{id}
+    (`store: true`, OpenAI's default); beyond, the least recently used is dropped, and its id answers 404."""
     max_request_bytes: int = 16 << 20
     """Largest request body accepted, in bytes (HTTP 413 beyond; chunked bodies are counted as they
     arrive)."""
@@ -180,6 +189,9 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise ValueError(f"--{name.replace('_', '-')} must be a JSON list of strings, got {value!r}.")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser {self.reasoning_parser!r} is not a registered reasoning parser; "
+                             f"the registered ones are {', '.join(REASONING_PARSERS)}.")
         check_bounds(self, SERVER_BOUNDS)
 
     @property
@@ -207,6 +219,14 @@ TOOL_CALL_PARSERS = {
 }
 """The tool call parsers: each --tool-call-parser value (vLLM's names) and its module under
 `pagedllm.entrypoints.openai.tool_parsers` (one module a format; a new parser is a module and a line here)."""
+
+
+REASONING_PARSERS = {
+    "qwen3": "qwen3",
+    "deepseek_r1": "deepseek_r1",
+}
+"""The reasoning parsers: each --reasoning-parser value (vLLM's names) and its module under
+`pagedllm.entrypoints.openai.reasoning_parsers` (a new parser is a module and a line here)."""
 
 
 def check_tool_flags(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:

@@ -1,13 +1,13 @@
 """The API server's FastAPI app: its routes over AsyncLLM and its error handlers.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET (and HEAD) /health, GET /version,
-GET /load (server_load.py), POST /tokenize, POST /detokenize, GET /metrics, GET /openapi.json, GET /docs and GET
-/redoc (the OpenAPI document and its Swagger and ReDoc pages, as vLLM serves them, unless --disable-fastapi-docs),
-GET /debug/kv_cache with --enable-debug-routes, and vLLM's development routes (/reset_prefix_cache, /sleep,
-/wake_up, /is_sleeping: dev_routes.py) with --enable-debug-routes or VLLM_SERVER_DEV_MODE=1. CORS and X-Request-Id
-headers: middleware.py. With --api-key every
-route but /health (and /metrics unless --protect-metrics) needs the key, the OpenAPI document included
-(middleware.py). run.py serves the app; draining.py handles SIGTERM.
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses and GET /v1/responses/{id},
+GET /v1/models, GET (and HEAD) /health, GET /version, GET /load (server_load.py), POST /tokenize, POST /detokenize,
+GET /metrics, GET /openapi.json, GET /docs and GET /redoc (the OpenAPI document and its Swagger and ReDoc pages, as
+vLLM serves them, unless --disable-fastapi-docs), GET /debug/kv_cache with --enable-debug-routes, and vLLM's
+development routes (/reset_prefix_cache, /sleep, /wake_up, /is_sleeping: dev_routes.py) with --enable-debug-routes
+or VLLM_SERVER_DEV_MODE=1. CORS and X-Request-Id headers: middleware.py. With --api-key every route but /health
+(and /metrics unless --protect-metrics) needs the key, the OpenAPI document included (middleware.py). run.py serves
+the app; draining.py handles SIGTERM.
 """
 
 from __future__ import annotations
@@ -35,10 +35,12 @@ from pagedllm.entrypoints.openai.middleware import (
 from pagedllm.entrypoints.openai.openapi import SSE_CONTENT, error_responses, openapi_document
 from pagedllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse, ModelCard, ModelList
 from pagedllm.entrypoints.openai.responses import guard, respond, run_until_disconnect
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest, ResponsesResponse
 from pagedllm.entrypoints.openai.server_load import add_load_route
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.tenant_salt import tenant_cache_salt
 from pagedllm.entrypoints.openai.tokenize_protocol import (
@@ -71,7 +73,8 @@ def build_app(state: ServerState) -> FastAPI:
     completions = OpenAIServingCompletion(*serving)
     chat = OpenAIServingChat(*serving)
     tokenization = OpenAIServingTokenization(*serving, chat_prompts=chat.chat_prompts)
-    _add_generation_routes(app, state, completions, chat)
+    responses = OpenAIServingResponses(*serving, chat_prompts=chat.chat_prompts)
+    _add_generation_routes(app, state, completions, chat, responses)
     _add_info_routes(app, state)
     _add_token_routes(app, state, tokenization)
     if state.config.enable_debug_routes:
@@ -107,8 +110,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState, completions: OpenAIServingCompletion,
-                           chat: OpenAIServingChat) -> None:
-    """POST /v1/completions and /v1/chat/completions, their raw bodies prechecked against the request caps."""
+                           chat: OpenAIServingChat, responses: OpenAIServingResponses) -> None:
+    """POST /v1/completions, /v1/chat/completions and /v1/responses, their raw bodies prechecked against the
+    request caps; GET /v1/responses/{id} (a stored response)."""
     generation = APIRouter(route_class=prechecked_route_class(state.config))
     salt_secret = os.urandom(32)
 
@@ -133,6 +137,17 @@ def _add_generation_routes(app: FastAPI, state: ServerState, completions: OpenAI
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         apply_request_context(body, request)
         return respond(await run_until_disconnect(request, guard(chat.create_chat_completion(body))))
+
+    @generation.post("/v1/responses", responses={200: {"model": ResponsesResponse, "content": SSE_CONTENT},
+                                                 **generation_errors})
+    async def create_response(body: ResponsesRequest, request: Request):
+        apply_request_context(body, request)
+        return respond(await run_until_disconnect(request, guard(responses.create_response(body))))
+
+    @generation.get("/v1/responses/{response_id}", responses={200: {"model": ResponsesResponse},
+                                                              **error_responses(401, 404)})
+    async def retrieve_response(response_id: str):
+        return respond(responses.retrieve(response_id))
 
     app.include_router(generation)
 

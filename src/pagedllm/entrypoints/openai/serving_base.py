@@ -15,6 +15,7 @@ from pagedllm.engine.input_processor import is_valid_unicode, json_options
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.formatting import usage
 from pagedllm.entrypoints.openai.protocol import MAX_REQUEST_ID_LEN, SamplingFields, UsageInfo, random_uuid
+from pagedllm.entrypoints.openai.reasoning import ReasoningParser, RequestReasoning
 from pagedllm.entrypoints.openai.request_caps import check_request_caps, n_above_cap
 from pagedllm.entrypoints.openai.request_logger import RequestLogger
 from pagedllm.entrypoints.openai.tokenizer_threads import TokenizerThreads
@@ -44,6 +45,15 @@ class OpenAIServing:
         """Shared by every route of one app (app.py), so that a big text delays no small one anywhere."""
         self.request_logger = RequestLogger(self.config.max_log_len) if self.config.log_requests else None
         """--enable-log-requests (and --enable-log-outputs): None when requests are not logged."""
+        self.reasoning_parser = (ReasoningParser(self.config.reasoning_parser, self.tokenizer)
+                                 if self.config.reasoning_parser else None)
+        """--reasoning-parser over the tokenizer (reasoning.py); None without the flag."""
+
+    def request_reasoning(self, chat_template_kwargs: dict[str, Any] | None) -> RequestReasoning | None:
+        """A chat request's reasoning split (None without --reasoning-parser)."""
+        if self.reasoning_parser is None:
+            return None
+        return self.reasoning_parser.for_request(chat_template_kwargs)
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """The token ids of `text`, tokenized in a worker thread (tokenizer_threads.py): the event loop serves
@@ -151,13 +161,16 @@ class OpenAIServing:
             include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=logit_bias, **kwargs)
 
     def add_requests(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
-                     params: SamplingParams, request: SamplingFields,
+                     params: SamplingParams | list[SamplingParams], request: SamplingFields,
                      output_kind: str) -> list[AsyncIterator[RequestOutput]]:
-        """Send every prompt as `{engine_id}-{i}` (one prompt: `engine_id`); all or none.
+        """Send every prompt as `{engine_id}-{i}` (one prompt: `engine_id`); all or none. `params`: for every
+        prompt, or one each (they differ only in where a grammar starts, reasoning.py).
 
         The engine id is the response's id plus a random suffix, as vLLM does: a client-supplied request_id is
         echoed in the response but never shared with another request, so two requests (two tenants) with the
         same request_id both run and neither can tell that the other exists."""
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        params = per_prompt[0]
         if not 1 <= params.n <= self.config.max_n:
             raise n_above_cap(params.n, self.config)
         engine_id = f"{request_id}-{random_uuid()[:8]}"
@@ -166,11 +179,11 @@ class OpenAIServing:
         ids = [engine_id] if len(prompts) == 1 else [f"{engine_id}-{i}" for i in range(len(prompts))]
         request_logger = self.request_logger
         try:
-            for sub_id, (text, token_ids) in zip(ids, prompts, strict=True):
+            for sub_id, (text, token_ids), prompt_params in zip(ids, prompts, per_prompt, strict=True):
                 if request_logger is not None:
-                    request_logger.log_inputs(sub_id, text, token_ids, params)
-                stream = self.engine.add_request(sub_id, token_ids, params, text, output_kind, request.priority,
-                                                 request.cache_salt)
+                    request_logger.log_inputs(sub_id, text, token_ids, prompt_params)
+                stream = self.engine.add_request(sub_id, token_ids, prompt_params, text, output_kind,
+                                                 request.priority, request.cache_salt)
                 if request_logger is not None and self.config.enable_log_outputs:
                     stream = request_logger.logging_outputs(stream, sub_id, params.n, output_kind == "delta")
                 streams.append(stream)

@@ -19,7 +19,7 @@ from pagedllm.entrypoints.openai.chat_protocol import (
     DeltaMessage,
     TopLogprob,
 )
-from pagedllm.entrypoints.openai.chat_stream_chunks import content_chunk_template, stream_choice
+from pagedllm.entrypoints.openai.chat_stream_chunks import choice_delta, content_chunk_template, stream_choice
 from pagedllm.entrypoints.openai.formatting import (
     SSE_DONE,
     chosen_entry,
@@ -30,6 +30,7 @@ from pagedllm.entrypoints.openai.formatting import (
     token_id_text,
     top_entries,
 )
+from pagedllm.entrypoints.openai.reasoning import ReasoningStream, RequestReasoning
 from pagedllm.entrypoints.openai.serving_base import OpenAIServing, merge_streams
 from pagedllm.entrypoints.openai.sse_template import SSETemplate
 from pagedllm.entrypoints.openai.structured_outputs import with_structured_outputs
@@ -64,12 +65,15 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, max_tokens, logprobs, request.prompt_logprobs)
         params = await with_structured_outputs(request, params, self.grammar_compile_timeout_s, self.json_options)
         params = await tools.constrain(params, self.grammar_compile_timeout_s, self.json_options)
+        reasoning = self.request_reasoning(request.chat_template_kwargs)
+        if reasoning is not None:
+            params = reasoning.constrain_after_reasoning(params, token_ids)
         request_id = self.request_id("chatcmpl", request)
         streams = self.add_requests(request_id, [(prompt, token_ids)], params, request,
                                     "delta" if request.stream else "final_only")
         merged = merge_streams(streams)
         if request.stream:
-            return self._stream(request, request_id, token_ids, merged, tools)
+            return self._stream(request, request_id, token_ids, merged, tools, reasoning)
         final = None
         try:
             async for _, output in merged:
@@ -82,8 +86,12 @@ class OpenAIServingChat(OpenAIServing):
         echo = echo_text(request, role)
         for output in sorted(final.outputs, key=lambda o: o.index):
             num_completion += len(output.token_ids)
-            message, finish_reason = tools.message(output.text, output.finish_reason)
+            thought, text = reasoning.split(output.text) if reasoning is not None else (None, output.text)
+            message, finish_reason = tools.message(text or "", output.finish_reason)
             message.role = role
+            if reasoning is not None:
+                message.reasoning = message.reasoning_content = thought
+                message.content = message.content or None
             if echo:
                 message.content = echo + (message.content or "")
             choices.append(ChatCompletionResponseChoice(
@@ -121,16 +129,17 @@ class OpenAIServingChat(OpenAIServing):
         return ChatLogprobs(content=content)
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, prompt_token_ids: list[int],
-                      merged, tools: ToolCalling) -> AsyncIterator[str]:
+                      merged, tools: ToolCalling, reasoning: RequestReasoning | None) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage, continuous_usage = self.stream_usage_options(request)
         role = self.response_role(request)
         echo = echo_text(request, role)
-        started: dict[int, ChoiceStream] = {}
+        started: dict[int, tuple[ChoiceStream, ReasoningStream | None]] = {}
         num_completion = num_cached = 0
         template: SSETemplate | None = None
         # Chunks of content only (no tool parsing, logprobs, token ids or usage) are written from a template.
-        plain = not (tools.parses_output or request.logprobs or request.return_token_ids or continuous_usage)
+        plain = not (tools.parses_output or request.logprobs or request.return_token_ids or continuous_usage
+                     or reasoning is not None)
 
         def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
             so_far = self.usage(len(prompt_token_ids), num_completion, num_cached) if continuous_usage else None
@@ -143,12 +152,10 @@ class OpenAIServingChat(OpenAIServing):
                 choices: list[ChatCompletionStreamChoice | tuple] = []
                 for completion in output.outputs:
                     if completion.index not in started:
-                        started[completion.index] = tools.stream()
-                        yield chunk([ChatCompletionStreamChoice(
-                            index=completion.index, delta=DeltaMessage(role=role, content=""))])
-                        if echo:
-                            yield chunk([ChatCompletionStreamChoice(index=completion.index,
-                                                                    delta=DeltaMessage(content=echo))])
+                        started[completion.index] = (tools.stream(), reasoning and reasoning.stream())
+                        for first in [DeltaMessage(role=role, content="")] + ([DeltaMessage(content=echo)]
+                                                                              if echo else []):
+                            yield chunk([ChatCompletionStreamChoice(index=completion.index, delta=first)])
                     num_completion += len(completion.token_ids)
                     if not completion.text and not completion.token_ids and completion.finish_reason is None:
                         continue
@@ -156,11 +163,10 @@ class OpenAIServingChat(OpenAIServing):
                         choices.append((completion.index, completion.text, completion.finish_reason,
                                         completion.stop_reason))
                         continue
-                    delta, finish_reason = DeltaMessage(content=completion.text), completion.finish_reason
-                    if tools.parses_output:
-                        delta, finish_reason = started[completion.index].delta(completion.text, finish_reason)
-                        if delta is None and not (request.logprobs or request.return_token_ids):
-                            continue  # held back (a tail that may begin a tool call)
+                    delta, finish_reason = choice_delta(completion.text, completion.finish_reason, tools,
+                                                        *started[completion.index])
+                    if delta is None and not (request.logprobs or request.return_token_ids):
+                        continue  # held back (a tail that may begin a tool call or a tag)
                     choices.append(ChatCompletionStreamChoice(
                         index=completion.index, delta=delta or DeltaMessage(),
                         logprobs=self._logprobs(completion.token_ids, completion.logprobs, request),

@@ -52,6 +52,10 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self.sampling_params(request, request.max_tokens, request.logprobs,
                                       _num_prompt_logprobs_computed(request))
         params = await with_structured_outputs(request, params, self.grammar_compile_timeout_s, self.json_options)
+        reasoning = self.request_reasoning(None)
+        if reasoning is not None and params.structured_outputs is not None:
+            # as vLLM's engine does for every request: a grammar starts once the prompt's reasoning has ended
+            params = [reasoning.constrain_after_reasoning(params, token_ids) for _, token_ids in prompts]
         request_id = self.request_id("cmpl", request)
         streams = self.add_requests(request_id, prompts, params, request,
                                     "delta" if request.stream else "final_only")
