@@ -6,10 +6,10 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import os
 
 import uvicorn
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig, ModelConfig, ServerConfig
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineStartupError, start_engine_cores
@@ -34,7 +34,7 @@ def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
 
     With PAGEDLLM_API_PROFILE=PATH in the environment, the event loop's thread runs under cProfile and its stats
     are written to PATH at exit (benchmarks/serving_cpu.py; read with `python -m pstats PATH`)."""
-    profile_path = os.environ.get("PAGEDLLM_API_PROFILE")
+    profile_path = envs.PAGEDLLM_API_PROFILE
     profiler = None
     if profile_path:
         import cProfile

@@ -35,7 +35,6 @@ from pagedllm.entrypoints.openai.sse_template import SSETemplate
 from pagedllm.entrypoints.openai.structured_outputs import with_structured_outputs
 from pagedllm.entrypoints.openai.tool_calling import ChoiceStream, ToolCalling
 from pagedllm.outputs import PositionLogprobs
-from pagedllm.sampling_params import MAX_LOGPROBS
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -49,9 +48,11 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise errors.bad_request("top_logprobs needs logprobs to be true.", param="top_logprobs")
-        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_LOGPROBS:
-            raise errors.bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {request.top_logprobs}.",
-                                     param="top_logprobs")
+        limits = self.engine.input_processor.limits
+        cap = limits.max_logprobs if limits.max_logprobs != -1 else limits.vocab_size
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= cap:
+            raise errors.bad_request(f"top_logprobs must be in [0, {cap}] (--max-logprobs), got "
+                                     f"{request.top_logprobs}.", param="top_logprobs")
         self.check_stream_fields(request, request.prompt_logprobs)
         self.check_request_caps(request)
         self.engine.check_admission(request.n)
