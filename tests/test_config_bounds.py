@@ -101,7 +101,8 @@ def test_messages_say_what_is_wrong():
         ServerConfig(health_check_timeout=-1.0)
     with pytest.raises(ValueError, match=r"^--max-model-len must be an integer, got '4096'\.$"):
         ModelConfig(max_model_len="4096")
-    assert [f.name for f in fields(ModelConfig) if f.name in numeric_fields(ModelConfig)] == ["max_model_len", "seed", "max_logprobs"]
+    assert [f.name for f in fields(ModelConfig) if f.name in numeric_fields(ModelConfig)] == [
+        "max_model_len", "seed", "max_logprobs"]
 
 
 @pytest.mark.slow

@@ -230,7 +230,23 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     if server_kwargs.get("api_key") is None and envs.VLLM_API_KEY is not None:
         server_kwargs["api_key"] = envs.VLLM_API_KEY
         parse_api_keys(server_kwargs["api_key"], "VLLM_API_KEY")  # a blank key, named where it came from
+    _server_defaults_from_environment(server_kwargs)
     model = args.model or args.model_tag
     if args.model and args.model_tag and args.model != args.model_tag:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}.")
     return EngineConfig.from_kwargs(model=model, **engine_kwargs), ServerConfig(**server_kwargs)
+
+
+_SERVER_ENV_DEFAULTS = {"enable_debug_routes": "VLLM_SERVER_DEV_MODE",
+                        "engine_startup_timeout": "VLLM_ENGINE_READY_TIMEOUT_S"}
+"""ServerConfig fields whose default a vLLM environment variable sets, when it is set (envs.py)."""
+
+
+def _server_defaults_from_environment(server_kwargs: dict[str, Any]) -> None:
+    """vLLM's environment equivalents of server flags: where the flag keeps its default and the variable is set,
+    the variable's value holds (a flag given with a value other than the default wins)."""
+    defaults = {f.name: f.default for f in fields(ServerConfig)}
+    for name, variable in _SERVER_ENV_DEFAULTS.items():
+        value = getattr(envs, variable)
+        if envs.is_set(variable) and value is not None and server_kwargs.get(name, defaults[name]) == defaults[name]:
+            server_kwargs[name] = value

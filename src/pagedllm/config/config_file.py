@@ -89,5 +89,9 @@ def expand_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list
     else:
         path, rest = argv[index].split("=", 1)[1], argv[:index] + argv[index + 1:]
     file_args = load_config_file(path, parser)
-    head = 2 if len(rest) > 1 and not rest[1].startswith("-") else 1  # serve [MODEL]
+    model_in_cli = len(rest) > 1 and not rest[1].startswith("-")
+    if model_in_cli and "--model" in file_args:  # vLLM keeps the command line's MODEL
+        at_model = file_args.index("--model")
+        del file_args[at_model:at_model + 2]
+    head = 2 if model_in_cli else 1  # serve [MODEL]
     return rest[:head] + file_args + rest[head:]

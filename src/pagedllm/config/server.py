@@ -48,7 +48,8 @@ class ServerConfig:
     drain_timeout: float = 30.0
     """Seconds SIGTERM waits for open requests to finish before aborting them and exiting."""
     engine_startup_timeout: float = 600.0
-    """Seconds to wait for the engine core to load the model and report ready."""
+    """Seconds to wait for the engine core to load the model and report ready (default: VLLM_ENGINE_READY_TIMEOUT_S
+    where set, as vLLM)."""
     engine_death_exit_delay: float = 3.0
     """Seconds the server keeps answering 503 after the engine core dies, before it exits."""
     max_n: int = 128
@@ -101,7 +102,8 @@ class ServerConfig:
     body_read_timeout: float = 60.0
     """Seconds a request's body has to arrive in full after its head; then the connection is closed."""
     enable_debug_routes: bool = False
-    """Serve GET /debug/kv_cache (free and total KV blocks, running and waiting requests) for tests."""
+    """Serve GET /debug/kv_cache (free and total KV blocks, running and waiting requests) for tests (default:
+    on where VLLM_SERVER_DEV_MODE=1, vLLM's switch of its development routes)."""
 
     def __post_init__(self) -> None:
         parse_api_keys(self.api_key)
