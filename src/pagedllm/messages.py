@@ -169,6 +169,8 @@ class ModelLimits:
     max_logprobs: int = 20
     """--max-logprobs: the most logprobs (logprobs, top_logprobs, prompt_logprobs) a request may ask for; -1: up to
     the vocabulary."""
+    logprobs_are_logits: bool = False
+    """--logprobs-mode raw_logits or processed_logits: the `logprob` values are logits (not clamped at 0)."""
     grammar_compile_timeout_s: float = 10.0
     """Structured outputs: a grammar that takes longer to compile is refused (StructuredOutputsConfig)."""
     priority_scheduling: bool = False

@@ -70,6 +70,11 @@ class ModelConfig:
     max_logprobs: int = 20
     """Most log probabilities a request may ask for (`logprobs`, `top_logprobs`, `prompt_logprobs`): more is HTTP
     400 naming the field, as in vLLM. -1: no cap but the vocabulary size."""
+    logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = "raw_logprobs"
+    """What the sampled tokens' logprobs are, as vLLM's: raw_logprobs, log_softmax of the model's logits (before
+    logit_bias, min_tokens and penalties); raw_logits, those logits; processed_logprobs and processed_logits, the
+    same of the logits the token is drawn from (after logit_bias, min_tokens, penalties, temperature, top-k, top-p
+    and min-p; masked tokens -inf). Prompt logprobs stay raw logprobs."""
     generation_config: str = "auto"
     """auto: apply the model's generation_config.json defaults; vllm: ignore them; or a folder path."""
     override_generation_config: dict[str, Any] | None = None

@@ -26,7 +26,7 @@ HONOURED_FLAGS = (
     "--help", "--config", "--model", "--chat-template", "--trust-request-chat-template", "--enable-auto-tool-choice",
     "--exclude-tools-when-tool-choice-none", "--tool-call-parser", "--host", "--port", "--uvicorn-log-level",
     "--api-key", "--tokenizer", "--trust-remote-code", "--dtype", "--seed", "--revision", "--tokenizer-revision",
-    "--max-model-len", "--quantization", "--max-logprobs", "--served-model-name",
+    "--max-model-len", "--quantization", "--max-logprobs", "--logprobs-mode", "--served-model-name",
     "--generation-config", "--override-generation-config", "--load-format", "--download-dir",
     "--distributed-executor-backend", "--pipeline-parallel-size", "--tensor-parallel-size", "--data-parallel-size",
     "--enable-expert-parallel", "--block-size", "--gpu-memory-utilization", "--kv-cache-memory-bytes",
@@ -149,8 +149,6 @@ VLLM_ONLY_FLAGS: dict[str, tuple[str, str, str]] = {
     "--enforce-eager": ("bool", ACCEPTED, _EAGER),
     "--enable-return-routed-experts": ("bool", REFUSED, _MODEL),
     "--return-sampling-mask": ("bool", REFUSED, _MODEL),
-    "--logprobs-mode": ("str", REFUSED, "not built yet: logprobs are computed after logit_bias and penalties, "
-                                        "before temperature and truncation; vLLM's four modes are not offered"),
     "--use-fp64-gumbel": ("bool", REFUSED, "not built yet: float64 Gumbel sampling"),
     "--enable-trace-replay": ("bool", REFUSED, _MODEL),
     "--disable-sliding-window": ("bool", REFUSED, _MODEL),

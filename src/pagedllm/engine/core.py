@@ -121,6 +121,7 @@ class EngineCore:
                            generation_defaults=self._generation_defaults(),
                            max_tokens_cap=self._max_tokens_cap(),
                            max_logprobs=self.config.model_config.max_logprobs,
+                           logprobs_are_logits=self.config.model_config.logprobs_mode.endswith("logits"),
                            grammar_compile_timeout_s=so_config.compile_timeout_s,
                            priority_scheduling=self.config.scheduler_config.scheduling_policy == "priority",
                            json_disable_any_whitespace=so_config.disable_any_whitespace,

@@ -102,11 +102,13 @@ class OpenAIServingChat(OpenAIServing):
             return None
         num = request.top_logprobs or 0
         content = []
+        logits = self.logprobs_are_logits
         for token_id, position in zip(token_ids, positions, strict=False):
             logprob, text = chosen_entry(position, token_id)
-            top = [TopLogprob(token=t, logprob=json_logprob(lp), bytes=list(t.encode()))
+            top = [TopLogprob(token=t, logprob=json_logprob(lp, logits), bytes=list(t.encode()))
                    for _, lp, t in top_entries(position, num)]
-            content.append(ChatLogprobToken(token=text, logprob=json_logprob(logprob), bytes=list(text.encode()),
+            content.append(ChatLogprobToken(token=text, logprob=json_logprob(logprob, logits),
+                                            bytes=list(text.encode()),
                                             top_logprobs=top))
         return ChatLogprobs(content=content)
 

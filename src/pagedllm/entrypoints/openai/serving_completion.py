@@ -141,6 +141,7 @@ class OpenAIServingCompletion(OpenAIServing):
     def _logprobs(self, token_ids: list[int], positions: list[PositionLogprobs | None], num: int,
                   text_offset: int = 0) -> CompletionLogProbs:
         result = CompletionLogProbs()
+        logits = self.logprobs_are_logits
         for token_id, position in zip(token_ids, positions, strict=False):
             if position is None:
                 token_text = decode_token(self.tokenizer, token_id)
@@ -150,11 +151,11 @@ class OpenAIServingCompletion(OpenAIServing):
             else:
                 logprob, token_text = chosen_entry(position, token_id)
                 result.tokens.append(token_text)
-                result.token_logprobs.append(json_logprob(logprob))
+                result.token_logprobs.append(json_logprob(logprob, logits))
                 top: dict[str, float] = {}
                 for _, lp, text in top_entries(position, num):  # best first: keep the best of equal texts
-                    top.setdefault(text, json_logprob(lp))
-                top.setdefault(token_text, json_logprob(logprob))
+                    top.setdefault(text, json_logprob(lp, logits))
+                top.setdefault(token_text, json_logprob(logprob, logits))
                 result.top_logprobs.append(top)
             result.text_offset.append(text_offset)
             text_offset += len(token_text)
