@@ -31,6 +31,8 @@ def test_file_flags_and_command_line_precedence(tmp_path, monkeypatch):
     assert engine.speculative_config.method == "ngram" and engine.speculative_config.num_speculative_tokens == 3
     engine, _ = configs_from_args(_parse(["cli/model", f"--config={config}", "--max_num_seqs", "2"]))
     assert engine.model_config.model == "cli/model" and engine.scheduler_config.max_num_seqs == 2
+    for spelling in (["-O3"], ["-O=3"], ["-O", "3"]):  # vLLM's -O: --optimization-level (accepted, no effect)
+        assert _parse(["m", *spelling]).vllm_only_optimization_level == "3"
 
 
 def test_unknown_key_is_refused_naming_it(tmp_path, capsys):
@@ -69,3 +71,12 @@ def test_vllm_environment_equivalents(monkeypatch):
     assert server.engine_startup_timeout == 7.0  # the flag wins
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "0")
     assert configs_from_args(_parse(["m"]))[1].enable_debug_routes is False
+
+
+def test_logging_environment(monkeypatch, caplog):
+    from pagedllm.entrypoints.cli.main import main
+
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "loud")
+    with caplog.at_level(logging.ERROR):
+        assert main(["serve", "m"]) == 2
+    assert "VLLM_LOGGING_LEVEL=LOUD is not a log level" in caplog.text

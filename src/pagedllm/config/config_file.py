@@ -27,9 +27,19 @@ _NAME = re.compile(r"(?<=^--)[^=.]*")
 
 
 def normalize_flag_names(argv: list[str]) -> list[str]:
-    """`--max_num_seqs 4` and `--max_num_seqs=4` as `--max-num-seqs` (vLLM takes both spellings); values are kept."""
-    return [_NAME.sub(lambda m: m.group(0).replace("_", "-"), arg, count=1) if arg.startswith("--") else arg
-            for arg in argv]
+    """`--max_num_seqs 4` and `--max_num_seqs=4` as `--max-num-seqs` (vLLM takes both spellings), and vLLM's
+    `-O3` / `-O=3` / `-O 3` as `--optimization-level 3`; values are kept."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--"):
+            out.append(_NAME.sub(lambda m: m.group(0).replace("_", "-"), arg, count=1))
+        elif arg.startswith("-O") and arg != "-O":
+            out += ["--optimization-level", arg[3:] if arg[2] == "=" else arg[2:]]
+        elif arg == "-O" and i + 1 < len(argv) and argv[i + 1] in ("0", "1", "2", "3"):
+            out.append("--optimization-level")
+        else:
+            out.append(arg)
+    return out
 
 
 def load_config_file(path: str, parser: argparse.ArgumentParser) -> list[str]:

@@ -423,6 +423,11 @@ def markdown() -> str:
     lines += ["", f"pagedllm's own flags, not in vLLM's list ({len(PAGEDLLM_ONLY_FLAGS)}):", "",
               "| flag | for |", "| --- | --- |"]
     lines += [f"| `{flag}` | {why} |" for flag, why in sorted(PAGEDLLM_ONLY_FLAGS.items())]
+    from pagedllm import envs
+
+    lines += ["", "Environment variables (src/pagedllm/envs.py; vLLM's `VLLM_*` ones keep vLLM's meaning, vLLM's "
+              "others are not read):", "", "| variable | meaning |", "| --- | --- |"]
+    lines += [f"| `{name}` | {doc} |" for name, (_, doc) in envs.ENVIRONMENT_VARIABLES.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -62,7 +62,11 @@ def preprocess_argv(argv: list[str], parser: argparse.ArgumentParser) -> list[st
 
 def cmd(args: argparse.Namespace) -> int:
     if envs.VLLM_CONFIGURE_LOGGING:
-        logging.basicConfig(level=envs.VLLM_LOGGING_LEVEL, format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+        level = envs.VLLM_LOGGING_LEVEL
+        if level not in logging.getLevelNamesMapping():
+            logger.error("VLLM_LOGGING_LEVEL=%s is not a log level (DEBUG, INFO, WARNING, ERROR, CRITICAL).", level)
+            return 2
+        logging.basicConfig(level=level, format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
                             datefmt="%m-%d %H:%M:%S")
     try:
         engine_config, server_config = configs_from_args(args)
