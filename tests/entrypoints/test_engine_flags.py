@@ -48,6 +48,12 @@ def test_kv_cache_memory_bytes_sizes_the_pool():
         _configs("--kv-cache-memory-bytes", "1.5G")  # vLLM: no decimals with binary suffixes
 
 
+def test_api_key_takes_vllms_several_values(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert _configs("--api-key", "k1", "k2")[1].api_keys == ["k1", "k2"]
+    assert _configs("--api-key", "k1,k2")[1].api_keys == ["k1", "k2"]
+
+
 def test_vllm_spellings_of_values():
     engine, _ = _configs("--max-model-len", "32k", "--max-num-batched-tokens", "2K", "--dtype", "half", "-tp", "1",
                          "--seed", "7")

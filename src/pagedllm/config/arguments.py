@@ -64,7 +64,7 @@ def add_dataclass_flags(group, cls: type, prefix: str, skip: frozenset[str] | se
     With suppress_defaults, a flag the user does not pass is absent from the namespace, so the
     dataclass default stays the only default.
     """
-    from pagedllm.config.vllm_flags import ALIASES  # not at the top: `python -m pagedllm.config.vllm_flags`
+    from pagedllm.config.vllm_flags import ALIASES, COMMA_JOINED  # not at the top: `python -m ...vllm_flags`
 
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
@@ -77,7 +77,9 @@ def add_dataclass_flags(group, cls: type, prefix: str, skip: frozenset[str] | se
         kwargs: dict[str, Any] = {"dest": prefix + f.name, "default": default, "help": docs.get(f.name, "")}
         kind = hints[f.name]
         args = [a for a in typing.get_args(kind) if a is not type(None)]
-        if kind is bool or args == [bool]:  # bool | None: None until --x / --no-x says otherwise
+        if flag in COMMA_JOINED:  # vLLM's `--api-key k1 k2`, and pagedllm's `--api-key k1,k2`
+            group.add_argument(*names, nargs="+", action=_CommaJoined, metavar=f.name.upper(), **kwargs)
+        elif kind is bool or args == [bool]:  # bool | None: None until --x / --no-x says otherwise
             group.add_argument(*names, action=argparse.BooleanOptionalAction, **kwargs)
         elif typing.get_origin(kind) is Literal:
             group.add_argument(*names, choices=typing.get_args(kind), **kwargs)
@@ -93,6 +95,13 @@ def add_dataclass_flags(group, cls: type, prefix: str, skip: frozenset[str] | se
                 base = parse_bytes
             known = (int, float, parse_bytes, human_readable_int, human_readable_int_or_auto)
             group.add_argument(*names, type=base if base in known else str, metavar=f.name.upper(), **kwargs)
+
+
+class _CommaJoined(argparse.Action):
+    """Several values stored as one comma-separated string."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, ",".join(values))
 
 
 def add_engine_flags(group, skip: frozenset[str] | set[str] = frozenset(), suppress_defaults: bool = False,

@@ -50,6 +50,9 @@ ALIASES = {
     "--gpu-memory-utilization": ("--device-memory-utilization",),
 }
 """vLLM's other option strings of honoured flags (the --no-x forms come with BooleanOptionalAction)."""
+COMMA_JOINED = frozenset({"--api-key"})
+"""Honoured flags that take several values in vLLM (`--api-key k1 k2`) where pagedllm's field is one comma-separated
+string: the values are joined with commas."""
 
 # Why a flag is accepted (no effect here) ...
 _EAGER = "pagedllm runs eager PyTorch and native CPU kernels: no CUDA graphs, no torch.compile"
