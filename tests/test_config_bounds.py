@@ -41,6 +41,7 @@ ZERO_IS_VALID = {  # the fields where 0 means something; everywhere else 0 must 
     "no global tree", "suffix_decoding_min_token_prob": "no cut", "verify_cost_per_draft_token": "always k drafts",
     "buffer_steps": "no replay buffer", "hwm": "no high-water mark", "max_queue_size": "unbounded",
     "engine_hang_timeout": "never", "drain_timeout": "abort at once", "engine_death_exit_delay": "exit at once",
+    "ssl_cert_reqs": "ssl.CERT_NONE", "max_log_len": "nothing of the text",
     "max_logprobs": "only the sampled token's logprob",
 }
 NEGATIVE_IS_VALID = {"seed", "max_logprobs"}  # torch takes seeds in [-2**63, 2**64); --max-logprobs -1: no cap

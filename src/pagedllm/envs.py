@@ -73,8 +73,11 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                            "`pagedllm serve`'s log level (DEBUG, INFO, WARNING, ERROR, CRITICAL); default INFO."),
     "VLLM_CONFIGURE_LOGGING": (_flag01("VLLM_CONFIGURE_LOGGING", True),
                                "0: `pagedllm serve` leaves Python's logging as it finds it."),
-    "VLLM_SERVER_DEV_MODE": (_flag01("VLLM_SERVER_DEV_MODE"),
-                             "1: serve the debug routes, as --enable-debug-routes does."),
+    "VLLM_SERVER_DEV_MODE": (lambda: (os.environ.get("VLLM_SERVER_DEV_MODE") or "0").strip().lower()
+                             not in ("", "0", "false"),
+                             "1: serve vLLM's development routes (/reset_prefix_cache, /sleep, /wake_up, "
+                             "/is_sleeping), as --enable-debug-routes does (vLLM reads an integer; true is taken "
+                             "too)."),
     "VLLM_ENGINE_READY_TIMEOUT_S": (_number("VLLM_ENGINE_READY_TIMEOUT_S", float),
                                     "Seconds to wait for the engine core to be ready: --engine-startup-timeout's "
                                     "default when set (vLLM's default 600 is pagedllm's too)."),

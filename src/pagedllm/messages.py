@@ -226,10 +226,13 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
 
 class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
     """"ping" is answered at once by the input thread, with how long the busy loop has been in its current
-    step (a long step must not look like a dead engine); "stats" by the busy loop between steps."""
+    step (a long step must not look like a dead engine); the others by the busy loop between steps: "stats",
+    and the EngineCore methods of the same names (vLLM's EngineCoreClient utility calls) "reset_prefix_cache",
+    "sleep" (args: [level]), "wake_up" (args: the tags; none: all) and "is_sleeping"."""
 
     call_id: int
-    method: Literal["ping", "stats"]
+    method: Literal["ping", "stats", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping"]
+    args: list[int | str] = []
 
 
 ToEngine = AddRequest | AbortRequests | UtilityCall
@@ -271,6 +274,10 @@ class UtilityResult(msgspec.Struct, tag="utility_result", array_like=True):
     stats: SchedulerStats | None = None
     step_running_s: float = 0.0
     """For "ping": seconds the busy loop has been in its current step (0.0: between steps or idle)."""
+    result: bool | None = None
+    """What an EngineCore method returned ("reset_prefix_cache", "wake_up", "is_sleeping")."""
+    error: str | None = None
+    """The call was refused (the engine's ValueError: a message for the user); nothing changed."""
 
 
 class EngineFailed(msgspec.Struct, tag="engine_failed", array_like=True):

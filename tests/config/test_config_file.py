@@ -63,14 +63,11 @@ def test_vllm_only_flags_from_the_file_keep_their_class(tmp_path, caplog):
 
 
 def test_vllm_environment_equivalents(monkeypatch):
-    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
     monkeypatch.setenv("VLLM_ENGINE_READY_TIMEOUT_S", "42")
     _, server = configs_from_args(_parse(["m"]))
-    assert server.enable_debug_routes is True and server.engine_startup_timeout == 42.0
+    assert server.engine_startup_timeout == 42.0
     _, server = configs_from_args(_parse(["m", "--engine-startup-timeout", "7"]))
     assert server.engine_startup_timeout == 7.0  # the flag wins
-    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "0")
-    assert configs_from_args(_parse(["m"]))[1].enable_debug_routes is False
 
 
 def test_logging_environment(monkeypatch, caplog):

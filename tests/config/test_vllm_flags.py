@@ -37,8 +37,9 @@ HONOURED_SAMPLES = {  # values pagedllm takes where the generic sample (from vLL
     "--load-format": ["safetensors"], "--block-size": ["32"],
 }
 HONOURED_EXTRA = {  # flags a flag needs beside it
-    "--enable-expert-parallel": ["--tensor-parallel-size", "2"], "--enable-auto-tool-choice": ["--tool-call-parser",
-                                                                                               "hermes"],
+    "--enable-expert-parallel": ["--tensor-parallel-size", "2"],
+    "--enable-auto-tool-choice": ["--tool-call-parser", "hermes"],
+    "--enable-log-outputs": ["--enable-log-requests"], "--ssl-keyfile": ["--ssl-certfile", "x"],
 }
 
 
@@ -57,6 +58,8 @@ def _sample(entry: dict) -> list[str]:
         return HONOURED_SAMPLES[entry["flag"]]
     if entry["choices"]:
         return [str(entry["choices"][0])]
+    if entry["type"] == "json" and isinstance(entry["default"], list | dict):
+        return [json.dumps(entry["default"])]  # vLLM's own default: a JSON list where the flag takes one
     return [{"int": "1", "float": "0.5", "json": "{}", "human_readable_int": "1k",
              "human_readable_int_or_auto": "1k"}.get(entry["type"], "x")]
 

@@ -9,11 +9,12 @@ import argparse
 import ast
 import functools
 import inspect
+import json
 import logging
 import re
 import textwrap
 import typing
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from typing import Any, Literal
 
 from pagedllm import envs
@@ -73,7 +74,8 @@ def add_dataclass_flags(group, cls: type, prefix: str, skip: frozenset[str] | se
             continue
         flag = "--" + f.name.replace("_", "-")
         names = (flag, *ALIASES.get(flag, ()))
-        default = argparse.SUPPRESS if suppress_defaults else f.default
+        field_default = f.default_factory() if f.default_factory is not MISSING else f.default
+        default = argparse.SUPPRESS if suppress_defaults else field_default
         kwargs: dict[str, Any] = {"dest": prefix + f.name, "default": default, "help": docs.get(f.name, "")}
         kind = hints[f.name]
         args = [a for a in typing.get_args(kind) if a is not type(None)]
@@ -85,6 +87,8 @@ def add_dataclass_flags(group, cls: type, prefix: str, skip: frozenset[str] | se
             group.add_argument(*names, choices=typing.get_args(kind), **kwargs)
         elif len(args) == 1 and typing.get_origin(args[0]) is Literal:  # Literal[...] | None
             group.add_argument(*names, choices=typing.get_args(args[0]), **kwargs)
+        elif typing.get_origin(kind) is list:  # list[str] with a default list: one JSON list, as vLLM's CORS flags
+            group.add_argument(*names, type=json_list_flag, metavar="JSON_LIST", **kwargs)
         elif len(args) == 1 and typing.get_origin(args[0]) is list:  # list[X] | None: `--flag a b`, as vLLM's
             group.add_argument(*names, nargs="+", type=typing.get_args(args[0])[0], metavar=f.name.upper(), **kwargs)
         else:
@@ -95,6 +99,18 @@ def add_dataclass_flags(group, cls: type, prefix: str, skip: frozenset[str] | se
                 base = parse_bytes
             known = (int, float, parse_bytes, human_readable_int, human_readable_int_or_auto)
             group.add_argument(*names, type=base if base in known else str, metavar=f.name.upper(), **kwargs)
+
+
+def json_list_flag(text: str) -> list[str]:
+    """A flag's value as a JSON list of strings (`'["https://a.example", "https://b.example"]'`), as vLLM parses
+    --allowed-origins, --allowed-methods and --allowed-headers."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a JSON list: {text!r} (write e.g. '[\"*\"]')") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r}")
+    return value
 
 
 class _CommaJoined(argparse.Action):
@@ -246,8 +262,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     return EngineConfig.from_kwargs(model=model, **engine_kwargs), ServerConfig(**server_kwargs)
 
 
-_SERVER_ENV_DEFAULTS = {"enable_debug_routes": "VLLM_SERVER_DEV_MODE",
-                        "engine_startup_timeout": "VLLM_ENGINE_READY_TIMEOUT_S"}
+_SERVER_ENV_DEFAULTS = {"engine_startup_timeout": "VLLM_ENGINE_READY_TIMEOUT_S"}
 """ServerConfig fields whose default a vLLM environment variable sets, when it is set (envs.py)."""
 
 

@@ -118,6 +118,8 @@ SERVER_BOUNDS = {
     "max_connections": at_least(1, 1 << 24),
     "header_read_timeout": positive(3600.0),
     "body_read_timeout": positive(DAY_S),
+    "max_log_len": at_least(0, 1 << 40),
+    "ssl_cert_reqs": at_least(0, 2, "ssl.CERT_NONE, CERT_OPTIONAL or CERT_REQUIRED"),
 }
 
 

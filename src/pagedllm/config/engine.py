@@ -75,6 +75,11 @@ class ModelConfig:
     logit_bias, min_tokens and penalties); raw_logits, those logits; processed_logprobs and processed_logits, the
     same of the logits the token is drawn from (after logit_bias, min_tokens, penalties, temperature, top-k, top-p
     and min-p; masked tokens -inf). Prompt logprobs stay raw logprobs."""
+    enable_sleep_mode: bool = False
+    """Allow the engine to sleep (levels 1 and 2 of POST /sleep, LLM.sleep): it drops its weights and its KV pool,
+    giving the memory back while the processes stay, and loads them again on wake_up (from the model's files: on
+    the CPU levels 1 and 2 both drop the weights). The /sleep, /wake_up and /is_sleeping routes are served in
+    development mode, as vLLM's: VLLM_SERVER_DEV_MODE=1 or --enable-debug-routes."""
     generation_config: str = "auto"
     """auto: apply the model's generation_config.json defaults; vllm: ignore them; or a folder path."""
     override_generation_config: dict[str, Any] | None = None

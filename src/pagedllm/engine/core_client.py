@@ -129,14 +129,14 @@ class EngineCoreClient:
         if request_ids and not self.is_dead:
             await self._send(AbortRequests(request_ids))
 
-    async def call_utility(self, method: str, timeout_s: float) -> UtilityResult:
-        """Ask the engine core ("stats": its busy loop; "ping": its input thread, see UtilityCall); raises
-        TimeoutError if it does not answer in time, EngineDeadError if dead."""
+    async def call_utility(self, method: str, timeout_s: float | None, *args: int | str) -> UtilityResult:
+        """Ask the engine core ("ping": its input thread; the others, its busy loop: see UtilityCall); raises
+        TimeoutError if it does not answer in time (None: no limit), EngineDeadError if dead."""
         call_id = next(self._call_ids)
         future: asyncio.Future[UtilityResult] = self._loop.create_future()
         self._calls[call_id] = future
         try:
-            await self._send(UtilityCall(call_id, method))
+            await self._send(UtilityCall(call_id, method, list(args)))
             return await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
             raise TimeoutError(f"the engine core did not answer within {timeout_s:g} s") from None

@@ -10,6 +10,8 @@ import sys
 SUBCOMMANDS = {
     "serve": "pagedllm.entrypoints.cli.serve",
     "bench": "pagedllm.entrypoints.cli.bench",
+    "chat": "pagedllm.entrypoints.cli.chat",
+    "complete": "pagedllm.entrypoints.cli.complete",
 }
 
 

@@ -11,10 +11,16 @@ from pagedllm.entrypoints.openai.protocol import Logprob, PromptLogprobs, Prompt
 from pagedllm.outputs import PositionLogprobs
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> UsageInfo:
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int | None) -> UsageInfo:
+    """num_cached_tokens None: no prompt_tokens_details (vLLM's without --enable-prompt-tokens-details)."""
+    details = None if num_cached_tokens is None else PromptTokensDetails(cached_tokens=num_cached_tokens)
     return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                     total_tokens=num_prompt_tokens + num_completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
+                     total_tokens=num_prompt_tokens + num_completion_tokens, prompt_tokens_details=details)
+
+
+def token_id_text(token_id: int) -> str:
+    """A token as --return-tokens-as-token-ids writes it in logprobs (vLLM's placeholder)."""
+    return f"token_id:{token_id}"
 
 
 def top_entries(position: PositionLogprobs, num: int) -> list[tuple[int, float, str]]:

@@ -27,8 +27,8 @@ from pagedllm.entrypoints.openai.formatting import (
     prompt_logprobs_json,
     sse,
     sse_error,
+    token_id_text,
     top_entries,
-    usage,
 )
 from pagedllm.entrypoints.openai.serving_base import OpenAIServing, merge_streams
 from pagedllm.entrypoints.openai.sse_template import SSETemplate
@@ -79,10 +79,12 @@ class OpenAIServingChat(OpenAIServing):
             await merged.aclose()
         choices = []
         num_completion = 0
-        echo = echo_text(request)
+        role = self.response_role(request)
+        echo = echo_text(request, role)
         for output in sorted(final.outputs, key=lambda o: o.index):
             num_completion += len(output.token_ids)
             message, finish_reason = tools.message(output.text, output.finish_reason)
+            message.role = role
             if echo:
                 message.content = echo + (message.content or "")
             choices.append(ChatCompletionResponseChoice(
@@ -92,32 +94,40 @@ class OpenAIServingChat(OpenAIServing):
                 token_ids=list(output.token_ids) if request.return_token_ids else None))
         return ChatCompletionResponse(
             id=request_id, model=self.model_name, choices=choices,
-            usage=usage(len(token_ids), num_completion, final.num_cached_tokens),
+            usage=self.usage(len(token_ids), num_completion, final.num_cached_tokens),
             prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs, request.prompt_logprobs or 0),
             prompt_token_ids=list(token_ids) if request.return_token_ids else None)
 
+    def response_role(self, request: ChatCompletionRequest) -> str:
+        """vLLM's: --response-role with add_generation_prompt, else the role of the request's last message."""
+        if request.add_generation_prompt or not request.messages:
+            return self.config.response_role
+        return request.messages[-1].get("role") or self.config.response_role
+
     def _logprobs(self, token_ids: list[int], positions: list[PositionLogprobs] | None,
                   request: ChatCompletionRequest) -> ChatLogprobs | None:
+        """Tokens as text, or as `token_id:N` with return_tokens_as_token_ids (bytes: the token's text's)."""
         if not request.logprobs or positions is None:
             return None
         num = request.top_logprobs or 0
+        as_ids = self.tokens_as_ids(request)
         content = []
         logits = self.logprobs_are_logits
         for token_id, position in zip(token_ids, positions, strict=False):
             logprob, text = chosen_entry(position, token_id)
-            top = [TopLogprob(token=t, logprob=json_logprob(lp, logits), bytes=list(t.encode()))
-                   for _, lp, t in top_entries(position, num)]
-            content.append(ChatLogprobToken(token=text, logprob=json_logprob(logprob, logits),
-                                            bytes=list(text.encode()),
+            top = [TopLogprob(token=token_id_text(tid) if as_ids else t, logprob=json_logprob(lp, logits),
+                              bytes=list(t.encode())) for tid, lp, t in top_entries(position, num)]
+            content.append(ChatLogprobToken(token=token_id_text(token_id) if as_ids else text,
+                                            logprob=json_logprob(logprob, logits), bytes=list(text.encode()),
                                             top_logprobs=top))
         return ChatLogprobs(content=content)
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, prompt_token_ids: list[int],
                       merged, tools: ToolCalling) -> AsyncIterator[str]:
         created = int(time.time())
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        continuous_usage = bool(request.stream_options and request.stream_options.continuous_usage_stats)
-        echo = echo_text(request)
+        include_usage, continuous_usage = self.stream_usage_options(request)
+        role = self.response_role(request)
+        echo = echo_text(request, role)
         started: dict[int, ChoiceStream] = {}
         num_completion = num_cached = 0
         template: SSETemplate | None = None
@@ -125,7 +135,7 @@ class OpenAIServingChat(OpenAIServing):
         plain = not (tools.parses_output or request.logprobs or request.return_token_ids or continuous_usage)
 
         def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
-            so_far = usage(len(prompt_token_ids), num_completion, num_cached) if continuous_usage else None
+            so_far = self.usage(len(prompt_token_ids), num_completion, num_cached) if continuous_usage else None
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
                                                     choices=choices, usage=so_far))
 
@@ -137,7 +147,7 @@ class OpenAIServingChat(OpenAIServing):
                     if completion.index not in started:
                         started[completion.index] = tools.stream()
                         yield chunk([ChatCompletionStreamChoice(
-                            index=completion.index, delta=DeltaMessage(role="assistant", content=""))])
+                            index=completion.index, delta=DeltaMessage(role=role, content=""))])
                         if echo:
                             yield chunk([ChatCompletionStreamChoice(index=completion.index,
                                                                     delta=DeltaMessage(content=echo))])
@@ -166,7 +176,7 @@ class OpenAIServingChat(OpenAIServing):
             if include_usage:
                 yield sse(ChatCompletionStreamResponse(
                     id=request_id, created=created, model=self.model_name, choices=[],
-                    usage=usage(len(prompt_token_ids), num_completion, num_cached)))
+                    usage=self.usage(len(prompt_token_ids), num_completion, num_cached)))
         except Exception as e:
             yield sse_error(e)
         finally:
