@@ -150,7 +150,7 @@ VLLM_ONLY_FLAGS: dict[str, tuple[str, str, str]] = {
     "--model-class-overrides": ("json", REFUSED, _PLUGIN),
     "--pooler-config": ("json", REFUSED, _NBY),
     "--sleep-mode-offload-cudagraph": ("bool", ACCEPTED, _EAGER),
-    "--sleep-preserve-parameter-names": ("str+", REFUSED, _NBY),
+    "--sleep-preserve-parameter-names": ("str+", REFUSED, _NBY + ": keeping named parameters across a sleep"),
     "--enable-cumem-allocator": ("bool", ACCEPTED, "a CUDA memory allocator; no effect on the CPU"),
     "--enable-nccl-comm-suspend": ("bool", ACCEPTED, _NCCL),
     "--model-impl": ("str", REFUSED, "not built yet: model implementations other than pagedllm's own"),
