@@ -166,6 +166,11 @@ class ModelLimits:
     max_tokens_cap: int | None = None
     """The server caps every request's max_tokens at this (vLLM's override_max_tokens: a --generation-config folder's
     max_new_tokens; under auto the file's max_new_tokens is only the default of a request that sets none)."""
+    max_logprobs: int = 20
+    """--max-logprobs: the most logprobs (logprobs, top_logprobs, prompt_logprobs) a request may ask for; -1: up to
+    the vocabulary."""
+    logprobs_are_logits: bool = False
+    """--logprobs-mode raw_logits or processed_logits: the `logprob` values are logits (not clamped at 0)."""
     grammar_compile_timeout_s: float = 10.0
     """Structured outputs: a grammar that takes longer to compile is refused (StructuredOutputsConfig)."""
     priority_scheduling: bool = False

@@ -57,10 +57,12 @@ def positive(high: float, why: str = "") -> Bound:
 MODEL_BOUNDS = {
     "max_model_len": at_least(1, 1 << 24, "16M tokens, past the longest context of any model"),
     "seed": at_least(-(1 << 63), (1 << 64) - 1, "torch's seeds are 64-bit"),
+    "max_logprobs": at_least(-1, 1 << 24, "past the largest vocabulary"),
 }
 CACHE_BOUNDS = {
     "block_size": at_least(1, 1024),
     "kv_cache_memory": at_least(1, 1 << 50, "1 PiB"),
+    "kv_cache_memory_bytes": at_least(1, 1 << 50, "1 PiB"),
     "gpu_memory_utilization": positive(1.0, "a fraction of the GPU's memory"),
     "num_gpu_blocks_override": at_least(1, (1 << 31) - 1, "block ids are 32-bit"),
 }

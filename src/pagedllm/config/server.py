@@ -58,7 +58,8 @@ class ServerConfig:
     drain_timeout: float = 30.0
     """Seconds SIGTERM waits for open requests to finish before aborting them and exiting."""
     engine_startup_timeout: float = 600.0
-    """Seconds to wait for the engine core to load the model and report ready."""
+    """Seconds to wait for the engine core to load the model and report ready (default: VLLM_ENGINE_READY_TIMEOUT_S
+    where set, as vLLM)."""
     engine_death_exit_delay: float = 3.0
     """Seconds the server keeps answering 503 after the engine core dies, before it exits."""
     max_n: int = 128

@@ -121,6 +121,8 @@ class EngineCore(SleepMode):
                            eos_token_id=eos_ids[0] if eos_ids else None, extra_stop_token_ids=eos_ids[1:],
                            generation_defaults=self._generation_defaults(),
                            max_tokens_cap=self._max_tokens_cap(),
+                           max_logprobs=self.config.model_config.max_logprobs,
+                           logprobs_are_logits=self.config.model_config.logprobs_mode.endswith("logits"),
                            grammar_compile_timeout_s=so_config.compile_timeout_s,
                            priority_scheduling=self.config.scheduler_config.scheduling_policy == "priority",
                            json_disable_any_whitespace=so_config.disable_any_whitespace,

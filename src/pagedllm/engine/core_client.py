@@ -36,6 +36,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pagedllm import envs
 from pagedllm.messages import (
     MAX_MESSAGE_BYTES,
     AbortRequests,
@@ -222,7 +223,7 @@ async def start_engine_cores(config, num: int, startup_timeout_s: float = 600.0)
     (naming the replica) after stopping the others when one cannot start."""
     if num == 1:
         return [await EngineCoreClient.start(config, startup_timeout_s)]
-    available = int(os.environ.get("OMP_NUM_THREADS") or 0) or len(os.sched_getaffinity(0))
+    available = envs.OMP_NUM_THREADS or len(os.sched_getaffinity(0))
     threads = max(1, available // num)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     results = await asyncio.gather(*(EngineCoreClient.start(config, startup_timeout_s, engine_index=i, env=env)

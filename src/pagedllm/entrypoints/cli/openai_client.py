@@ -14,10 +14,11 @@ config, or --override-generation-config).
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import time
+
+from pagedllm import envs
 
 
 def add_query_options(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +39,7 @@ def connect(args: argparse.Namespace):
 
     for sig in (signal.SIGINT, signal.SIGTSTP):
         signal.signal(sig, lambda signum, frame: sys.exit(0))
-    client = OpenAI(api_key=args.api_key or os.environ.get("OPENAI_API_KEY", "EMPTY"), base_url=args.url)
+    client = OpenAI(api_key=args.api_key or envs.OPENAI_API_KEY or "EMPTY", base_url=args.url)
     model_name = args.model_name or client.models.list().data[0].id
     print(f"Using model: {model_name}")
     return model_name, client

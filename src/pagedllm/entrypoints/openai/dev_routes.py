@@ -17,12 +17,12 @@ vLLM's key guards only /v1 paths.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Annotated
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 
+from pagedllm import envs
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.server_state import ServerState
 
@@ -34,8 +34,7 @@ DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 def dev_mode(enable_debug_routes: bool) -> bool:
     """Whether the development routes are served: --enable-debug-routes, or VLLM_SERVER_DEV_MODE set to 1 (vLLM
     reads it as an integer; "true" is taken too)."""
-    value = os.environ.get(DEV_MODE_ENV, "0").strip().lower()
-    return enable_debug_routes or value not in ("", "0", "false")
+    return enable_debug_routes or envs.VLLM_SERVER_DEV_MODE
 
 
 def add_dev_routes(app: FastAPI, state: ServerState) -> None:

@@ -29,11 +29,14 @@ def top_entries(position: PositionLogprobs, num: int) -> list[tuple[int, float, 
     return [(tid, lp.logprob, lp.decoded_token or "") for tid, lp in ranked[:num]]
 
 
-def json_logprob(logprob: float) -> float:
+def json_logprob(logprob: float, logits: bool = False) -> float:
     """A logprob as the response carries it: at least -9999.0 (OpenAI's floor for -inf), at most 0.0, and never
     NaN (a degenerate distribution, e.g. a repetition_penalty that is 0.0 in float32, gives NaN logprobs: JSON
-    cannot carry them, and rendering the response failed)."""
-    return min(logprob, 0.0) if logprob > -9999.0 else -9999.0
+    cannot carry them, and rendering the response failed). logits (--logprobs-mode raw_logits or
+    processed_logits): the value is a logit, floored and never NaN but not capped at 0."""
+    if not logprob > -9999.0:
+        return -9999.0
+    return min(logprob, 9999.0) if logits else min(logprob, 0.0)
 
 
 def prompt_logprobs_json(positions: list[PositionLogprobs | None] | None, num: int) -> PromptLogprobs | None:

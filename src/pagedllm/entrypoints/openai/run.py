@@ -6,12 +6,12 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import os
 import ssl
 
 import uvicorn
 import uvicorn.config
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig, ModelConfig, ServerConfig
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineStartupError, start_engine_cores
@@ -37,7 +37,7 @@ def run(engine_config: EngineConfig, server_config: ServerConfig) -> int:
 
     With PAGEDLLM_API_PROFILE=PATH in the environment, the event loop's thread runs under cProfile and its stats
     are written to PATH at exit (benchmarks/serving_cpu.py; read with `python -m pstats PATH`)."""
-    profile_path = os.environ.get("PAGEDLLM_API_PROFILE")
+    profile_path = envs.PAGEDLLM_API_PROFILE
     profiler = None
     if profile_path:
         import cProfile

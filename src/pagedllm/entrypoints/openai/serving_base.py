@@ -79,6 +79,11 @@ class OpenAIServing:
         return json_options(self.engine.input_processor.limits)
 
     @property
+    def logprobs_are_logits(self) -> bool:
+        """--logprobs-mode raw_logits or processed_logits: responses carry logits in their `logprob` fields."""
+        return self.engine.input_processor.limits.logprobs_are_logits
+
+    @property
     def model_name(self) -> str:
         return self.served_model_names[0]
 

@@ -36,7 +36,6 @@ from pagedllm.entrypoints.openai.sse_template import SSETemplate
 from pagedllm.entrypoints.openai.structured_outputs import with_structured_outputs
 from pagedllm.entrypoints.openai.tool_calling import ChoiceStream, ToolCalling
 from pagedllm.outputs import PositionLogprobs
-from pagedllm.sampling_params import MAX_LOGPROBS
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -50,9 +49,11 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise errors.bad_request("top_logprobs needs logprobs to be true.", param="top_logprobs")
-        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_LOGPROBS:
-            raise errors.bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {request.top_logprobs}.",
-                                     param="top_logprobs")
+        limits = self.engine.input_processor.limits
+        cap = limits.max_logprobs if limits.max_logprobs != -1 else limits.vocab_size
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= cap:
+            raise errors.bad_request(f"top_logprobs must be in [0, {cap}] (--max-logprobs), got "
+                                     f"{request.top_logprobs}.", param="top_logprobs")
         self.check_stream_fields(request, request.prompt_logprobs)
         self.check_request_caps(request)
         self.engine.check_admission(request.n)
@@ -119,12 +120,13 @@ class OpenAIServingChat(OpenAIServing):
         num = request.top_logprobs or 0
         as_ids = self.tokens_as_ids(request)
         content = []
+        logits = self.logprobs_are_logits
         for token_id, position in zip(token_ids, positions, strict=False):
             logprob, text = chosen_entry(position, token_id)
-            top = [TopLogprob(token=token_id_text(tid) if as_ids else t, logprob=json_logprob(lp),
+            top = [TopLogprob(token=token_id_text(tid) if as_ids else t, logprob=json_logprob(lp, logits),
                               bytes=list(t.encode())) for tid, lp, t in top_entries(position, num)]
             content.append(ChatLogprobToken(token=token_id_text(token_id) if as_ids else text,
-                                            logprob=json_logprob(logprob), bytes=list(text.encode()),
+                                            logprob=json_logprob(logprob, logits), bytes=list(text.encode()),
                                             top_logprobs=top))
         return ChatLogprobs(content=content)
 

@@ -146,6 +146,7 @@ class OpenAIServingCompletion(OpenAIServing):
                   text_offset: int = 0, as_ids: bool = False) -> CompletionLogProbs:
         """as_ids: tokens named `token_id:N` (--return-tokens-as-token-ids), their offsets counted so too."""
         result = CompletionLogProbs()
+        logits = self.logprobs_are_logits
         for token_id, position in zip(token_ids, positions, strict=False):
             if position is None:
                 token_text = token_id_text(token_id) if as_ids else decode_token(self.tokenizer, token_id)
@@ -157,11 +158,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 if as_ids:
                     token_text = token_id_text(token_id)
                 result.tokens.append(token_text)
-                result.token_logprobs.append(json_logprob(logprob))
+                result.token_logprobs.append(json_logprob(logprob, logits))
                 top: dict[str, float] = {}
                 for top_id, lp, text in top_entries(position, num):  # best first: keep the best of equal texts
-                    top.setdefault(token_id_text(top_id) if as_ids else text, json_logprob(lp))
-                top.setdefault(token_text, json_logprob(logprob))
+                    top.setdefault(token_id_text(top_id) if as_ids else text, json_logprob(lp, logits))
+                top.setdefault(token_text, json_logprob(logprob, logits))
                 result.top_logprobs.append(top)
             result.text_offset.append(text_offset)
             text_offset += len(token_text)
