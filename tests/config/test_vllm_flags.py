@@ -34,7 +34,7 @@ PARSER_OWN = {"--help", "--config", "--model"}  # honoured by the parser itself,
 HONOURED_SAMPLES = {  # values pagedllm takes where the generic sample (from vLLM's type) would not be valid
     "--quantization": ["fp8"], "--tool-call-parser": ["hermes"], "--distributed-executor-backend": ["mp"],
     "--speculative-config": ['{"method": "ngram", "num_speculative_tokens": 2}'], "--generation-config": ["vllm"],
-    "--load-format": ["safetensors"], "--block-size": ["32"],
+    "--load-format": ["safetensors"], "--block-size": ["32"], "--reasoning-parser": ["qwen3"],
 }
 HONOURED_EXTRA = {  # flags a flag needs beside it
     "--enable-expert-parallel": ["--tensor-parallel-size", "2"],

@@ -41,6 +41,7 @@ HONOURED_FLAGS = (
     "--return-tokens-as-token-ids", "--enable-prompt-tokens-details", "--enable-force-include-usage",
     "--enable-request-id-headers", "--disable-fastapi-docs", "--disable-uvicorn-access-log",
     "--enable-server-load-tracking", "--enable-sleep-mode",
+    "--reasoning-parser",
 )
 """vLLM's flags that pagedllm honours; all but the parser's own (--help, --config, --model) are generated from a
 config dataclass field of the same name (config/arguments.py)."""
@@ -169,7 +170,6 @@ VLLM_ONLY_FLAGS: dict[str, tuple[str, str, str]] = {
     "--mamba-ssu-algorithm": ("str", REFUSED, _MAMBA),
     "--enable-mamba-cache-stochastic-rounding": ("bool", REFUSED, _MAMBA),
     "--mamba-cache-philox-rounds": ("int", REFUSED, _MAMBA),
-    "--reasoning-parser": ("str", REFUSED, _NBY),
     "--reasoning-parser-plugin": ("str", REFUSED, _PLUGIN),
     "--master-addr": ("str", REFUSED, _MULTINODE),
     "--master-port": ("int", REFUSED, _MULTINODE),
@@ -359,7 +359,8 @@ PAGEDLLM_ONLY_FLAGS = {
     "--kv-cache-memory": "the KV pool in bytes (before vLLM's --kv-cache-memory-bytes; the same meaning)",
     "--max-buffered-outputs": "slow streaming clients", "--max-choices": "request limits",
     "--max-logit-bias": "request limits", "--max-n": "request limits", "--max-prompts": "request limits",
-    "--max-stop": "request limits", "--max-prefill-attention-pairs": "step-time bound for long prompts",
+    "--max-stop": "request limits", "--max-stored-responses": "the Responses API's in-memory store",
+    "--max-prefill-attention-pairs": "step-time bound for long prompts",
     "--ray-address": "the Ray cluster (vLLM reads RAY_ADDRESS only)",
 }
 """pagedllm's own flags that vLLM's list does not have, and what each is for."""

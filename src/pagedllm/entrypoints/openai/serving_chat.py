@@ -47,13 +47,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest
                                      ) -> ChatCompletionResponse | AsyncIterator[str]:
         self.check_model(request.model)
-        if request.top_logprobs is not None and not request.logprobs:
-            raise errors.bad_request("top_logprobs needs logprobs to be true.", param="top_logprobs")
-        limits = self.engine.input_processor.limits
-        cap = limits.max_logprobs if limits.max_logprobs != -1 else limits.vocab_size
-        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= cap:
-            raise errors.bad_request(f"top_logprobs must be in [0, {cap}] (--max-logprobs), got "
-                                     f"{request.top_logprobs}.", param="top_logprobs")
+        self._check_top_logprobs(request)
         self.check_stream_fields(request, request.prompt_logprobs)
         self.check_request_caps(request)
         self.engine.check_admission(request.n)
@@ -105,6 +99,15 @@ class OpenAIServingChat(OpenAIServing):
             usage=self.usage(len(token_ids), num_completion, final.num_cached_tokens),
             prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs, request.prompt_logprobs or 0),
             prompt_token_ids=list(token_ids) if request.return_token_ids else None)
+
+    def _check_top_logprobs(self, request: ChatCompletionRequest) -> None:
+        if request.top_logprobs is not None and not request.logprobs:
+            raise errors.bad_request("top_logprobs needs logprobs to be true.", param="top_logprobs")
+        limits = self.engine.input_processor.limits
+        cap = limits.max_logprobs if limits.max_logprobs != -1 else limits.vocab_size
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= cap:
+            raise errors.bad_request(f"top_logprobs must be in [0, {cap}] (--max-logprobs), got "
+                                     f"{request.top_logprobs}.", param="top_logprobs")
 
     def response_role(self, request: ChatCompletionRequest) -> str:
         """vLLM's: --response-role with add_generation_prompt, else the role of the request's last message."""
