@@ -35,6 +35,7 @@ from pagedllm.engine.dp_router import DPRouter
 from pagedllm.engine.input_processor import InputProcessor, InvalidRequestError
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
+from pagedllm.engine.utility_calls import UtilityCalls
 from pagedllm.messages import EngineCoreRequest, FromEngine, Outputs, Ready, Rejected, SchedulerStats, UtilityResult
 from pagedllm.metrics.loggers import IterationStats, LoggingStatLogger, RequestStatsTracker
 from pagedllm.metrics.prometheus import PrometheusStatLogger
@@ -53,7 +54,7 @@ class RequestAbortedError(RuntimeError):
     """The server aborted the request (e.g. the drain timeout passed at shutdown)."""
 
 
-class AsyncLLM:
+class AsyncLLM(UtilityCalls):
     def __init__(self, clients: EngineCoreClient | Sequence[EngineCoreClient], tokenizer, model_name: str,
                  max_num_queued_reqs: int | None = None, log_stats: bool = True,
                  watchdog_timeout_s: float | None = None, max_buffered_outputs: int = 4096):
@@ -399,6 +400,8 @@ class AsyncLLM:
         timeout_s = self.watchdog_timeout_s
         while not self.is_dead:
             await asyncio.sleep(min(0.5, timeout_s / 4))
+            if self.sleeping:  # no step runs while the engines sleep (utility_calls.py)
+                continue
             for replica, client in enumerate(self.clients):
                 stalled_s = time.monotonic() - self.last_progress_time[replica]
                 unfinished = self.router.num_unfinished(replica)

@@ -43,6 +43,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pagedllm import envs
 from pagedllm.messages import (
     MAX_MESSAGE_BYTES,
     AbortRequests,
@@ -149,14 +150,14 @@ class EngineCoreClient:
         if request_ids and not self.is_dead:
             await self._send(AbortRequests(request_ids))
 
-    async def call_utility(self, method: str, timeout_s: float) -> UtilityResult:
-        """Ask the engine core ("stats": its busy loop; "ping": its input thread, see UtilityCall); raises
-        TimeoutError if it does not answer in time, EngineDeadError if dead."""
+    async def call_utility(self, method: str, timeout_s: float | None, *args: int | str) -> UtilityResult:
+        """Ask the engine core ("ping": its input thread; the others, its busy loop: see UtilityCall); raises
+        TimeoutError if it does not answer in time (None: no limit), EngineDeadError if dead."""
         call_id = next(self._call_ids)
         future: asyncio.Future[UtilityResult] = self._loop.create_future()
         self._calls[call_id] = future
         try:
-            await self._send(UtilityCall(call_id, method, self.client_index))
+            await self._send(UtilityCall(call_id, method, list(args), self.client_index))
             return await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
             raise TimeoutError(f"the engine core did not answer within {timeout_s:g} s") from None
@@ -307,7 +308,7 @@ async def start_engine_cores(config, num: int, startup_timeout_s: float = 600.0)
 def data_parallel_env(num: int) -> tuple[dict[str, str], int]:
     """The environment of each of `num` data-parallel engine cores: OMP_NUM_THREADS, its share of this process's
     CPUs (or of OMP_NUM_THREADS); and that share."""
-    available = int(os.environ.get("OMP_NUM_THREADS") or 0) or len(os.sched_getaffinity(0))
+    available = envs.OMP_NUM_THREADS or len(os.sched_getaffinity(0))
     threads = max(1, available // num)
     return {**os.environ, "OMP_NUM_THREADS": str(threads)}, threads
 

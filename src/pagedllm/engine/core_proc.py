@@ -168,7 +168,32 @@ class EngineCoreProc:
                 for request_id in message.request_ids:
                     self.client_of.pop(request_id, None)
             return True
-        self.send(UtilityResult(message.call_id, self._stats()), message.client_index)
+        if message.method == "stats":
+            self.send(UtilityResult(message.call_id, self._stats()), message.client_index)
+            return False
+        return self._call_utility(message)
+
+    def _call_utility(self, message: UtilityCall) -> bool:
+        """An EngineCore method named by the call (reset_prefix_cache, sleep, wake_up, is_sleeping); its ValueError
+        is the call's error, anything else fails the engine. sleep's outputs (the requests it aborted) go out
+        before its result."""
+        engine_core = self.engine_core
+        try:
+            if message.method == "sleep":
+                outputs = engine_core.sleep(*message.args)
+                self.send_outputs(EngineCoreOutputs(outputs=outputs, scheduler_stats=self._stats(),
+                                                    timestamp=time.time()))
+                result = True
+            elif message.method == "wake_up":
+                result = engine_core.wake_up([str(tag) for tag in message.args] or None)
+            elif message.method == "is_sleeping":
+                result = engine_core.is_sleeping()
+            else:
+                result = engine_core.reset_prefix_cache()
+        except ValueError as e:
+            self.send(UtilityResult(message.call_id, error=str(e)), message.client_index)
+            return False
+        self.send(UtilityResult(message.call_id, result=result), message.client_index)
         return False
 
     def _add(self, request: EngineCoreRequest) -> bool:

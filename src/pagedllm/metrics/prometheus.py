@@ -14,10 +14,10 @@ them every step.
 from __future__ import annotations
 
 import contextlib
-import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pagedllm import envs
 from pagedllm.messages import SchedulerStats, SpecDecodingStats
 from pagedllm.metrics.loggers import IterationStats
 
@@ -54,8 +54,21 @@ class PrometheusStatLogger:
         self.label_names = ["model_name", "engine"] if num_engines > 1 else ["model_name"]
         self.families = _Families(self.registry, self.label_names)
         self.engines = [_EngineSeries(self.families, self._labels(i)) for i in range(num_engines)]
+        self.engine_sleep_state = Gauge(
+            "vllm:engine_sleep_state", "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine "
+            "is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+            [*self.label_names, "sleep_state"], registry=self.registry)
+        self.record_sleep_state()
         self.spec_decode: _SpecDecodeCounters | None = None  # made on the first step that reports speculation
         self.routed_tokens: Counter | None = None  # made on the first step that reports experts (a MoE model)
+
+    def record_sleep_state(self, sleeping: bool = False, level: int = 0) -> None:
+        """vLLM's vllm:engine_sleep_state, for every engine (sleep mode: engine/sleep_mode.py)."""
+        values = {"awake": int(not sleeping), "weights_offloaded": int(sleeping and level == 1),
+                  "discard_all": int(sleeping and level == 2)}
+        for engine in range(len(self.engines)):
+            for state, value in values.items():
+                self.engine_sleep_state.labels(**self._labels(engine), sleep_state=state).set(value)
 
     def _labels(self, engine: int) -> dict[str, str]:
         return {"model_name": self.model_name, "engine": str(engine)} if "engine" in self.label_names else {
@@ -125,6 +138,9 @@ class PrometheusStatLogger:
                     continue
                 with contextlib.suppress(KeyError):
                     family.remove(*values)
+        for state in ("awake", "weights_offloaded", "discard_all"):
+            with contextlib.suppress(KeyError):
+                self.engine_sleep_state.remove(*values, state)
 
     def record_admission_rejection(self) -> None:
         self.admission_rejections.inc()
@@ -141,7 +157,7 @@ class PrometheusStatLogger:
 
 def _multiprocess_dir() -> str | None:
     """prometheus_client's multiprocess directory (several API servers), None in a single process."""
-    return os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    return envs.PROMETHEUS_MULTIPROC_DIR
 
 
 class _Families:

@@ -20,6 +20,8 @@ import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+from pagedllm import envs
+
 TRACE_HEADERS = ("traceparent", "tracestate")
 
 
@@ -61,7 +63,7 @@ _PROTOCOLS = {"grpc": "opentelemetry.exporter.otlp.proto.grpc",
 
 def traces_protocol() -> str:
     """OTEL_EXPORTER_OTLP_TRACES_PROTOCOL (OpenTelemetry's variable; vLLM's default: grpc)."""
-    return os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
+    return envs.OTEL_EXPORTER_OTLP_TRACES_PROTOCOL
 
 
 def check_tracing_available() -> None:

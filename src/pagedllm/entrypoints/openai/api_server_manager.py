@@ -33,6 +33,7 @@ import time
 
 import msgspec
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig, ServerConfig
 from pagedllm.engine.core_client import _stop_process, data_parallel_env, spawn_engine_core
 from pagedllm.entrypoints.openai.api_server_proc import APIServerSpec, EngineAddress
@@ -66,8 +67,8 @@ class APIServerManager:
         self.signal: int | None = None
         self.socket_dir = tempfile.mkdtemp(prefix="pagedllm-")  # mode 0700: only this user can connect
         self.metrics_dir: str | None = None
-        self.env = dict(os.environ)
-        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        self.env = {**os.environ}
+        if not envs.PROMETHEUS_MULTIPROC_DIR:
             self.metrics_dir = tempfile.mkdtemp(prefix="pagedllm-metrics-")
             self.env["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir
 
