@@ -74,7 +74,7 @@ def test_greedy_tokens_equal_one_api_server_and_requests_spread(servers, shared_
             break
     assert seen == api_pids, (seen, api_pids)
     log = server.log()
-    assert "[api_server 0]" in log and "[api_server 1]" in log and "Received request" in log
+    assert "[api_server 0]" in log and "[api_server 1]" in log  # each one logs with its index
     # counted once, whichever API server renders /metrics: every request of every round, the prompt tokens once
     answers = [server.metric("vllm:request_success_total") for _ in range(6)]
     assert len(set(answers)) == 1 and answers[0] % len(PROMPTS) == 0, answers
