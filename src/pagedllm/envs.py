@@ -32,6 +32,8 @@ if TYPE_CHECKING:  # for type checkers: the attributes module __getattr__ serves
     PAGEDLLM_CPU_SHM_ALLREDUCE: bool
     PAGEDLLM_DP_ROUTER: str | None
     PAGEDLLM_API_PROFILE: str | None
+    PROMETHEUS_MULTIPROC_DIR: str | None
+    OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: str
 
 
 def _str(name: str, default: str | None = None) -> Callable[[], str | None]:
@@ -90,6 +92,12 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "OPENAI_API_KEY": (_str("OPENAI_API_KEY"), "`pagedllm bench serve` sends it as the bearer token."),
     "CC": (_str("CC", "cc"), "The C compiler that builds the native CPU kernels."),
     "XDG_CACHE_HOME": (_str("XDG_CACHE_HOME"), "The cache root (default ~/.cache) when PAGEDLLM_CACHE_DIR is unset."),
+    "PROMETHEUS_MULTIPROC_DIR": (_str("PROMETHEUS_MULTIPROC_DIR"),
+                                 "prometheus_client's multiprocess folder: with --api-server-count > 1 the API "
+                                 "servers write their metrics there and /metrics sums them (default: a temporary "
+                                 "folder made by `pagedllm serve`, removed at exit)."),
+    "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": (_str("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc"),
+                                           "--otlp-traces-endpoint's protocol: grpc (default) or http/protobuf."),
     # pagedllm's own
     "PAGEDLLM_CACHE_DIR": (_str("PAGEDLLM_CACHE_DIR"), "Where built kernels are kept (default ~/.cache/pagedllm)."),
     "PAGEDLLM_NATIVE_KERNELS": (_switch("PAGEDLLM_NATIVE_KERNELS", True), "0: no native CPU kernels (torch paths)."),

@@ -116,6 +116,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True):
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    client_index: int = 0
+    """Which API server sent it (--api-server-count > 1): the engine core answers on that server's socket."""
 
 
 class LogprobsEntry(msgspec.Struct, array_like=True):
@@ -224,6 +226,7 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
     request_ids: list[str]
 
 
+
 class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
     """"ping" is answered at once by the input thread, with how long the busy loop has been in its current
     step (a long step must not look like a dead engine); the others by the busy loop between steps: "stats",
@@ -233,6 +236,8 @@ class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
     call_id: int
     method: Literal["ping", "stats", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping"]
     args: list[int | str] = []
+    client_index: int = 0
+    """Which API server asks (--api-server-count > 1): the answer goes back on its socket."""
 
 
 ToEngine = AddRequest | AbortRequests | UtilityCall

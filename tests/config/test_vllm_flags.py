@@ -151,10 +151,10 @@ def test_refused_flag_stops_start_up_with_exit_code_2(caplog):
 
 
 def test_several_refused_flags_are_named_together():
-    args = PARSER.parse_args(["m", "--grpc", "--max-loras", "2", "-asc", "4"])
+    args = PARSER.parse_args(["m", "--grpc", "--max-loras", "2", "--collect-detailed-traces", "all"])
     with pytest.raises(ValueError) as e:
         configs_from_args(args)
-    for flag in ("--grpc", "--max-loras", "--api-server-count"):
+    for flag in ("--grpc", "--max-loras", "--collect-detailed-traces"):
         assert flag in str(e.value)
 
 

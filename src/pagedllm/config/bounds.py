@@ -121,6 +121,7 @@ SERVER_BOUNDS = {
     "body_read_timeout": positive(DAY_S),
     "max_log_len": at_least(0, 1 << 40),
     "ssl_cert_reqs": at_least(0, 2, "ssl.CERT_NONE, CERT_OPTIONAL or CERT_REQUIRED"),
+    "api_server_count": at_least(1, 256),
 }
 
 

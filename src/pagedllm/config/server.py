@@ -175,6 +175,16 @@ class ServerConfig:
     enable_server_load_tracking: bool = False
     """Count the generation requests this API server is serving (from their arrival to the end of their response)
     and report the count at GET /load as `{"server_load": N}` (without this flag /load answers 0, as vLLM's)."""
+    api_server_count: int = 1
+    """How many API-server processes serve the port, in front of the same engine core(s) (one per data-parallel
+    rank): each one parses, tokenizes, detokenizes and streams its share of the connections, and the engine core
+    batches the requests of all of them together. Metrics are summed over them (prometheus_client's multiprocess
+    mode, in PROMETHEUS_MULTIPROC_DIR or a temporary folder). vLLM's default is the data-parallel size; here 1."""
+    otlp_traces_endpoint: str | None = None
+    """Target URL to which OpenTelemetry traces are sent: one span `llm_request` per request (each choice of each
+    prompt) with vLLM's `gen_ai.*` attributes, a child of the caller's trace when the request has a `traceparent`
+    header. OTLP over gRPC, or HTTP with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf; exported in the
+    background and flushed at shutdown. Needs the `otel` extra (opentelemetry-sdk, opentelemetry-exporter-otlp)."""
 
     def __post_init__(self) -> None:
         parse_api_keys(self.api_key)

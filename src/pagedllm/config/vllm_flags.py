@@ -42,6 +42,7 @@ HONOURED_FLAGS = (
     "--enable-request-id-headers", "--disable-fastapi-docs", "--disable-uvicorn-access-log",
     "--enable-server-load-tracking", "--enable-sleep-mode",
     "--reasoning-parser",
+    "--api-server-count", "--otlp-traces-endpoint",
 )
 """vLLM's flags that pagedllm honours; all but the parser's own (--help, --config, --model) are generated from a
 config dataclass field of the same name (config/arguments.py)."""
@@ -55,7 +56,7 @@ HONOURED_NOTES = {
 ALIASES = {
     "--quantization": ("-q",), "--pipeline-parallel-size": ("-pp",), "--tensor-parallel-size": ("-tp",),
     "--data-parallel-size": ("-dp",), "--enable-expert-parallel": ("-ep",), "--speculative-config": ("-sc",),
-    "--gpu-memory-utilization": ("--device-memory-utilization",),
+    "--gpu-memory-utilization": ("--device-memory-utilization",), "--api-server-count": ("-asc",),
 }
 """vLLM's other option strings of honoured flags (the --no-x forms come with BooleanOptionalAction)."""
 COMMA_JOINED = frozenset({"--api-key"})
@@ -92,7 +93,6 @@ _CONFIG = "not built yet: this configuration section"
 # (optional).
 VLLM_ONLY_FLAGS: dict[str, tuple[str, str, str]] = {
     "--headless": ("true", REFUSED, _DP_MULTINODE),
-    "--api-server-count -asc": ("int", REFUSED, _NBY),
     "--grpc": ("true", REFUSED, "not built yet: the gRPC server"),
     "--lora-modules": ("str+", REFUSED, _NBY),
     "--chat-template-content-format": ("str", REFUSED, _FRONT),
@@ -285,7 +285,6 @@ VLLM_ONLY_FLAGS: dict[str, tuple[str, str, str]] = {
     "--log-level": ("str", REFUSED, _OBS + " (set VLLM_LOGGING_LEVEL instead)"),
     "--log-config-file": ("str", REFUSED, _OBS),
     "--show-hidden-metrics-for-version": ("str", REFUSED, _OBS),
-    "--otlp-traces-endpoint": ("str", REFUSED, _NBY),
     "--collect-detailed-traces": ("str+", REFUSED, _OBS),
     "--per-request-spec-decode-metrics": ("str", REFUSED, _OBS),
     "--kv-cache-metrics": ("bool", REFUSED, _OBS),

@@ -1,6 +1,14 @@
 """Prometheus metrics with vLLM's names and a `model_name` label, on a private CollectorRegistry.
 
 Dashboards and autoscalers written for `vllm serve` read these unchanged.
+
+Several API servers (--api-server-count N) share the engine cores and the port, so a scrape reaches any one of
+them: as vLLM, they run in prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by the parent for
+every API server before it imports prometheus_client), each writing its values to files there, and /metrics
+renders them all. Counters and histograms are summed over the API servers: each counts its own requests, and the
+engine core sends its step counters (prefix cache, preemptions, speculative decoding) to API server 0 alone. The
+engine gauges take the most recent value written (`multiprocess_mode="mostrecent"`): every API server receives
+them every step.
 """
 
 from __future__ import annotations
@@ -9,6 +17,7 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pagedllm import envs
 from pagedllm.messages import SchedulerStats, SpecDecodingStats
 from pagedllm.metrics.loggers import IterationStats
 
@@ -37,7 +46,7 @@ class PrometheusStatLogger:
         self.registry = registry or CollectorRegistry()
         if cache_config_info:  # vLLM's info gauge: constant 1, the cache configuration in its labels
             Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", sorted(cache_config_info),
-                  registry=self.registry).labels(**cache_config_info).set(1)
+                  registry=self.registry, multiprocess_mode="mostrecent").labels(**cache_config_info).set(1)
         self.model_name = model_name
         self.admission_rejections = Counter("vllm:admission_rejections",
                                             "Requests rejected because the waiting queue was full.",
@@ -124,6 +133,9 @@ class PrometheusStatLogger:
         values = list(self._labels(engine).values())
         for family in vars(self.families).values():
             if isinstance(family, Gauge):
+                if _multiprocess_dir():  # removing is not implemented there: nothing runs on a dead engine
+                    family.labels(*values).set(0)
+                    continue
                 with contextlib.suppress(KeyError):
                     family.remove(*values)
         for state in ("awake", "weights_offloaded", "discard_all"):
@@ -134,7 +146,18 @@ class PrometheusStatLogger:
         self.admission_rejections.inc()
 
     def render(self) -> bytes:
+        if _multiprocess_dir():
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)
+
+
+def _multiprocess_dir() -> str | None:
+    """prometheus_client's multiprocess directory (several API servers), None in a single process."""
+    return envs.PROMETHEUS_MULTIPROC_DIR
 
 
 class _Families:
@@ -142,7 +165,7 @@ class _Families:
 
     def __init__(self, registry: CollectorRegistry, names: list[str]):
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, names, registry=registry)
+            return Gauge(name, doc, names, registry=registry, multiprocess_mode="mostrecent")
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, names, registry=registry)

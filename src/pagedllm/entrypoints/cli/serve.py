@@ -70,11 +70,19 @@ def cmd(args: argparse.Namespace) -> int:
                             datefmt="%m-%d %H:%M:%S")
     try:
         engine_config, server_config = configs_from_args(args)
+        if server_config.otlp_traces_endpoint is not None:
+            from pagedllm.metrics.tracing import check_tracing_available
+
+            check_tracing_available()
     except ValueError as e:
         logger.error("%s", e)
         return 2
     from pagedllm.child_process import exit_after_cleanup
-    from pagedllm.entrypoints.openai.run import run
+
+    if server_config.api_server_count > 1:  # a parent of N API servers and the engine cores
+        from pagedllm.entrypoints.openai.api_server_manager import run_api_servers as run
+    else:
+        from pagedllm.entrypoints.openai.run import run
 
     # The engine cores have exited and the sockets are closed: skip the interpreter's teardown (see child_process).
     exit_after_cleanup(run(engine_config, server_config))

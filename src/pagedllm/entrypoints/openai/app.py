@@ -51,6 +51,7 @@ from pagedllm.entrypoints.openai.tokenize_protocol import (
 )
 from pagedllm.entrypoints.openai.tokenizer_threads import TokenizerThreads
 from pagedllm.log_escape import escape_control
+from pagedllm.metrics.tracing import TRACE_HEADERS, RequestTrace, current_request_trace
 
 logger = logging.getLogger(__name__)
 
@@ -114,15 +115,17 @@ def _add_generation_routes(app: FastAPI, state: ServerState, completions: OpenAI
     """POST /v1/completions, /v1/chat/completions and /v1/responses, their raw bodies prechecked against the
     request caps; GET /v1/responses/{id} (a stored response)."""
     generation = APIRouter(route_class=prechecked_route_class(state.config))
-    salt_secret = os.urandom(32)
 
     def apply_request_context(body, request: Request) -> None:
         """The X-Request-Id header and (--cache-salt-from-api-key) the caller's key's cache salt into `body`."""
         header_id = request.headers.get("x-request-id")
         if header_id is not None:  # vLLM's: the X-Request-Id header names the request, before its request_id field
             body.request_id = header_id
+        if state.config.otlp_traces_endpoint is not None:  # this request's spans: its trace headers
+            current_request_trace.set(RequestTrace({h: request.headers[h] for h in TRACE_HEADERS
+                                                    if h in request.headers}))
         if state.config.cache_salt_from_api_key:
-            body.cache_salt = tenant_cache_salt(salt_secret, request.scope[API_KEY_SCOPE_KEY], body.cache_salt)
+            body.cache_salt = tenant_cache_salt(state.salt_secret, request.scope[API_KEY_SCOPE_KEY], body.cache_salt)
 
     generation_errors = error_responses(400, 401, 404, 413, 503)
 
@@ -220,7 +223,8 @@ def _add_debug_routes(app: FastAPI, state: ServerState) -> None:
         body = {key: sum(getattr(stats, key) for _, stats in alive)
                 for key in ("num_free_blocks", "num_total_blocks", "total_ref_cnt", "num_running_reqs",
                             "num_waiting_reqs")}
-        body |= {"num_open_requests": engine.num_open_requests, "engine_pid": engine.client.ready.pid}
+        body |= {"num_open_requests": engine.num_open_requests, "engine_pid": engine.client.ready.pid,
+                 "api_server_pid": os.getpid()}  # which API server answered (--api-server-count)
         if len(engine.clients) > 1:  # data parallelism: the sums above, and each replica (null once dead)
             body["engines"] = [None if stats is None else {
                 "engine_pid": client.ready.pid, "num_free_blocks": stats.num_free_blocks,

@@ -19,6 +19,7 @@ from pagedllm.entrypoints.openai.reasoning import ReasoningParser, RequestReason
 from pagedllm.entrypoints.openai.request_caps import check_request_caps, n_above_cap
 from pagedllm.entrypoints.openai.request_logger import RequestLogger
 from pagedllm.entrypoints.openai.tokenizer_threads import TokenizerThreads
+from pagedllm.metrics.tracing import current_request_trace
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -179,6 +180,8 @@ class OpenAIServing:
         if not 1 <= params.n <= self.config.max_n:
             raise n_above_cap(params.n, self.config)
         engine_id = f"{request_id}-{random_uuid()[:8]}"
+        if (trace := current_request_trace.get()) is not None:  # --otlp-traces-endpoint: the span's request id
+            trace.request_id = request_id
         self.engine.check_admission(params.n * len(prompts))  # again: the queue may have filled meanwhile
         streams = []
         ids = [engine_id] if len(prompts) == 1 else [f"{engine_id}-{i}" for i in range(len(prompts))]
