@@ -120,6 +120,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True):
     pooling_params: PoolingParams | None = None
     """Set for a pooling request (runner pooling): it runs its prompt, samples nothing (sampling_params is a
     placeholder) and ends with its pooled vector."""
+    client_index: int = 0
+    """Which API server sent it (--api-server-count > 1): the engine core answers on that server's socket."""
 
 
 class LogprobsEntry(msgspec.Struct, array_like=True):
@@ -172,6 +174,11 @@ class ModelLimits:
     max_tokens_cap: int | None = None
     """The server caps every request's max_tokens at this (vLLM's override_max_tokens: a --generation-config folder's
     max_new_tokens; under auto the file's max_new_tokens is only the default of a request that sets none)."""
+    max_logprobs: int = 20
+    """--max-logprobs: the most logprobs (logprobs, top_logprobs, prompt_logprobs) a request may ask for; -1: up to
+    the vocabulary."""
+    logprobs_are_logits: bool = False
+    """--logprobs-mode raw_logits or processed_logits: the `logprob` values are logits (not clamped at 0)."""
     grammar_compile_timeout_s: float = 10.0
     """Structured outputs: a grammar that takes longer to compile is refused (StructuredOutputsConfig)."""
     priority_scheduling: bool = False
@@ -231,12 +238,18 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
     request_ids: list[str]
 
 
+
 class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
     """"ping" is answered at once by the input thread, with how long the busy loop has been in its current
-    step (a long step must not look like a dead engine); "stats" by the busy loop between steps."""
+    step (a long step must not look like a dead engine); the others by the busy loop between steps: "stats",
+    and the EngineCore methods of the same names (vLLM's EngineCoreClient utility calls) "reset_prefix_cache",
+    "sleep" (args: [level]), "wake_up" (args: the tags; none: all) and "is_sleeping"."""
 
     call_id: int
-    method: Literal["ping", "stats"]
+    method: Literal["ping", "stats", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping"]
+    args: list[int | str] = []
+    client_index: int = 0
+    """Which API server asks (--api-server-count > 1): the answer goes back on its socket."""
 
 
 ToEngine = AddRequest | AbortRequests | UtilityCall
@@ -278,6 +291,10 @@ class UtilityResult(msgspec.Struct, tag="utility_result", array_like=True):
     stats: SchedulerStats | None = None
     step_running_s: float = 0.0
     """For "ping": seconds the busy loop has been in its current step (0.0: between steps or idle)."""
+    result: bool | None = None
+    """What an EngineCore method returned ("reset_prefix_cache", "wake_up", "is_sleeping")."""
+    error: str | None = None
+    """The call was refused (the engine's ValueError: a message for the user); nothing changed."""
 
 
 class EngineFailed(msgspec.Struct, tag="engine_failed", array_like=True):

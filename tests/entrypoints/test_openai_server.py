@@ -21,7 +21,7 @@ MESSAGES = [{"role": "user", "content": "Say something about foxes."}]
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    server = RemoteServer(tiny_llama_dir, "--api-key", API_KEY, "--max-num-seqs", "8")
+    server = RemoteServer(tiny_llama_dir, "--api-key", API_KEY, "--max-num-seqs", "8", "--enable-prompt-tokens-details")
     server.headers = {"Authorization": f"Bearer {API_KEY}"}
     yield server
     server.close()

@@ -19,6 +19,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.engine.kv_event_publisher import create_kv_event_publisher
+from pagedllm.engine.sleep_mode import SleepMode
 from pagedllm.executor.abstract import ExecutorDeadError, StepFuture
 from pagedllm.executor.factory import create_executor
 from pagedllm.messages import (
@@ -50,7 +51,7 @@ MASK_IDLE_WAIT_S = 0.05
 before the loop comes back (to take in new requests and aborts)."""
 
 
-class EngineCore:
+class EngineCore(SleepMode):
     """Starts the executor (which loads the model on every rank), sizes the KV pool, and runs steps.
 
     Raises ValueError at construction when the configuration cannot work (e.g. one request of
@@ -126,6 +127,8 @@ class EngineCore:
                            eos_token_id=eos_ids[0] if eos_ids else None, extra_stop_token_ids=eos_ids[1:],
                            generation_defaults=self._generation_defaults(),
                            max_tokens_cap=self._max_tokens_cap(),
+                           max_logprobs=self.config.model_config.max_logprobs,
+                           logprobs_are_logits=self.config.model_config.logprobs_mode.endswith("logits"),
                            grammar_compile_timeout_s=so_config.compile_timeout_s,
                            priority_scheduling=self.config.scheduler_config.scheduling_policy == "priority",
                            json_disable_any_whitespace=so_config.disable_any_whitespace,
@@ -168,7 +171,10 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests not finished, or steps still in flight (whose outputs step() must still collect)."""
+        """Requests not finished, or steps still in flight (whose outputs step() must still collect). While asleep
+        (sleep_mode.py), False: the requests that arrive wait for wake_up, and the busy loop idles."""
+        if self.paused:
+            return False
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     # ---- one step --------------------------------------------------------------------------------
@@ -176,6 +182,8 @@ class EngineCore:
         """Schedule, execute and update once. With nothing to run, returns outputs with stats only.
 
         With pipeline parallelism, step_with_batch_queue instead: one call submits a step or applies the oldest."""
+        if self.paused:  # asleep: nothing runs (sleep_mode.py)
+            return EngineCoreOutputs(scheduler_stats=self.make_stats(), timestamp=time.time())
         if self.batch_queue_size > 1:
             return self.step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():

@@ -64,7 +64,7 @@ class InputProcessor:
             InvalidRequestError: a parameter is out of range (HTTP 400).
         """
         try:
-            params.validate(self.limits.vocab_size)
+            params.validate(self.limits.vocab_size, self.limits.max_logprobs)
         except SamplingParamsError as e:
             raise InvalidRequestError(str(e), param=e.param) from None
         return [_replace(params, n=1, seed=None if params.seed is None else params.seed + index,
@@ -98,7 +98,7 @@ class InputProcessor:
                 f"prompt has {num_prompt} tokens, leaving no room for output.",
                 param="prompt", code="context_length_exceeded")
         try:
-            params.validate(limits.vocab_size)
+            params.validate(limits.vocab_size, limits.max_logprobs)
         except SamplingParamsError as e:
             raise InvalidRequestError(str(e), param=e.param) from None
         if params.structured_outputs is not None:

@@ -40,6 +40,22 @@ class LLM:
         AllBlocksCleared goes out). Returns False, changing nothing, while a request holds blocks."""
         return self.llm_engine.engine_core.reset_prefix_cache()
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's LLM.sleep (needs enable_sleep_mode=True for levels 1 and 2): drop the weights and the KV pool,
+        giving their memory back, until wake_up (engine/sleep_mode.py). Level 0 only pauses."""
+        self.llm_engine.engine_core.sleep(level)  # no request is open between generate calls: nothing to abort
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """vLLM's LLM.wake_up: load the weights ("weights") and allocate the KV pool ("kv_cache") again; no tags:
+        both. Returns whether the engine is fully awake."""
+        awake = self.llm_engine.engine_core.wake_up(tags)
+        if awake:
+            self.llm_engine.engine_core.wait_kv_cache_resident()
+        return awake
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.engine_core.is_sleeping()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
@@ -49,6 +65,8 @@ class LLM:
         may also carry a "cache_salt" (vLLM's TokensPrompt / TextPrompt): prefix-cache hits only between requests
         with the same salt.
         """
+        if self.llm_engine.engine_core.is_sleeping():
+            raise RuntimeError("the engine is asleep: call LLM.wake_up() before generating.")
         if self.runner_type != "generate":  # vLLM's message
             raise ValueError("LLM.generate() is only supported for generative models. Try passing `--runner "
                              "generate` to use the model as a generative model.")

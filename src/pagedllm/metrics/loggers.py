@@ -30,6 +30,10 @@ class FinishedRequestStats:
     decode_time: float
     is_pooling: bool = False
     """A pooling request (an embedding): prompt tokens, e2e, queue and prefill times only."""
+    time_to_first_token: float | None = None
+    """None: it finished before its first token."""
+    trace: object = None
+    """What the tracer (--otlp-traces-endpoint) was given with the request, for its span; None untraced."""
 
 
 @dataclass
@@ -53,6 +57,7 @@ class _RequestTimes:
     last_token_time: float | None = None
     num_generation_tokens: int = 0
     is_pooling: bool = False
+    trace: object = None
 
 
 class RequestStatsTracker:
@@ -61,8 +66,8 @@ class RequestStatsTracker:
     def __init__(self) -> None:
         self._requests: dict[str, _RequestTimes] = {}
 
-    def add(self, request_id: str, arrival_time: float, num_prompt_tokens: int) -> None:
-        self._requests[request_id] = _RequestTimes(arrival_time, num_prompt_tokens)
+    def add(self, request_id: str, arrival_time: float, num_prompt_tokens: int, trace: object = None) -> None:
+        self._requests[request_id] = _RequestTimes(arrival_time, num_prompt_tokens, trace=trace)
 
     def finish(self, request_id: str, finish_reason: str, stats: IterationStats | None = None,
                now: float | None = None) -> None:
@@ -108,7 +113,9 @@ def _finished(times: _RequestTimes, finish_reason: str, now: float) -> FinishedR
         finish_reason=finish_reason, e2e_latency=now - times.arrival_time,
         num_prompt_tokens=times.num_prompt_tokens, num_generation_tokens=times.num_generation_tokens,
         queue_time=max(0.0, scheduled - times.arrival_time), prefill_time=max(0.0, first_token - scheduled),
-        decode_time=max(0.0, (times.last_token_time or first_token) - first_token), is_pooling=times.is_pooling)
+        decode_time=max(0.0, (times.last_token_time or first_token) - first_token),
+        time_to_first_token=None if times.first_token_time is None else times.first_token_time - times.arrival_time,
+        trace=times.trace, is_pooling=times.is_pooling)
 
 
 class LoggingStatLogger:

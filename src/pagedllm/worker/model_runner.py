@@ -62,7 +62,7 @@ class ModelRunner:
         num_groups = self.kv_cache_layout.num_groups
         self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, max_model_len, self.block_size,
                                       num_groups)
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.model_config.logprobs_mode)
         self.kv_caches: list[torch.Tensor] = []
         self.kv_prefault: PoolPrefault | None = None
         # Generators of seeded requests survive preemption: sampling resumes where it stopped.
