@@ -19,6 +19,7 @@ from typing import Literal
 
 import msgspec
 
+from pagedllm.pooling_params import PoolerDefaults, PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -116,6 +117,9 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True):
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    pooling_params: PoolingParams | None = None
+    """Set for a pooling request (runner pooling): it runs its prompt, samples nothing (sampling_params is a
+    placeholder) and ends with its pooled vector."""
     client_index: int = 0
     """Which API server sent it (--api-server-count > 1): the engine core answers on that server's socket."""
 
@@ -142,6 +146,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
     """Engine-core wall time when the request was first scheduled; sent once, with its first output."""
     error: str | None = None
     """Set with FinishReason.ERROR: what went wrong, safe to show the client."""
+    pooled: list[float] | None = None
+    """A pooling request's result (float32 values), sent with its finish."""
 
     @property
     def finished(self) -> bool:
@@ -182,6 +188,10 @@ class ModelLimits:
     json_disable_additional_properties: bool = True
     """Structured outputs: the server's JSON options (StructuredOutputsConfig's disable_any_whitespace and
     disable_additional_properties), so that the frontend checks the grammar the engine will compile."""
+    runner_type: str = "generate"
+    """--runner resolved: generate (text generation routes) or pooling (embeddings only), as vLLM serves one kind."""
+    pooler: PoolerDefaults | None = None
+    """runner pooling: the model's pooling (config/pooler.py), which the frontend puts in each PoolingParams."""
 
 
 @dataclass
@@ -207,6 +217,8 @@ class ModelRunnerOutput:
     expert_routed_tokens: list[int] | None = None
     """A mixture-of-experts model: [E] tokens routed to each expert this step, summed over the layers (with
     pipeline parallelism, the last stage's layers); None for a dense model."""
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    """Pooling requests whose prompt ended this step: their pooled (float32) vector."""
 
     @property
     def req_id_to_index(self) -> dict[str, int]:

@@ -273,6 +273,12 @@ def test_unknown_model_is_404(client):
     _next_request_succeeds(client)
 
 
+def test_embeddings_are_a_404_on_a_generate_server(client):
+    """vLLM registers /v1/embeddings only on a pooling server (tests/entrypoints/test_embeddings_server.py)."""
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model=MODEL_NAME, input="Hello")
+
+
 def test_api_key(server, client):
     for key in ("wrong", API_KEY + "x", ""):
         with pytest.raises(openai.AuthenticationError) as info:

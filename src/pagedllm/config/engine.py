@@ -24,6 +24,7 @@ from pagedllm.config.bounds import (
 from pagedllm.config.generation_overrides import parse_generation_overrides
 from pagedllm.config.kv_events import KVEventsConfig
 from pagedllm.config.parallel import ParallelConfig
+from pagedllm.config.pooler import PoolerConfig, check_runner
 
 logger = logging.getLogger("pagedllm.config")
 
@@ -98,9 +99,22 @@ class ModelConfig:
     quantized per 32 values to int8 with an fp32 scale (llama.cpp's Q8 scheme) and multiplied by integer dot
     products; faster, not lossless. Weight types without an int8 kernel (Q6_K, float) keep the default path
     (logged). none: float32 activations (the default, lossless)."""
+    runner: Literal["auto", "draft", "generate", "pooling"] = "auto"
+    """vLLM's: generate (text generation) or pooling (embeddings, /v1/embeddings, LLM.embed); auto: pooling for
+    --convert embed or a sentence-transformers folder (modules.json), else generate. draft is refused."""
+    convert: Literal["auto", "classify", "embed", "none"] = "auto"
+    """vLLM's: embed adapts the text-generation model into an embedding model (pooling runner); auto: embed under
+    --runner pooling, none otherwise. classify is refused."""
+    pooler_config: dict[str, Any] | None = None
+    """vLLM's JSON, '{"pooling_type": "MEAN", "use_activation": true, "dimensions": 256}': pooling_type LAST, MEAN or
+    CLS (default: the sentence-transformers Pooling module's mode, else LAST), use_activation (L2-normalise; default
+    true, or the folder's Normalize module), dimensions (a matryoshka model's default embedding length)."""
 
     def __post_init__(self) -> None:
         check_bounds(self, MODEL_BOUNDS)
+        check_runner(self.runner, self.convert)
+        self.pooler = PoolerConfig.parse(self.pooler_config)
+        """--pooler-config parsed (None: not given)."""
         if isinstance(self.served_model_name, str):  # LLM(served_model_name="x"), as vLLM takes it
             self.served_model_name = [self.served_model_name]
         if self.served_model_name is not None and not (

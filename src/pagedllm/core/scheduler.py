@@ -251,10 +251,8 @@ class Scheduler:
 
         Ties go to the later position in the running list.
         """
-        if self.scheduler_config.scheduling_policy == "priority":
-            key = lambda r: (r.priority, r.arrival_time)
-        else:
-            key = lambda r: r.arrival_time
+        priority = self.scheduler_config.scheduling_policy == "priority"
+        key = (lambda r: (r.priority, r.arrival_time)) if priority else (lambda r: r.arrival_time)
         best = 0
         best_key = key(self.running[0])
         for index in range(1, len(self.running)):
@@ -323,6 +321,7 @@ class Scheduler:
                 eos_token_id=r.eos_token_id,
                 block_ids=get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
+                pooling_params=r.pooling_params,
             )
             for r in step.new_reqs
         ]
@@ -374,6 +373,7 @@ class Scheduler:
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         self.routed_tokens.add(model_runner_output.expert_routed_tokens)
         proposals = model_runner_output.spec_token_ids
+        pooler_output = model_runner_output.pooler_output
         outputs = []
         any_finished = False
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -410,6 +410,9 @@ class Scheduler:
             else:
                 new_token_ids = append_and_check_stop(request, new_token_ids, max_model_len)
                 finished = request.status is not running_status
+            pooled = pooler_output.get(req_id) if pooler_output else None
+            if pooled is not None:  # a pooling request's prompt is computed: it ends with its vector
+                request.status, finished = RequestStatus.FINISHED_STOPPED, True
             if proposals is not None and index is not None:
                 # The next step's drafts. Under a grammar they are cut at the first token it refuses after the
                 # tokens just accepted (vLLM's update_draft_token_ids): the cut ones are never verified nor counted.
@@ -436,6 +439,7 @@ class Scheduler:
                 new_prompt_logprobs=new_prompt_logprobs,
                 num_cached_tokens=request.num_cached_tokens,
                 first_scheduled_time=None if request.first_output_sent else request.first_scheduled_time,
+                pooled=pooled,
             ))
             request.first_output_sent = True
             if finished:

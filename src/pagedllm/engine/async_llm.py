@@ -41,6 +41,7 @@ from pagedllm.metrics.loggers import IterationStats, LoggingStatLogger, RequestS
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 from pagedllm.metrics.tracing import RequestTrace, RequestTracer, current_request_trace
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class AsyncLLM(UtilityCalls):
         num_replicas = len(self.clients)
         self.router = DPRouter(num_replicas, ready.block_size, ready.num_blocks,
                                prefix_caching=ready.cache_config_info.get("enable_prefix_caching") != "False")
-        self.input_processor = InputProcessor(ready.limits, getattr(tokenizer, "eos_token_id", None))
+        self.input_processor = InputProcessor(ready.limits, getattr(tokenizer, "eos_token_id", None), model_name)
         self.output_processor = OutputProcessor(tokenizer)
         self.stats_tracker = RequestStatsTracker()
         self.prometheus = PrometheusStatLogger(model_name, cache_config_info=ready.cache_config_info,
@@ -162,8 +163,11 @@ class AsyncLLM(UtilityCalls):
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, output_kind: OutputKind = "delta", priority: int = 0,
-                    cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Validate and send one request (n > 1: its first child); returns its output stream.
+                    cache_salt: str | None = None,
+                    pooling_params: PoolingParams | None = None) -> AsyncIterator[RequestOutput]:
+        """Validate and send one request (n > 1: its first child); returns its output stream. With pooling_params
+        (a pooling server), an embedding request: `params` is unused and the stream yields one
+        EmbeddingRequestOutput.
 
         Raises:
             InvalidRequestError: bad prompt or parameters. EngineDeadError: the engine is gone.
@@ -174,7 +178,7 @@ class AsyncLLM(UtilityCalls):
             raise InvalidRequestError(f"request_id {request_id!r} is already in use.", param="request_id")
         arrival_time = time.time()
         requests = fan_out(self.input_processor, self.output_processor, request_id, prompt_token_ids, params, prompt,
-                           output_kind, arrival_time, priority, cache_salt)
+                           output_kind, arrival_time, priority, cache_salt, pooling_params)
         first = requests[0]  # the prompt exactly as the engine will hash it
         replica = self.router.route([r.request_id for r in requests], first.prompt_token_ids, first.cache_salt)
         if self.router.num_unfinished(replica) == len(requests):  # it was idle: the watchdog counts from now

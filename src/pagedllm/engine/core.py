@@ -13,6 +13,7 @@ import time
 from collections import deque
 
 from pagedllm.config import EngineConfig
+from pagedllm.config.pooler import resolve_pooler, runner_type, wrong_runner_message
 from pagedllm.core.kv_events import KVEventBatch
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
@@ -99,6 +100,11 @@ class EngineCore(SleepMode):
             raise
         self.structured_output_manager = StructuredOutputManager(
             config.structured_outputs_config, self._load_tokenizer, self.vocab_size)
+        model_dir = str(self.resolved_model.path) if self.resolved_model.kind == "hf" else None
+        self.runner_type = runner_type(mc.runner, mc.convert, model_dir)
+        """generate or pooling (--runner resolved): a request of the other kind is refused."""
+        self.pooler = (resolve_pooler(mc.pooler, model_dir, info.hf_config, info.hidden_size)
+                       if self.runner_type == "pooling" else None)
         pc = config.parallel_config
         logger.info("EngineCore ready in %.1f s: %s, %s executor, tensor-parallel size %d, pipeline-parallel "
                     "size %d", time.perf_counter() - start, self.resolved_model.path, pc.executor_backend,
@@ -126,7 +132,8 @@ class EngineCore(SleepMode):
                            grammar_compile_timeout_s=so_config.compile_timeout_s,
                            priority_scheduling=self.config.scheduler_config.scheduling_policy == "priority",
                            json_disable_any_whitespace=so_config.disable_any_whitespace,
-                           json_disable_additional_properties=so_config.disable_additional_properties)
+                           json_disable_additional_properties=so_config.disable_additional_properties,
+                           runner_type=self.runner_type, pooler=self.pooler)
 
     def cache_config_info(self) -> dict[str, str]:
         """The labels of vLLM's `vllm:cache_config_info` gauge (its CacheConfig's names, values as strings): the
@@ -151,6 +158,8 @@ class EngineCore(SleepMode):
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a validated request. Raises QueueFullError when the waiting queue is at its cap."""
+        if (request.pooling_params is not None) != (self.runner_type == "pooling"):
+            raise ValueError(wrong_runner_message(self.runner_type))
         req = Request.from_engine_core_request(request, self.config.cache_config.block_size)
         if request.sampling_params.structured_outputs is not None:
             req.structured_output_request = self.structured_output_manager.add_request(

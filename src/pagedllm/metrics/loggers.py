@@ -28,6 +28,8 @@ class FinishedRequestStats:
     queue_time: float
     prefill_time: float
     decode_time: float
+    is_pooling: bool = False
+    """A pooling request (an embedding): prompt tokens, e2e, queue and prefill times only."""
     time_to_first_token: float | None = None
     """None: it finished before its first token."""
     trace: object = None
@@ -39,7 +41,7 @@ class IterationStats:
     """What one engine step produced, as seen by the frontend."""
 
     num_prompt_tokens: int = 0
-    """Prompt tokens of requests that produced their first token this step."""
+    """Prompt tokens of requests that produced their first token (or, an embedding, their vector) this step."""
     num_generation_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
@@ -54,6 +56,7 @@ class _RequestTimes:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_generation_tokens: int = 0
+    is_pooling: bool = False
     trace: object = None
 
 
@@ -93,6 +96,11 @@ class RequestStatsTracker:
                 times.last_token_time = now
                 times.num_generation_tokens += num_new
                 stats.num_generation_tokens += num_new
+            if output.pooled is not None:  # an embedding: its prompt is computed, its vector out (no token)
+                times.is_pooling = True
+                stats.num_prompt_tokens += times.num_prompt_tokens
+                stats.time_to_first_tokens.append(now - times.arrival_time)  # vLLM's: the time to the vector
+                times.first_token_time = now  # the prefill ends here
             if output.finish_reason is not None:
                 self.finish(output.request_id, str(output.finish_reason), stats, now)
         return stats
@@ -107,7 +115,7 @@ def _finished(times: _RequestTimes, finish_reason: str, now: float) -> FinishedR
         queue_time=max(0.0, scheduled - times.arrival_time), prefill_time=max(0.0, first_token - scheduled),
         decode_time=max(0.0, (times.last_token_time or first_token) - first_token),
         time_to_first_token=None if times.first_token_time is None else times.first_token_time - times.arrival_time,
-        trace=times.trace)
+        trace=times.trace, is_pooling=times.is_pooling)
 
 
 class LoggingStatLogger:

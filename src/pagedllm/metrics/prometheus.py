@@ -122,9 +122,10 @@ class PrometheusStatLogger:
             series.e2e_request_latency.observe(finished.e2e_latency)
             series.request_queue_time.observe(finished.queue_time)
             series.request_prefill_time.observe(finished.prefill_time)
-            series.request_decode_time.observe(finished.decode_time)
             series.request_prompt_tokens.observe(finished.num_prompt_tokens)
-            series.request_generation_tokens.observe(finished.num_generation_tokens)
+            if not finished.is_pooling:  # an embedding generates nothing: no decode time, no generation tokens
+                series.request_decode_time.observe(finished.decode_time)
+                series.request_generation_tokens.observe(finished.num_generation_tokens)
 
     def remove_engine(self, engine: int) -> None:
         """The engine died: remove its gauges (requests running and waiting, KV-cache usage and blocks), which would

@@ -1,6 +1,7 @@
 """The API server's FastAPI app: its routes over AsyncLLM and its error handlers.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses and GET /v1/responses/{id},
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses and GET /v1/responses/{id} (or, on a
+pooling server, POST /v1/embeddings instead of those, as vLLM registers one kind),
 GET /v1/models, GET (and HEAD) /health, GET /version, GET /load (server_load.py), POST /tokenize, POST /detokenize,
 GET /metrics, GET /openapi.json, GET /docs and GET /redoc (the OpenAPI document and its Swagger and ReDoc pages, as
 vLLM serves them, unless --disable-fastapi-docs), GET /debug/kv_cache with --enable-debug-routes, and vLLM's
@@ -26,6 +27,7 @@ import pagedllm
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
 from pagedllm.entrypoints.openai.dev_routes import add_dev_routes, dev_mode
+from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest, EmbeddingResponse
 from pagedllm.entrypoints.openai.middleware import (
     API_KEY_SCOPE_KEY,
     GuardMiddleware,
@@ -40,6 +42,7 @@ from pagedllm.entrypoints.openai.server_load import add_load_route
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.tenant_salt import tenant_cache_salt
@@ -71,11 +74,16 @@ def build_app(state: ServerState) -> FastAPI:
     _add_error_handlers(app)
     # one set of tokenizer threads for every route: a big text in any of them delays no small one in another
     serving = (state.engine, state.served_model_names, state.config, TokenizerThreads())
-    completions = OpenAIServingCompletion(*serving)
-    chat = OpenAIServingChat(*serving)
-    tokenization = OpenAIServingTokenization(*serving, chat_prompts=chat.chat_prompts)
-    responses = OpenAIServingResponses(*serving, chat_prompts=chat.chat_prompts)
-    _add_generation_routes(app, state, completions, chat, responses)
+    limits = getattr(getattr(state.engine, "ready", None), "limits", None)
+    if getattr(limits, "runner_type", "generate") == "pooling":  # as vLLM: one kind of routes, the other is a 404
+        _add_embedding_routes(app, state, OpenAIServingEmbedding(*serving))
+        tokenization = OpenAIServingTokenization(*serving)
+    else:
+        completions = OpenAIServingCompletion(*serving)
+        chat = OpenAIServingChat(*serving)
+        tokenization = OpenAIServingTokenization(*serving, chat_prompts=chat.chat_prompts)
+        responses = OpenAIServingResponses(*serving, chat_prompts=chat.chat_prompts)
+        _add_generation_routes(app, state, completions, chat, responses)
     _add_info_routes(app, state)
     _add_token_routes(app, state, tokenization)
     if state.config.enable_debug_routes:
@@ -153,6 +161,21 @@ def _add_generation_routes(app: FastAPI, state: ServerState, completions: OpenAI
         return respond(responses.retrieve(response_id))
 
     app.include_router(generation)
+
+
+def _add_embedding_routes(app: FastAPI, state: ServerState, embeddings: OpenAIServingEmbedding) -> None:
+    """POST /v1/embeddings (runner pooling), its raw body prechecked against the request caps."""
+    router = APIRouter(route_class=prechecked_route_class(state.config))
+    salt_secret = os.urandom(32)
+
+    @router.post("/v1/embeddings", responses={200: {"model": EmbeddingResponse}, **error_responses(400, 401, 404,
+                                                                                                    413, 503)})
+    async def create_embedding(body: EmbeddingRequest, request: Request):
+        if state.config.cache_salt_from_api_key:
+            body.cache_salt = tenant_cache_salt(salt_secret, request.scope[API_KEY_SCOPE_KEY], body.cache_salt)
+        return respond(await run_until_disconnect(request, guard(embeddings.create_embedding(body))))
+
+    app.include_router(router)
 
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
