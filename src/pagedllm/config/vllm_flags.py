@@ -41,8 +41,7 @@ HONOURED_FLAGS = (
     "--return-tokens-as-token-ids", "--enable-prompt-tokens-details", "--enable-force-include-usage",
     "--enable-request-id-headers", "--disable-fastapi-docs", "--disable-uvicorn-access-log",
     "--enable-server-load-tracking", "--enable-sleep-mode",
-    "--reasoning-parser",
-    "--api-server-count", "--otlp-traces-endpoint",
+    "--reasoning-parser", "--api-server-count", "--otlp-traces-endpoint", "--runner", "--convert", "--pooler-config",
 )
 """vLLM's flags that pagedllm honours; all but the parser's own (--help, --config, --model) are generated from a
 config dataclass field of the same name (config/arguments.py)."""
@@ -127,8 +126,6 @@ VLLM_ONLY_FLAGS: dict[str, tuple[str, str, str]] = {
                                                "head)"),
     "--enable-offline-docs": ("bool", REFUSED, _FRONT),
     "--enable-flash-late-interaction": ("bool", REFUSED, "not built yet: late-interaction (ColBERT) scoring"),
-    "--runner": ("str", REFUSED, _NBY),
-    "--convert": ("str", REFUSED, _NBY),
     "--tokenizer-mode": ("str", REFUSED, "not built yet: tokenizer modes other than Hugging Face's (auto)"),
     "--hf-config-path": ("str", REFUSED, _MODEL),
     "--allowed-local-media-path": ("str", REFUSED, _MM),
@@ -149,7 +146,6 @@ VLLM_ONLY_FLAGS: dict[str, tuple[str, str, str]] = {
     "--hf-token": ("str?", REFUSED, "not built yet: set HF_TOKEN in the environment instead"),
     "--hf-overrides": ("json", REFUSED, _MODEL),
     "--model-class-overrides": ("json", REFUSED, _PLUGIN),
-    "--pooler-config": ("json", REFUSED, _NBY),
     "--sleep-mode-offload-cudagraph": ("bool", ACCEPTED, _EAGER),
     "--sleep-preserve-parameter-names": ("str+", REFUSED, _NBY + ": keeping named parameters across a sleep"),
     "--enable-cumem-allocator": ("bool", ACCEPTED, "a CUDA memory allocator; no effect on the CPU"),
