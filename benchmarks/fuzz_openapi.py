@@ -4,9 +4,9 @@
         [--result-file out.json] [-- EXTRA SERVE FLAGS]
 
 Loads /openapi.json, and sends `--cases` requests generated from it (schemathesis 4 strategies driven by
-Hypothesis, schema-valid and schema-invalid bodies alike), spread over the operations: 40% each to
-/v1/completions and /v1/chat/completions, 10% each to /tokenize and /detokenize, one to each GET route (they
-take no input).
+Hypothesis, schema-valid and schema-invalid bodies alike), spread over the operations: 30% each to
+/v1/completions and /v1/chat/completions, 20% to /v1/responses, 10% each to /tokenize and /detokenize, one to each
+GET route that takes no input (GET /v1/responses/{id}, which does, gets one too).
 Generated requests ask for at most MAX_TOKENS tokens (a larger max_tokens, max_completion_tokens or min_tokens
 is lowered to it, and a chat request that sets neither gets it), so the run tests input handling rather than
 generation speed. Checks: no response >= 500 except 503, the engine process is the same one at the end and
@@ -56,7 +56,7 @@ def log_alarms(log: str) -> list[str]:
     """The lines of a server log that mean a bug (see LOG_ALARMS)."""
     return [line for line in log.splitlines() if line.startswith(LOG_ALARMS)]
 
-WEIGHTS = {("POST", "/v1/completions"): 0.4, ("POST", "/v1/chat/completions"): 0.4,
+WEIGHTS = {("POST", "/v1/completions"): 0.3, ("POST", "/v1/chat/completions"): 0.3, ("POST", "/v1/responses"): 0.2,
            ("POST", "/tokenize"): 0.1, ("POST", "/detokenize"): 0.1}
 """Shares of the cases among the operations that take input (a route without input gets one case)."""
 
@@ -93,17 +93,24 @@ def bound_work(case) -> None:
     body = case.body
     if not isinstance(body, dict):
         return
-    for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "min_tokens", "max_output_tokens"):
         value = body.get(key)
         if type(value) is int and value > MAX_TOKENS:
             body[key] = MAX_TOKENS
     if case.path == "/v1/chat/completions" and body.get("max_tokens") is None \
             and body.get("max_completion_tokens") is None:
         body["max_completion_tokens"] = MAX_TOKENS  # else the default is the rest of the context
+    if case.path == "/v1/responses" and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = MAX_TOKENS
+
+
+NOT_FUZZED = {("POST", "/sleep"), ("POST", "/wake_up")}
+"""Development routes that change the whole server's state (a sleep pauses every request until a wake-up)."""
 
 
 def _operations(schema) -> list:
-    return [result.ok() for result in schema.get_all_operations()]
+    operations = [result.ok() for result in schema.get_all_operations()]
+    return [op for op in operations if (op.method.upper(), op.path) not in NOT_FUZZED]
 
 
 def _takes_input(operation) -> bool:

@@ -788,7 +788,9 @@ def main() -> int:
     def serve(name: str, *flags: str):
         if args.url:
             return Remote(args.url, args.api_key)
-        return Server(model_path, log_dir / f"{name}.log", *model_args, *flags, *extra, api_key=args.api_key,
+        # --enable-log-requests: the storm counts the requests that reached the engine from the log
+        return Server(model_path, log_dir / f"{name}.log", *model_args, "--enable-log-requests", *flags, *extra,
+                      api_key=args.api_key,
                       env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
 
     results: dict = {"command": sys.argv, "model_arg": args.model, "url": args.url, "extra_server_args": extra,

@@ -41,8 +41,10 @@ ZERO_IS_VALID = {  # the fields where 0 means something; everywhere else 0 must 
     "no global tree", "suffix_decoding_min_token_prob": "no cut", "verify_cost_per_draft_token": "always k drafts",
     "buffer_steps": "no replay buffer", "hwm": "no high-water mark", "max_queue_size": "unbounded",
     "engine_hang_timeout": "never", "drain_timeout": "abort at once", "engine_death_exit_delay": "exit at once",
+    "ssl_cert_reqs": "ssl.CERT_NONE", "max_log_len": "nothing of the text",
+    "max_logprobs": "only the sampled token's logprob",
 }
-NEGATIVE_IS_VALID = {"seed"}  # torch takes seeds in [-2**63, 2**64)
+NEGATIVE_IS_VALID = {"seed", "max_logprobs"}  # torch takes seeds in [-2**63, 2**64); --max-logprobs -1: no cap
 
 
 def _numeric_cases():
@@ -100,7 +102,8 @@ def test_messages_say_what_is_wrong():
         ServerConfig(health_check_timeout=-1.0)
     with pytest.raises(ValueError, match=r"^--max-model-len must be an integer, got '4096'\.$"):
         ModelConfig(max_model_len="4096")
-    assert [f.name for f in fields(ModelConfig) if f.name in numeric_fields(ModelConfig)] == ["max_model_len", "seed"]
+    assert [f.name for f in fields(ModelConfig) if f.name in numeric_fields(ModelConfig)] == [
+        "max_model_len", "seed", "max_logprobs"]
 
 
 @pytest.mark.slow

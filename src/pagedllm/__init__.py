@@ -7,7 +7,8 @@
 from pagedllm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput", "EmbeddingRequestOutput",
+           "__version__"]
 
 
 def __getattr__(name: str):
@@ -15,7 +16,11 @@ def __getattr__(name: str):
         from pagedllm.entrypoints.llm import LLM
 
         return LLM
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name == "PoolingParams":
+        from pagedllm.pooling_params import PoolingParams
+
+        return PoolingParams
+    if name in ("RequestOutput", "CompletionOutput", "EmbeddingRequestOutput"):
         from pagedllm import outputs
 
         return getattr(outputs, name)

@@ -19,6 +19,7 @@ from typing import Literal
 
 import msgspec
 
+from pagedllm.pooling_params import PoolerDefaults, PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -116,6 +117,11 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True):
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    pooling_params: PoolingParams | None = None
+    """Set for a pooling request (runner pooling): it runs its prompt, samples nothing (sampling_params is a
+    placeholder) and ends with its pooled vector."""
+    client_index: int = 0
+    """Which API server sent it (--api-server-count > 1): the engine core answers on that server's socket."""
 
 
 class LogprobsEntry(msgspec.Struct, array_like=True):
@@ -140,6 +146,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
     """Engine-core wall time when the request was first scheduled; sent once, with its first output."""
     error: str | None = None
     """Set with FinishReason.ERROR: what went wrong, safe to show the client."""
+    pooled: list[float] | None = None
+    """A pooling request's result (float32 values), sent with its finish."""
 
     @property
     def finished(self) -> bool:
@@ -166,6 +174,11 @@ class ModelLimits:
     max_tokens_cap: int | None = None
     """The server caps every request's max_tokens at this (vLLM's override_max_tokens: a --generation-config folder's
     max_new_tokens; under auto the file's max_new_tokens is only the default of a request that sets none)."""
+    max_logprobs: int = 20
+    """--max-logprobs: the most logprobs (logprobs, top_logprobs, prompt_logprobs) a request may ask for; -1: up to
+    the vocabulary."""
+    logprobs_are_logits: bool = False
+    """--logprobs-mode raw_logits or processed_logits: the `logprob` values are logits (not clamped at 0)."""
     grammar_compile_timeout_s: float = 10.0
     """Structured outputs: a grammar that takes longer to compile is refused (StructuredOutputsConfig)."""
     priority_scheduling: bool = False
@@ -175,6 +188,10 @@ class ModelLimits:
     json_disable_additional_properties: bool = True
     """Structured outputs: the server's JSON options (StructuredOutputsConfig's disable_any_whitespace and
     disable_additional_properties), so that the frontend checks the grammar the engine will compile."""
+    runner_type: str = "generate"
+    """--runner resolved: generate (text generation routes) or pooling (embeddings only), as vLLM serves one kind."""
+    pooler: PoolerDefaults | None = None
+    """runner pooling: the model's pooling (config/pooler.py), which the frontend puts in each PoolingParams."""
 
 
 @dataclass
@@ -200,6 +217,8 @@ class ModelRunnerOutput:
     expert_routed_tokens: list[int] | None = None
     """A mixture-of-experts model: [E] tokens routed to each expert this step, summed over the layers (with
     pipeline parallelism, the last stage's layers); None for a dense model."""
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    """Pooling requests whose prompt ended this step: their pooled (float32) vector."""
 
     @property
     def req_id_to_index(self) -> dict[str, int]:
@@ -219,12 +238,18 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
     request_ids: list[str]
 
 
+
 class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
     """"ping" is answered at once by the input thread, with how long the busy loop has been in its current
-    step (a long step must not look like a dead engine); "stats" by the busy loop between steps."""
+    step (a long step must not look like a dead engine); the others by the busy loop between steps: "stats",
+    and the EngineCore methods of the same names (vLLM's EngineCoreClient utility calls) "reset_prefix_cache",
+    "sleep" (args: [level]), "wake_up" (args: the tags; none: all) and "is_sleeping"."""
 
     call_id: int
-    method: Literal["ping", "stats"]
+    method: Literal["ping", "stats", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping"]
+    args: list[int | str] = []
+    client_index: int = 0
+    """Which API server asks (--api-server-count > 1): the answer goes back on its socket."""
 
 
 ToEngine = AddRequest | AbortRequests | UtilityCall
@@ -266,6 +291,10 @@ class UtilityResult(msgspec.Struct, tag="utility_result", array_like=True):
     stats: SchedulerStats | None = None
     step_running_s: float = 0.0
     """For "ping": seconds the busy loop has been in its current step (0.0: between steps or idle)."""
+    result: bool | None = None
+    """What an EngineCore method returned ("reset_prefix_cache", "wake_up", "is_sleeping")."""
+    error: str | None = None
+    """The call was refused (the engine's ValueError: a message for the user); nothing changed."""
 
 
 class EngineFailed(msgspec.Struct, tag="engine_failed", array_like=True):

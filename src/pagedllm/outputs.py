@@ -43,3 +43,33 @@ class RequestOutput:
     """arrival_time, first_scheduled_time, first_token_time, last_token_time (wall-clock seconds)."""
     error: str | None = None
     """Set when the engine failed this request (finish_reason "error"): a message safe to show."""
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's EmbeddingOutput: one embedding (float32 values as Python floats)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns and the embeddings route receives: vLLM's EmbeddingRequestOutput (a
+    PoolingRequestOutput whose `outputs` is an EmbeddingOutput)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+    error: str | None = None
+    """Set when the engine failed this request: a message safe to show."""
+
+
+PoolingRequestOutput = EmbeddingRequestOutput
+"""The embed task is the one pooling task run: its outputs are embeddings."""

@@ -28,6 +28,9 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    reasoning_end_token_ids: list[int] | None = None
+    """Set by the server's reasoning parser: the output begins inside the model's reasoning, which is left
+    unconstrained; the grammar applies from the token after the first of these tokens (`</think>`) on."""
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -68,8 +71,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the first parameter that is out of range."""
+    def validate(self, vocab_size: int | None = None, max_logprobs: int = MAX_LOGPROBS) -> None:
+        """Raise ValueError naming the first parameter that is out of range. `max_logprobs`: the server's
+        --max-logprobs (-1: no cap but the vocabulary)."""
         _check(isinstance(self.n, int) and self.n >= 1, "n", f"n must be at least 1, got {self.n}.")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -90,10 +94,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens",
                    f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens}).")
+        cap = max_logprobs if max_logprobs != -1 else vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check(0 <= value <= MAX_LOGPROBS, name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.")
+                _check(value >= 0 and (cap is None or value <= cap), name,
+                       f"{name} must be in [0, {cap}] (--max-logprobs), got {value}." if cap is not None else
+                       f"{name} must be at least 0, got {value}.")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty.")
         if self.seed is not None:
             _check(-(2**63) <= self.seed < 2**64, "seed", f"seed {self.seed} does not fit in 64 bits.")

@@ -6,7 +6,8 @@ under `if TYPE_CHECKING:` count too: a deferred import still couples the two mod
 
 The layers, bottom first (a top-level module or sub-package is named by its first name under `pagedllm`):
 
-    values       sampling_params, messages, outputs, config (the package: engine and server settings),
+    values       sampling_params, pooling_params, messages, outputs, config (the package: engine and server
+                 settings), envs (the environment variables),
                  log_escape, math_utils, child_process, native_thread_name   (no torch; the last two: a process's own
                  exit and thread names)
     core         core (pure Python, no torch), kernels (native code)
@@ -37,8 +38,8 @@ import pagedllm
 SRC = Path(pagedllm.__file__).parent
 
 LAYERS = [
-    {"sampling_params", "messages", "outputs", "config", "log_escape", "math_utils", "child_process",
-     "native_thread_name", "gc_heap"},
+    {"sampling_params", "pooling_params", "messages", "outputs", "config", "envs", "log_escape", "math_utils",
+     "child_process", "native_thread_name", "gc_heap"},
     {"core", "kernels"},
     {"layers", "models", "tokenizer", "spec_decode", "distributed", "structured_output"},
     {"worker"},
@@ -53,6 +54,7 @@ LAYER_OF = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 TORCH_FREE_MODULES = [
     "pagedllm.messages",
     "pagedllm.config",
+    "pagedllm.envs",
     "pagedllm.core",
     "pagedllm.core.request",
     "pagedllm.core.block_hash",

@@ -68,10 +68,10 @@ class MockEngineCore:
         if request_ids and not self.is_dead:
             await self._receive(AbortRequests(request_ids))
 
-    async def call_utility(self, method: str, timeout_s: float) -> UtilityResult:
+    async def call_utility(self, method: str, timeout_s: float | None, *args: int | str) -> UtilityResult:
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
-        await self._receive(UtilityCall(0, method))  # type: ignore[arg-type]
+        await self._receive(UtilityCall(0, method, list(args)))  # type: ignore[arg-type]
         return self._wire(UtilityResult(0, self._stats() if method == "stats" else None))
 
     def mark_dead(self, reason: str) -> None:

@@ -21,7 +21,7 @@ MESSAGES = [{"role": "user", "content": "Say something about foxes."}]
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    server = RemoteServer(tiny_llama_dir, "--api-key", API_KEY, "--max-num-seqs", "8")
+    server = RemoteServer(tiny_llama_dir, "--api-key", API_KEY, "--max-num-seqs", "8", "--enable-prompt-tokens-details")
     server.headers = {"Authorization": f"Bearer {API_KEY}"}
     yield server
     server.close()
@@ -271,6 +271,12 @@ def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=MESSAGES)
     _next_request_succeeds(client)
+
+
+def test_embeddings_are_a_404_on_a_generate_server(client):
+    """vLLM registers /v1/embeddings only on a pooling server (tests/entrypoints/test_embeddings_server.py)."""
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model=MODEL_NAME, input="Hello")
 
 
 def test_api_key(server, client):

@@ -47,7 +47,7 @@ def test_prompt_logprobs_are_returned_and_match_transformers(remote_server_facto
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
-    server = remote_server_factory("--block-size", "16")
+    server = remote_server_factory("--block-size", "16", "--enable-prompt-tokens-details")
     greedy = {"model": MODEL_NAME, "temperature": 0.0, "max_tokens": 2}
     ref = reference(PROMPT)
 

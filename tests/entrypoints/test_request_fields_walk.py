@@ -261,6 +261,14 @@ def _return_token_ids(api, ep):
     assert len(prompt_ids) == response["usage"]["prompt_tokens"]
 
 
+def _return_tokens_as_token_ids(api, ep):
+    logprobs = {"logprobs": 1} if ep == COMPLETIONS else {"logprobs": True, "top_logprobs": 1}
+    response = api.ok(ep, return_token_ids=True, return_tokens_as_token_ids=True, **logprobs)
+    tokens = response["choices"][0]["logprobs"]
+    tokens = tokens["tokens"] if ep == COMPLETIONS else [entry["token"] for entry in tokens["content"]]
+    assert tokens == [f"token_id:{i}" for i in token_ids(response)]
+
+
 def _add_special_tokens(api, ep):
     with_bos = api.ok(ep, add_special_tokens=True)["usage"]["prompt_tokens"]
     assert with_bos == api.ok(ep, add_special_tokens=False)["usage"]["prompt_tokens"] + 1
@@ -462,6 +470,7 @@ SHARED: dict[str, Entry] = {
     "cache_salt": honoured(_cache_salt),
     "request_id": honoured(_request_id),
     "return_token_ids": honoured(_return_token_ids),
+    "return_tokens_as_token_ids": honoured(_return_tokens_as_token_ids),
     "add_special_tokens": honoured(_add_special_tokens),
     "prompt_logprobs": honoured(_prompt_logprobs),
     "structured_outputs.json": honoured(_follows(_json_prefix, structured_outputs={"json": SCHEMA})),
@@ -585,7 +594,8 @@ def api(tiny_llama_dir, tmp_path_factory):
     template = Path(folder) / "walk.jinja"
     template.write_text(TEMPLATE)
     server = RemoteServer(folder, "--chat-template", str(template), "--trust-request-chat-template",
-                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-num-seqs", "8")
+                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-num-seqs", "8",
+                          "--enable-prompt-tokens-details")
     yield Api(server)
     server.close()
 

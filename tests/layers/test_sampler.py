@@ -254,15 +254,51 @@ def test_logprobs_match_log_softmax_topk():
     assert entries[0].rank == 1  # greedy picks the best token
 
 
-def test_logprobs_after_penalties():
-    logits = random_logits(1)
-    params = [SamplingParams(temperature=0.0, logprobs=2, logit_bias={4: 5.0}, presence_penalty=1.0)]
-    out = sample(logits, params, outputs=[[1, 2]])
-    adjusted = logits.clone()
-    adjusted[0, 4] += 5.0
-    adjusted[0, [1, 2]] -= 1.0
-    ref = adjusted.log_softmax(-1)
-    torch.testing.assert_close(out.logprobs.logprobs[0, 1:], ref[0].topk(2).values)
+def _processed(logits, params, outputs):
+    """The logits the rows are drawn from, computed naively: bias, presence penalty, temperature (1 when greedy),
+    top-k, min-p (the parameters these tests use)."""
+    x = logits.clone()
+    for i, p in enumerate(params):
+        for token, bias in (p.logit_bias or {}).items():
+            x[i, token] += bias
+        x[i, sorted(set(outputs[i]))] -= p.presence_penalty
+        x[i] /= p.temperature if p.temperature > 0 else 1.0
+        if p.top_k > 0:
+            x[i, x[i] < x[i].topk(p.top_k).values[-1]] = float("-inf")
+        if p.min_p > 0:
+            probs = x[i].softmax(-1)
+            x[i, probs < p.min_p * probs.max()] = float("-inf")
+    return x
+
+
+MODE_PARAMS = [SamplingParams(temperature=0.0, logprobs=3, logit_bias={4: 5.0}, presence_penalty=1.0),
+               SamplingParams(temperature=0.7, top_k=5, logprobs=3, seed=1),
+               SamplingParams(temperature=1.3, min_p=0.2, logprobs=0, seed=2)]
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+@pytest.mark.parametrize("params", [MODE_PARAMS, MODE_PARAMS[:1]], ids=["mixed", "all-greedy"])
+def test_logprobs_modes(mode, params):
+    """vLLM's --logprobs-mode: raw (the model's logits, before logit_bias and penalties) or processed (the logits
+    each row is drawn from), as logprobs (log_softmax) or logits; the sampled token first, then the top k."""
+    logits = random_logits(len(params))
+    outputs = [[1, 2]] * len(params)
+    metadata = make_metadata(params, outputs=outputs, generators=[None] + [seeded(1), seeded(2)][:len(params) - 1])
+    out = Sampler(mode)(logits.clone(), metadata)
+    ref = logits if mode.startswith("raw") else _processed(logits, params, outputs)
+    ref = ref.log_softmax(-1) if mode.endswith("logprobs") else ref
+    for i, p in enumerate(params):
+        token = int(out.sampled_token_ids[i])
+        assert out.logprobs.logprob_token_ids[i, 0] == token
+        torch.testing.assert_close(out.logprobs.logprobs[i, 0], ref[i, token])
+        torch.testing.assert_close(out.logprobs.logprobs[i, 1:1 + p.logprobs], ref[i].topk(p.logprobs).values)
+        assert int(out.logprobs.selected_token_ranks[i]) == int((ref[i] > ref[i, token]).sum()) + 1
+    assert out.sampled_token_ids[0] == _processed(logits, params, outputs)[0].argmax()  # the mode changes no token
+
+
+def test_unknown_logprobs_mode_is_refused():
+    with pytest.raises(ValueError, match="logprobs_mode must be one of"):
+        Sampler("logits")
 
 
 def test_prompt_logprobs():

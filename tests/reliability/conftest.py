@@ -44,7 +44,7 @@ def shared_server(serve_model, tmp_path_factory):
     storm. Every test that uses it leaves it idle, with every KV block free. It trusts request chat templates,
     so that the bad-input tests reach the template sandbox."""
     server = Server(serve_model, tmp_path_factory.mktemp("shared") / "server.log", "--max-num-seqs", "64",
-                    "--block-size", "8", "--trust-request-chat-template")
+                    "--block-size", "8", "--trust-request-chat-template", "--enable-log-requests")
     yield server
     server.close()
 

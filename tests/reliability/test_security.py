@@ -97,7 +97,7 @@ def _keyed_server_launch(launcher):
     """Two tenants' keys, /metrics guarded, cache salts derived from the key: one server for the module,
     launched before the first test so that its start-up overlaps the engine-socket test's."""
     return launcher("--api-key", ",".join(KEYS), "--protect-metrics", "--cache-salt-from-api-key",
-                    api_key=KEYS[0], wait_ready=False)
+                    "--enable-prompt-tokens-details", "--enable-log-requests", api_key=KEYS[0], wait_ready=False)
 
 
 @pytest.fixture

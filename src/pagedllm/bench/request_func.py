@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import codecs
 import json
-import os
 import sys
 import time
 import traceback
@@ -20,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+
+from pagedllm import envs
 
 
 @dataclass
@@ -81,7 +82,7 @@ class SSEParser:
 
 def _headers(request_id: str | None) -> dict[str, str]:
     headers = {"Content-Type": "application/json"}
-    if api_key := os.environ.get("OPENAI_API_KEY"):
+    if api_key := envs.OPENAI_API_KEY:
         headers["Authorization"] = f"Bearer {api_key}"
     if request_id:
         headers["x-request-id"] = request_id

@@ -57,10 +57,12 @@ def positive(high: float, why: str = "") -> Bound:
 MODEL_BOUNDS = {
     "max_model_len": at_least(1, 1 << 24, "16M tokens, past the longest context of any model"),
     "seed": at_least(-(1 << 63), (1 << 64) - 1, "torch's seeds are 64-bit"),
+    "max_logprobs": at_least(-1, 1 << 24, "past the largest vocabulary"),
 }
 CACHE_BOUNDS = {
     "block_size": at_least(1, 1024),
     "kv_cache_memory": at_least(1, 1 << 50, "1 PiB"),
+    "kv_cache_memory_bytes": at_least(1, 1 << 50, "1 PiB"),
     "gpu_memory_utilization": positive(1.0, "a fraction of the GPU's memory"),
     "num_gpu_blocks_override": at_least(1, (1 << 31) - 1, "block ids are 32-bit"),
 }
@@ -109,6 +111,7 @@ SERVER_BOUNDS = {
     "max_choices": at_least(1, 1 << 20),
     "max_logit_bias": at_least(1, 1 << 20, "past the largest vocabulary"),
     "max_stop": at_least(1, 1 << 16),
+    "max_stored_responses": at_least(1, 1 << 20),
     "chat_template_timeout": positive(3600.0),
     "max_chat_template_chars": at_least(1, GiB),
     "max_request_bytes": at_least(1, 4 * GiB),
@@ -116,6 +119,9 @@ SERVER_BOUNDS = {
     "max_connections": at_least(1, 1 << 24),
     "header_read_timeout": positive(3600.0),
     "body_read_timeout": positive(DAY_S),
+    "max_log_len": at_least(0, 1 << 40),
+    "ssl_cert_reqs": at_least(0, 2, "ssl.CERT_NONE, CERT_OPTIONAL or CERT_REQUIRED"),
+    "api_server_count": at_least(1, 256),
 }
 
 

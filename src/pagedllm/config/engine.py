@@ -7,13 +7,8 @@ Validation raises ValueError with a message a user can act on.
 
 from __future__ import annotations
 
-import argparse
-import ast
-import functools
-import inspect
 import json
-import re
-import textwrap
+import logging
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -29,10 +24,15 @@ from pagedllm.config.bounds import (
 from pagedllm.config.generation_overrides import parse_generation_overrides
 from pagedllm.config.kv_events import KVEventsConfig
 from pagedllm.config.parallel import ParallelConfig
+from pagedllm.config.pooler import PoolerConfig, check_runner
+
+logger = logging.getLogger("pagedllm.config")
 
 GiB = 1 << 30
 QUANTIZATION_METHODS = ("gguf", "fp8")
 """Values of ModelConfig.quantization (None: the model's own format)."""
+LOAD_FORMATS = ("auto", "safetensors", "gguf")
+"""Values of --load-format pagedllm loads (vLLM's names; pt, npcache, dummy, tensorizer... are refused)."""
 
 
 @dataclass
@@ -48,11 +48,18 @@ class ModelConfig:
     """The --tokenizer hub id's revision; default: --revision."""
     download_dir: str | None = None
     """The folder hub models are cached in and downloaded to, instead of the Hugging Face cache (HF_HUB_CACHE)."""
+    load_format: str = "auto"
+    """How the weights are stored: auto (a folder's *.safetensors, or a GGUF file), safetensors or gguf (the model
+    must be in that format, else start-up fails naming it). vLLM's other formats (pt, npcache, dummy, tensorizer,
+    bitsandbytes, ...) are refused: pagedllm never unpickles a checkpoint."""
+    trust_remote_code: bool = False
+    """vLLM's: trust the model repository's own Python code. pagedllm never runs code from a model repository (its
+    model families and tokenizers are its own), so this only logs a warning saying so."""
     served_model_name: list[str] | None = None
     """The model names clients may send in the `model` field (`--served-model-name a b`: both are accepted and
     /v1/models lists both; the first names the model in responses and in the metrics' model_name label); default:
     the model argument. A single string is read as one name."""
-    dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float32", "float16", "half", "float"] = "auto"
     """Weights and activations dtype. auto: bfloat16 on CUDA; on the CPU float32 for a GGUF model or fp8 (quantized
     kernels), else bfloat16 where the CPU has AMX or AVX512-BF16, else float32."""
     max_model_len: int | None = None
@@ -61,6 +68,19 @@ class ModelConfig:
     frontend (ModelLimits)."""
     seed: int = 0
     """Seed for requests that give no seed of their own."""
+    max_logprobs: int = 20
+    """Most log probabilities a request may ask for (`logprobs`, `top_logprobs`, `prompt_logprobs`): more is HTTP
+    400 naming the field, as in vLLM. -1: no cap but the vocabulary size."""
+    logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = "raw_logprobs"
+    """What the sampled tokens' logprobs are, as vLLM's: raw_logprobs, log_softmax of the model's logits (before
+    logit_bias, min_tokens and penalties); raw_logits, those logits; processed_logprobs and processed_logits, the
+    same of the logits the token is drawn from (after logit_bias, min_tokens, penalties, temperature, top-k, top-p
+    and min-p; masked tokens -inf). Prompt logprobs stay raw logprobs."""
+    enable_sleep_mode: bool = False
+    """Allow the engine to sleep (levels 1 and 2 of POST /sleep, LLM.sleep): it drops its weights and its KV pool,
+    giving the memory back while the processes stay, and loads them again on wake_up (from the model's files: on
+    the CPU levels 1 and 2 both drop the weights). The /sleep, /wake_up and /is_sleeping routes are served in
+    development mode, as vLLM's: VLLM_SERVER_DEV_MODE=1 or --enable-debug-routes."""
     generation_config: str = "auto"
     """auto: apply the model's generation_config.json defaults; vllm: ignore them; or a folder path."""
     override_generation_config: dict[str, Any] | None = None
@@ -79,9 +99,22 @@ class ModelConfig:
     quantized per 32 values to int8 with an fp32 scale (llama.cpp's Q8 scheme) and multiplied by integer dot
     products; faster, not lossless. Weight types without an int8 kernel (Q6_K, float) keep the default path
     (logged). none: float32 activations (the default, lossless)."""
+    runner: Literal["auto", "draft", "generate", "pooling"] = "auto"
+    """vLLM's: generate (text generation) or pooling (embeddings, /v1/embeddings, LLM.embed); auto: pooling for
+    --convert embed or a sentence-transformers folder (modules.json), else generate. draft is refused."""
+    convert: Literal["auto", "classify", "embed", "none"] = "auto"
+    """vLLM's: embed adapts the text-generation model into an embedding model (pooling runner); auto: embed under
+    --runner pooling, none otherwise. classify is refused."""
+    pooler_config: dict[str, Any] | None = None
+    """vLLM's JSON, '{"pooling_type": "MEAN", "use_activation": true, "dimensions": 256}': pooling_type LAST, MEAN or
+    CLS (default: the sentence-transformers Pooling module's mode, else LAST), use_activation (L2-normalise; default
+    true, or the folder's Normalize module), dimensions (a matryoshka model's default embedding length)."""
 
     def __post_init__(self) -> None:
         check_bounds(self, MODEL_BOUNDS)
+        check_runner(self.runner, self.convert)
+        self.pooler = PoolerConfig.parse(self.pooler_config)
+        """--pooler-config parsed (None: not given)."""
         if isinstance(self.served_model_name, str):  # LLM(served_model_name="x"), as vLLM takes it
             self.served_model_name = [self.served_model_name]
         if self.served_model_name is not None and not (
@@ -90,6 +123,11 @@ class ModelConfig:
         self.override_generation_config = parse_generation_overrides(self.override_generation_config)
         if self.activation_quantization not in ("none", "int8"):
             raise ValueError(f"--activation-quantization must be none or int8; got {self.activation_quantization!r}.")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"--load-format {self.load_format!r} is not supported by pagedllm (it loads "
+                             f"{', '.join(LOAD_FORMATS)}; it never unpickles a checkpoint).")
+        if self.dtype in ("half", "float"):  # vLLM's other spellings
+            self.dtype = "float16" if self.dtype == "half" else "float32"
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
                              f"got {self.quantization!r}.")
@@ -103,6 +141,10 @@ class CacheConfig:
     """Reuse the KV cache of identical prompt prefixes across requests."""
     kv_cache_memory: int | None = None
     """Bytes of KV cache (default 4 GiB on CPU; on CUDA, the GPU memory utilization below decides)."""
+    kv_cache_memory_bytes: int | None = None
+    """vLLM's name for --kv-cache-memory (`4Gi`, `4G`, bytes): the KV pool's size in bytes, overriding the memory
+    fraction (the GPU memory utilization on CUDA, the 4 GiB default on the CPU). Giving both is an error unless
+    they agree."""
     gpu_memory_utilization: float = 0.9
     """Fraction of GPU memory for weights, activations and KV cache (CUDA only)."""
     num_gpu_blocks_override: int | None = None
@@ -129,6 +171,11 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self, CACHE_BOUNDS)
+        if self.kv_cache_memory_bytes is not None:
+            if self.kv_cache_memory not in (None, self.kv_cache_memory_bytes):
+                raise ValueError(f"--kv-cache-memory-bytes {self.kv_cache_memory_bytes} and --kv-cache-memory "
+                                 f"{self.kv_cache_memory} disagree; give one (they mean the same).")
+            self.kv_cache_memory = self.kv_cache_memory_bytes
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}.")
         choices = typing.get_args(typing.get_type_hints(CacheConfig)["kv_cache_dtype"])
@@ -327,87 +374,11 @@ class EngineConfig:
             parts[section] = section_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         if kwargs:
             raise ValueError(f"unknown engine arguments: {', '.join(sorted(kwargs))}")
-        return cls(**parts)
-
-
-@functools.cache
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass, read from its source.
-
-    >>> field_docs(CacheConfig)["block_size"]
-    'Tokens per KV-cache block.'
-    """
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    docs: dict[str, str] = {}
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    for node, nxt in zip(body, body[1:], strict=False):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-# ---- command-line flags, generated from the dataclasses above ----------------------------------------
-
-def add_dataclass_flags(group, cls: type, prefix: str, skip: frozenset[str] | set[str] = frozenset(),
-                        suppress_defaults: bool = False) -> None:
-    """One flag per field: `--field-name`, its docstring as help, bools as --x/--no-x, Literals as choices,
-    `*_memory`/`*_bytes` fields as sizes (`4GiB`). Values land in `args.<prefix><field>`.
-
-    With suppress_defaults, a flag the user does not pass is absent from the namespace, so the
-    dataclass default stays the only default.
-    """
-    hints = typing.get_type_hints(cls)
-    docs = field_docs(cls)
-    for f in fields(cls):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = argparse.SUPPRESS if suppress_defaults else f.default
-        kwargs: dict[str, Any] = {"dest": prefix + f.name, "default": default, "help": docs.get(f.name, "")}
-        kind = hints[f.name]
-        args = [a for a in typing.get_args(kind) if a is not type(None)]
-        if kind is bool or args == [bool]:  # bool | None: None until --x / --no-x says otherwise
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
-        elif typing.get_origin(kind) is Literal:
-            group.add_argument(flag, choices=typing.get_args(kind), **kwargs)
-        elif len(args) == 1 and typing.get_origin(args[0]) is Literal:  # Literal[...] | None
-            group.add_argument(flag, choices=typing.get_args(args[0]), **kwargs)
-        elif len(args) == 1 and typing.get_origin(args[0]) is list:  # list[X] | None: `--flag a b`, as vLLM's
-            group.add_argument(flag, nargs="+", type=typing.get_args(args[0])[0], metavar=f.name.upper(), **kwargs)
-        else:
-            base = args[0] if args else kind
-            if f.name.endswith("_memory") or f.name.endswith("_bytes"):
-                base = parse_bytes
-            group.add_argument(flag, type=base if base in (int, float, parse_bytes) else str,
-                               metavar=f.name.upper(), **kwargs)
-
-
-def add_engine_flags(group, skip: frozenset[str] | set[str] = frozenset(), suppress_defaults: bool = False,
-                     prefix: str = "engine_") -> None:
-    """Flags for every engine argument (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig) except `skip`."""
-    seen = set(skip)
-    for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig):
-        add_dataclass_flags(group, cls, prefix, frozenset(seen), suppress_defaults)
-        seen |= {f.name for f in fields(cls)}
-    if "speculative_config" not in seen:
-        group.add_argument("--speculative-config", dest=prefix + "speculative_config", metavar="JSON",
-                           default=argparse.SUPPRESS if suppress_defaults else None,
-                           help="Speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
-                                "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'. Methods: "
-                                + ", ".join(SPECULATIVE_METHODS) + ". Default: off.")
-    if "structured_outputs_config" not in seen:
-        group.add_argument("--structured-outputs-config", dest=prefix + "structured_outputs_config", metavar="JSON",
-                           default=argparse.SUPPRESS if suppress_defaults else None,
-                           help="vLLM's JSON, e.g. '{\"backend\": \"guidance\"}'; backends: auto, guidance.")
-    if "kv_events_config" not in seen:
-        group.add_argument("--kv-events-config", dest=prefix + "kv_events_config", metavar="JSON",
-                           default=argparse.SUPPRESS if suppress_defaults else None,
-                           help="vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
-                                "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv\"}': publish the prefix "
-                                "cache's BlockStored/BlockRemoved/AllBlocksCleared events on ZMQ. Keys: "
-                                + ", ".join(f.name for f in fields(KVEventsConfig)) + ". Default: off.")
+        config = cls(**parts)
+        if config.model_config.trust_remote_code:
+            logger.warning("--trust-remote-code: pagedllm never runs code from a model repository (its model "
+                           "families and tokenizers are its own); no remote code runs.")
+        return config
 
 
 def _json_object_flag(value: str | dict | None, cls: type, flag: str, example: str) -> dict[str, Any]:
@@ -434,21 +405,3 @@ def _kv_events_config(value: str | dict | KVEventsConfig | None) -> KVEventsConf
         return value
     return KVEventsConfig(**_json_object_flag(value, KVEventsConfig, "--kv-events-config",
                                               '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'))
-
-
-def engine_kwargs_from_args(args: argparse.Namespace, prefix: str = "engine_") -> dict[str, Any]:
-    """The engine arguments present in a namespace filled by add_engine_flags."""
-    return {k[len(prefix):]: v for k, v in vars(args).items() if k.startswith(prefix)}
-
-
-def parse_bytes(text: str) -> int:
-    """`4GiB`, `512M`, `1e9` or a plain number of bytes."""
-    match = re.fullmatch(r"\s*([0-9.e+]+)\s*([kmgt]?)(i?b?)\s*", text.lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}")
-    number, unit, binary = match.groups()
-    base = 1024 if binary.startswith("i") else 1000
-    try:
-        return int(float(number) * base ** " kmgt".index(unit or " "))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from None

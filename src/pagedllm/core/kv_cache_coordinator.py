@@ -65,7 +65,7 @@ class HybridKVCacheManager(PooledKVCache):
         Returns:
             (each group's hit blocks, null slots included, all of one length; the tokens they hold)."""
         no_hit: GroupBlocks = [[] for _ in self.groups]
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return no_hit, 0
         num_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes

@@ -100,7 +100,7 @@ class KVCacheManager(PooledKVCache):
         Returns:
             (cached blocks in order, number of tokens they hold).
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0  # prompt logprobs need every prompt position computed (as vLLM does)
         max_num_blocks = (request.num_tokens - 1) // self.block_size
         lookup = self.block_pool.cached_block_hash_to_block.get

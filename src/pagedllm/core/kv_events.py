@@ -21,12 +21,12 @@ from token ids will not find them; one that tracks the published values (or the 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
+from pagedllm import envs
 from pagedllm.core.block_hash import BlockHash
 
 ExternalBlockHash = int | bytes
@@ -77,7 +77,7 @@ class KVEventBatch(EventBatch):
 
 def int_block_hashes_from_env() -> bool:
     """vLLM's switch: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 publishes whole digests, anything else 64-bit ints."""
-    return os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0"
+    return envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
 
 
 class KVEventQueue:

@@ -11,6 +11,7 @@ from pagedllm.messages import FinishReason
 
 if TYPE_CHECKING:
     from pagedllm.messages import EngineCoreRequest
+    from pagedllm.pooling_params import PoolingParams
     from pagedllm.sampling_params import SamplingParams
 
 
@@ -63,6 +64,7 @@ class Request:
         block_size: KV block size, for the prefix-cache hashes.
         priority: lower runs first under the priority policy.
         cache_salt: prefix-cache namespace; only requests with the same salt share blocks.
+        pooling_params: set for a pooling request (an embedding).
     """
 
     __slots__ = (
@@ -70,7 +72,8 @@ class Request:
         "cache_salt", "block_size", "output_token_ids", "all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "status", "stop_reason", "block_hashes", "num_preemptions",
         "preempted_at_step", "first_scheduled_time", "first_output_sent", "max_tokens", "_stop_token_ids",
-        "spec_token_ids", "spec_acceptance", "structured_output_request", "num_output_placeholders",
+        "spec_token_ids", "spec_acceptance", "structured_output_request", "pooling_params",
+        "num_output_placeholders",
     )
 
     def __init__(
@@ -83,6 +86,7 @@ class Request:
         block_size: int,
         priority: int = 0,
         cache_salt: str | None = None,
+        pooling_params: PoolingParams | None = None,
     ):
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt.")
@@ -95,6 +99,8 @@ class Request:
         self.arrival_time = arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.pooling_params = pooling_params
+        """A pooling request's parameters (None: it generates): it finishes when its prompt is computed."""
         self.block_size = block_size
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -147,7 +153,14 @@ class Request:
             block_size=block_size,
             priority=req.priority,
             cache_salt=req.cache_salt,
+            pooling_params=req.pooling_params,
         )
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """Every prompt position must be computed: prompt logprobs (as vLLM does), or MEAN / CLS pooling."""
+        return self.sampling_params.prompt_logprobs is not None or (
+            self.pooling_params is not None and self.pooling_params.skip_reading_prefix_cache)
 
     @property
     def num_tokens(self) -> int:

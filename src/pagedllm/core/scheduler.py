@@ -1,19 +1,20 @@
 """Scheduler: vLLM V1 semantics. No prefill or decode phase, a token budget per step.
 
-Each request has num_computed_tokens and num_tokens (prompt + outputs so far); a step decides how
-many tokens each request advances. One step (see DESIGN section 4):
-  1. running requests, in order, get min(needed, budget left); a failed allocation preempts the
-     lowest-priority, latest-arrived running request (recompute) and retries;
+Each request has num_computed_tokens and num_tokens (prompt + outputs so far); a step decides how many tokens each
+request advances. One step (see DESIGN section 4):
+  1. running requests, in order, get min(needed, budget left); a failed allocation preempts the lowest-priority,
+     latest-arrived running request (recompute) and retries;
   2. only if nothing was preempted, waiting requests in policy order, after a prefix-cache lookup;
-  3. update_from_output appends sampled tokens, checks stops, frees finished requests and registers
-     newly full blocks in the prefix cache.
-Besides the token budget, prefill chunks share an attention budget (max_prefill_attention_pairs): a chunk
-of T tokens ending at context L attends T x L (query, key) pairs, so deep into a long prompt its chunks get
-shorter and no step runs for long (decodes keep flowing).
-num_computed_tokens advances when a step is scheduled (as in vLLM), so the next schedule() may run
-before the previous step's update and still see the right positions: with pipeline parallelism up to pp steps are
-in flight (engine/core.py). A request in flight is scheduled again only for its next prefill chunk; a decode waits
-for its sampled token. Outputs of a request aborted or preempted after its step was scheduled are dropped.
+  3. update_from_output appends sampled tokens, checks stops, frees finished requests and registers newly full
+     blocks in the prefix cache.
+Besides the token budget, prefill chunks share an attention budget (max_prefill_attention_pairs): a chunk of T tokens
+ending at context L attends T x L (query, key) pairs, so deep into a long prompt its chunks get shorter and no step
+runs for long (decodes keep flowing).
+num_computed_tokens advances when a step is scheduled (as in vLLM), so the next schedule() may run before the
+previous step's update and still see the right positions: with pipeline parallelism up to pp steps are in flight
+(engine/core.py). A request in flight is scheduled again only for its next prefill chunk; a decode waits for its
+token (not with --async-scheduling: core/async_scheduler.py). Outputs of a request aborted or preempted after its
+step was scheduled are dropped.
 """
 
 from __future__ import annotations
@@ -159,11 +160,7 @@ class Scheduler:
     # ---- one step ----
 
     def schedule(self) -> SchedulerOutput:
-        """Decide this step's batch. See the module docstring for the order.
-
-        Returns:
-            The SchedulerOutput for the model runner; num_computed_tokens already counts this step.
-        """
+        """This step's SchedulerOutput (order: the module docstring); num_computed_tokens already counts it."""
         step = StepBuilder(token_budget=self.max_num_batched_tokens, attention_pairs=self.max_prefill_attention_pairs)
         spec = self.speculative_config
         step.use_spec = spec is not None and (spec.disable_by_batch_size is None
@@ -252,10 +249,7 @@ class Scheduler:
         return False
 
     def _select_victim(self) -> int:
-        """Index in self.running of the lowest-priority, latest-arrived request (fcfs: latest-arrived).
-
-        Ties go to the later position in the running list.
-        """
+        """Index in self.running of the lowest-priority, latest-arrived request (ties: the later position)."""
         priority = self.scheduler_config.scheduling_policy == "priority"
         key = (lambda r: (r.priority, r.arrival_time)) if priority else (lambda r: r.arrival_time)
         best, best_key = 0, key(self.running[0])
@@ -325,6 +319,7 @@ class Scheduler:
                 eos_token_id=r.eos_token_id,
                 block_ids=get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
+                pooling_params=r.pooling_params,
             )
             for r in step.new_reqs
         ]
@@ -376,6 +371,7 @@ class Scheduler:
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         self.routed_tokens.add(model_runner_output.expert_routed_tokens)
         proposals = model_runner_output.spec_token_ids
+        pooler_output = model_runner_output.pooler_output
         outputs = []
         any_finished = False
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -414,6 +410,9 @@ class Scheduler:
             else:
                 new_token_ids = append_and_check_stop(request, new_token_ids, max_model_len)
                 finished = request.status is not running_status
+            pooled = pooler_output.get(req_id) if pooler_output else None
+            if pooled is not None:  # a pooling request's prompt is computed: it ends with its vector
+                request.status, finished = RequestStatus.FINISHED_STOPPED, True
             if proposals is not None and index is not None:
                 # The next step's drafts. Under a grammar they are cut at the first token it refuses after the
                 # tokens just accepted (vLLM's update_draft_token_ids): the cut ones are never verified nor counted.
@@ -440,6 +439,7 @@ class Scheduler:
                 new_prompt_logprobs=new_prompt_logprobs,
                 num_cached_tokens=request.num_cached_tokens,
                 first_scheduled_time=None if request.first_output_sent else request.first_scheduled_time,
+                pooled=pooled,
             ))
             request.first_output_sent = True
             if finished:

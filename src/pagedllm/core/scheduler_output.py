@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.pooling_params import PoolingParams  # at run time: as SamplingParams
 from pagedllm.sampling_params import SamplingParams  # at run time: msgspec decodes it (the mp executor's broadcast)
 
 
@@ -27,6 +28,8 @@ class NewRequestData:
     eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None
+    """A pooling request: the runner pools its prompt's hidden states instead of sampling."""
 
 
 @dataclass

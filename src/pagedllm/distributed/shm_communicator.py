@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pagedllm import envs
 from pagedllm.kernels import shm_all_reduce
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class ShmAllReduce:
 
 def _unavailable() -> str | None:
     """Why this rank cannot use the shared-memory all-reduce, or None."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    if not envs.PAGEDLLM_CPU_SHM_ALLREDUCE:
         return f"{ENV_SWITCH}=0"
     if not SHM_DIR.is_dir():
         return f"no {SHM_DIR}"

@@ -35,10 +35,13 @@ from pagedllm.engine.dp_router import DPRouter
 from pagedllm.engine.input_processor import InputProcessor, InvalidRequestError
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
+from pagedllm.engine.utility_calls import UtilityCalls
 from pagedllm.messages import EngineCoreRequest, FromEngine, Outputs, Ready, Rejected, SchedulerStats, UtilityResult
 from pagedllm.metrics.loggers import IterationStats, LoggingStatLogger, RequestStatsTracker
 from pagedllm.metrics.prometheus import PrometheusStatLogger
+from pagedllm.metrics.tracing import RequestTrace, RequestTracer, current_request_trace
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -52,7 +55,7 @@ class RequestAbortedError(RuntimeError):
     """The server aborted the request (e.g. the drain timeout passed at shutdown)."""
 
 
-class AsyncLLM:
+class AsyncLLM(UtilityCalls):
     def __init__(self, clients: EngineCoreClient | Sequence[EngineCoreClient], tokenizer, model_name: str,
                  max_num_queued_reqs: int | None = None, log_stats: bool = True,
                  watchdog_timeout_s: float | None = None, max_buffered_outputs: int = 4096):
@@ -69,7 +72,7 @@ class AsyncLLM:
         num_replicas = len(self.clients)
         self.router = DPRouter(num_replicas, ready.block_size, ready.num_blocks,
                                prefix_caching=ready.cache_config_info.get("enable_prefix_caching") != "False")
-        self.input_processor = InputProcessor(ready.limits, getattr(tokenizer, "eos_token_id", None))
+        self.input_processor = InputProcessor(ready.limits, getattr(tokenizer, "eos_token_id", None), model_name)
         self.output_processor = OutputProcessor(tokenizer)
         self.stats_tracker = RequestStatsTracker()
         self.prometheus = PrometheusStatLogger(model_name, cache_config_info=ready.cache_config_info,
@@ -84,6 +87,12 @@ class AsyncLLM:
         """Every engine request (child) sent or about to be sent and not finished there -> its request id."""
         self.last_progress_time = [time.monotonic()] * num_replicas
         """Per replica: when it last finished a step (or got work while idle)."""
+        self.tracer: RequestTracer | None = None
+        """--otlp-traces-endpoint: one span per finished engine request (set by the server)."""
+        self._pending_traces: dict[str, tuple[RequestTrace, SamplingParams]] = {}
+        """With a tracer: each engine request not yet sent -> its request's trace and parameters."""
+        self.num_api_servers = 1
+        """How many API servers share the engine cores (--api-server-count; set by the server)."""
         self.on_death: Callable[[str], None] = lambda reason: None
         """Called once, when the first replica dies: the server stops (fail fast)."""
         self._pending_sends: set[asyncio.Future] = set()
@@ -121,7 +130,11 @@ class AsyncLLM:
     # ---- admission and requests ---------------------------------------------------------------------
 
     def estimated_num_waiting(self) -> int:
-        return sum(max(0, self.router.num_unfinished(replica) - stats.num_running_reqs)
+        """With several API servers (--api-server-count), the engine's running requests are not all this server's:
+        its own unfinished ones less them may be below what the engine reports waiting, so the larger counts."""
+        shared = self.num_api_servers > 1
+        return sum(max(0, self.router.num_unfinished(replica) - stats.num_running_reqs,
+                       stats.num_waiting_reqs if shared else 0)
                    for replica, stats in enumerate(self.scheduler_stats))
 
     def check_admission(self, num_seqs: int = 1) -> None:
@@ -150,8 +163,11 @@ class AsyncLLM:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, output_kind: OutputKind = "delta", priority: int = 0,
-                    cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Validate and send one request (n > 1: its first child); returns its output stream.
+                    cache_salt: str | None = None,
+                    pooling_params: PoolingParams | None = None) -> AsyncIterator[RequestOutput]:
+        """Validate and send one request (n > 1: its first child); returns its output stream. With pooling_params
+        (a pooling server), an embedding request: `params` is unused and the stream yields one
+        EmbeddingRequestOutput.
 
         Raises:
             InvalidRequestError: bad prompt or parameters. EngineDeadError: the engine is gone.
@@ -162,13 +178,17 @@ class AsyncLLM:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use.", param="request_id")
         arrival_time = time.time()
         requests = fan_out(self.input_processor, self.output_processor, request_id, prompt_token_ids, params, prompt,
-                           output_kind, arrival_time, priority, cache_salt)
+                           output_kind, arrival_time, priority, cache_salt, pooling_params)
         first = requests[0]  # the prompt exactly as the engine will hash it
         replica = self.router.route([r.request_id for r in requests], first.prompt_token_ids, first.cache_salt)
         if self.router.num_unfinished(replica) == len(requests):  # it was idle: the watchdog counts from now
             self.last_progress_time[replica] = time.monotonic()
         for request in requests:
             self._engine_to_request[request.request_id] = request_id
+        if self.tracer is not None:
+            trace = current_request_trace.get() or RequestTrace()
+            for request in requests:
+                self._pending_traces[request.request_id] = (trace, params)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.queues[request_id] = queue
         self._send_add(requests[0])
@@ -238,6 +258,7 @@ class AsyncLLM:
         """An engine request is over (finished, rejected, aborted, failed to send): drop it from the frontend's
         counts. Returns its replica (None if it was already forgotten)."""
         self._engine_to_request.pop(engine_id, None)
+        self._pending_traces.pop(engine_id, None)
         return self.router.release(engine_id)
 
     # ---- sends that never wait (safe in finally blocks of cancelled tasks) ---------------------------
@@ -246,7 +267,8 @@ class AsyncLLM:
         replica = self.router.replica_of(request.request_id)
         if replica is None:  # aborted before it could be sent
             return
-        self.stats_tracker.add(request.request_id, request.arrival_time, len(request.prompt_token_ids))
+        self.stats_tracker.add(request.request_id, request.arrival_time, len(request.prompt_token_ids),
+                               self._pending_traces.pop(request.request_id, None))
         self._track(self.clients[replica].add_request(request), replica, request.request_id)
 
     def _send_abort(self, replica: int, engine_ids: list[str]) -> None:
@@ -361,6 +383,11 @@ class AsyncLLM:
 
     def _record(self, replica: int, scheduler_stats: SchedulerStats | None, stats: IterationStats | None) -> None:
         self.prometheus.record(scheduler_stats, stats, engine=replica)
+        if self.tracer is not None and stats is not None:
+            for finished in stats.finished_requests:
+                if finished.trace is not None:
+                    trace, params = finished.trace
+                    self.tracer.record(trace, params, finished)
         if self.log_loggers:
             self.log_loggers[replica].record(scheduler_stats, stats)
 
@@ -377,6 +404,8 @@ class AsyncLLM:
         timeout_s = self.watchdog_timeout_s
         while not self.is_dead:
             await asyncio.sleep(min(0.5, timeout_s / 4))
+            if self.sleeping:  # no step runs while the engines sleep (utility_calls.py)
+                continue
             for replica, client in enumerate(self.clients):
                 stalled_s = time.monotonic() - self.last_progress_time[replica]
                 unfinished = self.router.num_unfinished(replica)
@@ -421,3 +450,5 @@ class AsyncLLM:
                 client.request_stop()
         for client in self.clients:
             client.shutdown()
+        if self.tracer is not None:
+            self.tracer.shutdown()  # the spans still queued are exported now

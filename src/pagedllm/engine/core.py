@@ -13,12 +13,14 @@ import time
 from collections import deque
 
 from pagedllm.config import EngineConfig
+from pagedllm.config.pooler import resolve_pooler, runner_type, wrong_runner_message
 from pagedllm.core.async_scheduler import AsyncScheduler
 from pagedllm.core.kv_events import KVEventBatch
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.engine.kv_event_publisher import create_kv_event_publisher
+from pagedllm.engine.sleep_mode import SleepMode
 from pagedllm.executor.abstract import ExecutorDeadError, StepFuture
 from pagedllm.executor.factory import create_executor
 from pagedllm.messages import (
@@ -50,7 +52,7 @@ MASK_IDLE_WAIT_S = 0.05
 before the loop comes back (to take in new requests and aborts)."""
 
 
-class EngineCore:
+class EngineCore(SleepMode):
     """Starts the executor (which loads the model on every rank), sizes the KV pool, and runs steps.
 
     Raises ValueError at construction when the configuration cannot work (e.g. one request of
@@ -102,6 +104,11 @@ class EngineCore:
             raise
         self.structured_output_manager = StructuredOutputManager(
             config.structured_outputs_config, self._load_tokenizer, self.vocab_size)
+        model_dir = str(self.resolved_model.path) if self.resolved_model.kind == "hf" else None
+        self.runner_type = runner_type(mc.runner, mc.convert, model_dir)
+        """generate or pooling (--runner resolved): a request of the other kind is refused."""
+        self.pooler = (resolve_pooler(mc.pooler, model_dir, info.hf_config, info.hidden_size)
+                       if self.runner_type == "pooling" else None)
         pc = config.parallel_config
         logger.info("EngineCore ready in %.1f s: %s, %s executor, tensor-parallel size %d, pipeline-parallel "
                     "size %d", time.perf_counter() - start, self.resolved_model.path, pc.executor_backend,
@@ -124,10 +131,13 @@ class EngineCore:
                            eos_token_id=eos_ids[0] if eos_ids else None, extra_stop_token_ids=eos_ids[1:],
                            generation_defaults=self._generation_defaults(),
                            max_tokens_cap=self._max_tokens_cap(),
+                           max_logprobs=self.config.model_config.max_logprobs,
+                           logprobs_are_logits=self.config.model_config.logprobs_mode.endswith("logits"),
                            grammar_compile_timeout_s=so_config.compile_timeout_s,
                            priority_scheduling=self.config.scheduler_config.scheduling_policy == "priority",
                            json_disable_any_whitespace=so_config.disable_any_whitespace,
-                           json_disable_additional_properties=so_config.disable_additional_properties)
+                           json_disable_additional_properties=so_config.disable_additional_properties,
+                           runner_type=self.runner_type, pooler=self.pooler)
 
     def cache_config_info(self) -> dict[str, str]:
         """The labels of vLLM's `vllm:cache_config_info` gauge (its CacheConfig's names, values as strings): the
@@ -152,6 +162,8 @@ class EngineCore:
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a validated request. Raises QueueFullError when the waiting queue is at its cap."""
+        if (request.pooling_params is not None) != (self.runner_type == "pooling"):
+            raise ValueError(wrong_runner_message(self.runner_type))
         req = Request.from_engine_core_request(request, self.config.cache_config.block_size)
         if request.sampling_params.structured_outputs is not None:
             req.structured_output_request = self.structured_output_manager.add_request(
@@ -163,7 +175,10 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests not finished, or steps still in flight (whose outputs step() must still collect)."""
+        """Requests not finished, or steps still in flight (whose outputs step() must still collect). While asleep
+        (sleep_mode.py), False: the requests that arrive wait for wake_up, and the busy loop idles."""
+        if self.paused:
+            return False
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     # ---- one step --------------------------------------------------------------------------------
@@ -171,6 +186,8 @@ class EngineCore:
         """Schedule, execute and update once. With nothing to run, returns outputs with stats only.
 
         With pipeline parallelism, step_with_batch_queue instead: one call submits a step or applies the oldest."""
+        if self.paused:  # asleep: nothing runs (sleep_mode.py)
+            return EngineCoreOutputs(scheduler_stats=self.make_stats(), timestamp=time.time())
         if self.batch_queue_size > 1:
             return self.step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():

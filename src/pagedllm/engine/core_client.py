@@ -15,6 +15,12 @@ Engine death is noticed at once: a thread waits on the child's pid and calls `on
 
 `start_engine_cores(config, n)` starts the n replicas of data parallelism at once, each with its share of the
 CPU threads; if one fails, the others are stopped.
+
+Several API servers (--api-server-count N, `api_server_manager`): the `pagedllm serve` parent starts the engine
+cores (`spawn_engine_core`, one input and one output address per API server) and each API server `attach`es to
+them: it binds its own pair of sockets, waits for READY on its output socket, tags its requests and utility calls
+with its `client_index`, and watches the engine core, which is not its child, through a pidfd. It never stops
+an engine core; the parent does.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import asyncio
 import itertools
 import logging
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -36,6 +43,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pagedllm import envs
 from pagedllm.messages import (
     MAX_MESSAGE_BYTES,
     AbortRequests,
@@ -63,11 +71,14 @@ class EngineDeadError(RuntimeError):
 class EngineCoreClient:
     """Sends requests, aborts and utility calls; delivers engine messages to `on_message`."""
 
-    def __init__(self, proc: subprocess.Popen, ctx: zmq.asyncio.Context, input_socket: zmq.asyncio.Socket,
-                 output_socket: zmq.asyncio.Socket, socket_dir: str, ready: Ready, engine_index: int | None = None):
+    def __init__(self, proc: subprocess.Popen | ForeignProcess, ctx: zmq.asyncio.Context,
+                 input_socket: zmq.asyncio.Socket, output_socket: zmq.asyncio.Socket, socket_dir: str | None,
+                 ready: Ready, engine_index: int | None = None, client_index: int = 0):
         self.proc = proc
         self.engine_index = engine_index
         """The data-parallel rank (None: the only engine core)."""
+        self.client_index = client_index
+        """This API server's index among --api-server-count (0: the only one)."""
         self.ctx = ctx
         self.input_socket = input_socket
         self.output_socket = output_socket
@@ -93,16 +104,11 @@ class EngineCoreClient:
         socket_dir = tempfile.mkdtemp(prefix="pagedllm-")  # mode 0700, only this user can connect
         ctx = zmq.asyncio.Context()
         proc = None
-        index_args = [] if engine_index is None else ["--engine-index", str(engine_index)]
         try:
             input_socket = _bind(ctx, zmq.PUSH, f"ipc://{socket_dir}/input")
             output_socket = _bind(ctx, zmq.PULL, f"ipc://{socket_dir}/output")
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "pagedllm.engine.core_proc", "--input-addr", f"ipc://{socket_dir}/input",
-                 "--output-addr", f"ipc://{socket_dir}/output", "--log-level", log_level, *index_args],
-                stdin=subprocess.PIPE, close_fds=True, env=env, start_new_session=True)
-            proc.stdin.write(msgspec.json.encode(config) + b"\n")
-            proc.stdin.flush()
+            proc = spawn_engine_core(config, [f"ipc://{socket_dir}/input"], [f"ipc://{socket_dir}/output"],
+                                     engine_index, env, log_level)
             ready = await _wait_ready(proc, output_socket, startup_timeout_s)
         except BaseException:
             if proc is not None:
@@ -115,6 +121,21 @@ class EngineCoreClient:
                     ready.pid, ready.num_blocks, ready.block_size, ready.max_model_len)
         return cls(proc, ctx, input_socket, output_socket, socket_dir, ready, engine_index)
 
+    @classmethod
+    async def attach(cls, pid: int, input_addr: str, output_addr: str, client_index: int,
+                     startup_timeout_s: float, engine_index: int | None = None) -> EngineCoreClient:
+        """Become API server `client_index` of an engine core that the parent started (--api-server-count)."""
+        ctx = zmq.asyncio.Context()
+        proc = ForeignProcess(pid)
+        try:
+            input_socket = _bind(ctx, zmq.PUSH, input_addr)
+            output_socket = _bind(ctx, zmq.PULL, output_addr)
+            ready = await _wait_ready(proc, output_socket, startup_timeout_s)
+        except BaseException:
+            ctx.destroy(linger=0)
+            raise
+        return cls(proc, ctx, input_socket, output_socket, None, ready, engine_index, client_index)
+
     # ---- requests ----------------------------------------------------------------------------------------
 
     @property
@@ -122,20 +143,21 @@ class EngineCoreClient:
         return self.dead_reason is not None
 
     async def add_request(self, request: EngineCoreRequest) -> None:
+        request.client_index = self.client_index
         await self._send(AddRequest(request))
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and not self.is_dead:
             await self._send(AbortRequests(request_ids))
 
-    async def call_utility(self, method: str, timeout_s: float) -> UtilityResult:
-        """Ask the engine core ("stats": its busy loop; "ping": its input thread, see UtilityCall); raises
-        TimeoutError if it does not answer in time, EngineDeadError if dead."""
+    async def call_utility(self, method: str, timeout_s: float | None, *args: int | str) -> UtilityResult:
+        """Ask the engine core ("ping": its input thread; the others, its busy loop: see UtilityCall); raises
+        TimeoutError if it does not answer in time (None: no limit), EngineDeadError if dead."""
         call_id = next(self._call_ids)
         future: asyncio.Future[UtilityResult] = self._loop.create_future()
         self._calls[call_id] = future
         try:
-            await self._send(UtilityCall(call_id, method))
+            await self._send(UtilityCall(call_id, method, list(args), self.client_index))
             return await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
             raise TimeoutError(f"the engine core did not answer within {timeout_s:g} s") from None
@@ -181,7 +203,7 @@ class EngineCoreClient:
     def _watch_process(self) -> None:
         code = self.proc.wait()
         if not self._closing:
-            reason = f"engine core process exited unexpectedly (exit code {code})"
+            reason = f"engine core process exited unexpectedly (exit code {'unknown' if code is None else code})"
             self._loop.call_soon_threadsafe(self._mark_dead, reason)
 
     def mark_dead(self, reason: str) -> None:
@@ -204,16 +226,60 @@ class EngineCoreClient:
         """SIGTERM the engine core now without waiting (data parallelism: every replica stops at once, then
         `shutdown` waits for each)."""
         self._closing = True
-        if self.proc.poll() is None:
+        if self.proc.poll() is None and not isinstance(self.proc, ForeignProcess):
             self.proc.send_signal(signal.SIGTERM)
 
     def shutdown(self) -> None:
         """Stop the engine core (SIGTERM, then SIGKILL), close the sockets, remove the socket directory."""
         self._closing = True
         self._output_task.cancel()
-        _stop_process(self.proc, timeout_s=5.0)
+        if not isinstance(self.proc, ForeignProcess):
+            _stop_process(self.proc, timeout_s=5.0)
         self.ctx.destroy(linger=0)
-        shutil.rmtree(self.socket_dir, ignore_errors=True)
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+class ForeignProcess:
+    """An engine core started by another process (the `pagedllm serve` parent of several API servers), watched
+    through a pidfd: readable once it has exited, even while it waits, a zombie, for its parent. Its exit code is
+    the parent's to read, so `returncode` is None here."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.exited = False
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._pidfd, self.exited = None, True
+        self.returncode = None
+
+    def poll(self) -> int | None:
+        """-1 once it has exited (the code is unknown here), else None."""
+        self.wait(0)
+        return -1 if self.exited else None
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self.exited and select.select([self._pidfd], [], [], timeout)[0]:
+            self.exited = True
+
+
+def spawn_engine_core(config, input_addrs: list[str], output_addrs: list[str], engine_index: int | None = None,
+                      env: dict[str, str] | None = None, log_level: str = "INFO") -> subprocess.Popen:
+    """Start an engine-core process that connects to each pair of addresses (one pair per API server), with the
+    configuration on its stdin, which stays open (EOF: its parent is gone)."""
+    args = [sys.executable, "-m", "pagedllm.engine.core_proc", "--log-level", log_level]
+    for input_addr, output_addr in zip(input_addrs, output_addrs, strict=True):
+        args += ["--input-addr", input_addr, "--output-addr", output_addr]
+    if engine_index is not None:
+        args += ["--engine-index", str(engine_index)]
+    proc = subprocess.Popen(args, stdin=subprocess.PIPE, close_fds=True, env=env, start_new_session=True)
+    try:
+        proc.stdin.write(msgspec.json.encode(config) + b"\n")
+        proc.stdin.flush()
+    except OSError:  # it exited at once: _wait_ready says so
+        pass
+    return proc
 
 
 async def start_engine_cores(config, num: int, startup_timeout_s: float = 600.0) -> list[EngineCoreClient]:
@@ -222,9 +288,7 @@ async def start_engine_cores(config, num: int, startup_timeout_s: float = 600.0)
     (naming the replica) after stopping the others when one cannot start."""
     if num == 1:
         return [await EngineCoreClient.start(config, startup_timeout_s)]
-    available = int(os.environ.get("OMP_NUM_THREADS") or 0) or len(os.sched_getaffinity(0))
-    threads = max(1, available // num)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env, threads = data_parallel_env(num)
     results = await asyncio.gather(*(EngineCoreClient.start(config, startup_timeout_s, engine_index=i, env=env)
                                      for i in range(num)), return_exceptions=True)
     clients = [r for r in results if isinstance(r, EngineCoreClient)]
@@ -241,6 +305,14 @@ async def start_engine_cores(config, num: int, startup_timeout_s: float = 600.0)
     return clients
 
 
+def data_parallel_env(num: int) -> tuple[dict[str, str], int]:
+    """The environment of each of `num` data-parallel engine cores: OMP_NUM_THREADS, its share of this process's
+    CPUs (or of OMP_NUM_THREADS); and that share."""
+    available = envs.OMP_NUM_THREADS or len(os.sched_getaffinity(0))
+    threads = max(1, available // num)
+    return {**os.environ, "OMP_NUM_THREADS": str(threads)}, threads
+
+
 def _bind(ctx: zmq.asyncio.Context, kind: int, addr: str) -> zmq.asyncio.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
@@ -250,7 +322,8 @@ def _bind(ctx: zmq.asyncio.Context, kind: int, addr: str) -> zmq.asyncio.Socket:
     return sock
 
 
-async def _wait_ready(proc: subprocess.Popen, output_socket: zmq.asyncio.Socket, timeout_s: float) -> Ready:
+async def _wait_ready(proc: subprocess.Popen | ForeignProcess, output_socket: zmq.asyncio.Socket,
+                      timeout_s: float) -> Ready:
     deadline = time.monotonic() + timeout_s
     decoder = msgspec.msgpack.Decoder(FromEngine)
     while time.monotonic() < deadline:
@@ -262,7 +335,8 @@ async def _wait_ready(proc: subprocess.Popen, output_socket: zmq.asyncio.Socket,
                 raise EngineStartupError(message.message)
             logger.warning("unexpected %s before READY", type(message).__name__)
         elif proc.poll() is not None:
-            raise EngineStartupError(f"engine core exited with code {proc.returncode} while starting "
+            code = "unknown" if proc.returncode is None else proc.returncode
+            raise EngineStartupError(f"engine core exited with code {code} while starting "
                                      "(see its log above)")
     raise EngineStartupError(f"engine core did not become ready within {timeout_s:.0f} s")
 

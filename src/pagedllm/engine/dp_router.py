@@ -30,10 +30,10 @@ engine/ in the import layers), and it is pure Python so its choices can be teste
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from pagedllm import envs
 from pagedllm.core.block_hash import BlockHash, append_block_hashes
 
 CACHE_THRESHOLD = 0.3
@@ -104,7 +104,7 @@ class DPRouter:
 
     def __init__(self, num_replicas: int, block_size: int, capacity_blocks: int, prefix_caching: bool = True,
                  policy: str | None = None):
-        policy = policy or os.environ.get("PAGEDLLM_DP_ROUTER") or "prefix"
+        policy = policy or envs.PAGEDLLM_DP_ROUTER or "prefix"
         if policy not in POLICIES:
             raise ValueError(f"PAGEDLLM_DP_ROUTER must be one of {', '.join(POLICIES)}, got {policy!r}.")
         self.policy = policy if prefix_caching or policy != "prefix" else "least_loaded"

@@ -10,7 +10,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import msgspec
+
+from pagedllm.config.pooler import wrong_runner_message
 from pagedllm.messages import EngineCoreRequest, ModelLimits
+from pagedllm.pooling_params import PoolerDefaults, PoolingParams
 from pagedllm.sampling_params import SamplingParams, SamplingParamsError
 from pagedllm.structured_output.grammar import StructuredOutputError, check_grammar
 
@@ -37,8 +41,10 @@ class InvalidRequestError(ValueError):
 
 
 class InputProcessor:
-    def __init__(self, limits: ModelLimits, tokenizer_eos_token_id: int | None = None):
+    def __init__(self, limits: ModelLimits, tokenizer_eos_token_id: int | None = None, model_name: str = ""):
         self.limits = limits if tokenizer_eos_token_id is None else with_tokenizer_eos(limits, tokenizer_eos_token_id)
+        self.model_name = model_name
+        """The served model name, for the messages that name the model (vLLM's dimensions checks)."""
 
     def default_sampling_params(self) -> SamplingParams:
         """The model's generation-config defaults, or vLLM's when it has none."""
@@ -58,7 +64,7 @@ class InputProcessor:
             InvalidRequestError: a parameter is out of range (HTTP 400).
         """
         try:
-            params.validate(self.limits.vocab_size)
+            params.validate(self.limits.vocab_size, self.limits.max_logprobs)
         except SamplingParamsError as e:
             raise InvalidRequestError(str(e), param=e.param) from None
         return [_replace(params, n=1, seed=None if params.seed is None else params.seed + index,
@@ -92,7 +98,7 @@ class InputProcessor:
                 f"prompt has {num_prompt} tokens, leaving no room for output.",
                 param="prompt", code="context_length_exceeded")
         try:
-            params.validate(limits.vocab_size)
+            params.validate(limits.vocab_size, limits.max_logprobs)
         except SamplingParamsError as e:
             raise InvalidRequestError(str(e), param=e.param) from None
         if params.structured_outputs is not None:
@@ -128,6 +134,63 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
         )
+
+
+    def process_pooling(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams,
+                        arrival_time: float | None = None, priority: int = 0,
+                        cache_salt: str | None = None) -> EngineCoreRequest:
+        """Validate a pooling request (runner pooling) and fill its parameters from the model's pooling
+        (vLLM's PoolingParams.verify): a prompt may take the whole context, `dimensions` needs a matryoshka model.
+
+        Raises:
+            InvalidRequestError: not a pooling server, or a prompt or parameter out of range (HTTP 400).
+        """
+        limits = self.limits
+        pooler = limits.pooler
+        if not prompt_token_ids:
+            raise InvalidRequestError("The prompt must not be empty.", param="input")
+        if pooler is None:
+            raise InvalidRequestError(wrong_runner_message(limits.runner_type))
+        num_prompt = len(prompt_token_ids)
+        if num_prompt > limits.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limits.max_model_len} tokens. However, you requested "
+                f"{num_prompt} tokens in the input for embedding generation. Please reduce the length of the "
+                "input.", param="input", code="context_length_exceeded")
+        dimensions = params.dimensions if params.dimensions is not None else pooler.dimensions
+        if params.task != "embed":
+            raise InvalidRequestError(f"Pooling task {params.task!r} is not supported; only embed.", param="task")
+        if dimensions is not None:
+            check_dimensions(dimensions, pooler, self.model_name)
+        params = msgspec.structs.replace(
+            params, dimensions=dimensions, pooling_type=pooler.pooling_type,
+            use_activation=pooler.use_activation if params.use_activation is None else params.use_activation,
+            skip_reading_prefix_cache=pooler.pooling_type != "LAST")
+        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < limits.vocab_size)), None)
+        if bad is not None:
+            raise InvalidRequestError(f"Token id {bad} is out of vocabulary (size {limits.vocab_size}).",
+                                      param="input")
+        # the priority's and the salt's checks (one token: a pooling prompt may fill the context, no output follows)
+        request = self.process(request_id, prompt_token_ids[:1], SamplingParams(max_tokens=1, detokenize=False),
+                               arrival_time, priority, cache_salt)
+        request.prompt_token_ids = list(prompt_token_ids)
+        request.pooling_params = params
+        request.eos_token_id = None
+        return request
+
+
+def check_dimensions(dimensions: int, pooler: PoolerDefaults, model_name: str) -> None:
+    """vLLM's checks of `dimensions` (PoolingParams._set_default_parameters), its messages."""
+    size = pooler.embedding_size
+    if not pooler.is_matryoshka:
+        raise InvalidRequestError(f"Model {model_name!r} does not support Matryoshka embeddings; dimensions must be "
+                                  f"unset (received dimensions={dimensions}).", param="dimensions")
+    if not 1 <= dimensions <= size:
+        raise InvalidRequestError(f"Model {model_name!r} only supports dimensions in range [1, {size}], got "
+                                  f"{dimensions}.", param="dimensions")
+    if pooler.matryoshka_dimensions is not None and dimensions not in pooler.matryoshka_dimensions:
+        raise InvalidRequestError(f"Model {model_name!r} only supports Matryoshka dimensions "
+                                  f"{pooler.matryoshka_dimensions}, got {dimensions}.", param="dimensions")
 
 
 def with_tokenizer_eos(limits: ModelLimits, eos_token_id: int) -> ModelLimits:

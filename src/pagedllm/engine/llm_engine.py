@@ -12,6 +12,7 @@ from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import get_tokenizer, tokenizer_source
 
@@ -24,7 +25,9 @@ class LLMEngine:
         self.config = config
         self.engine_core = EngineCore(config)
         self.tokenizer = get_tokenizer(tokenizer_source(config.model_config, self.engine_core.resolved_model))
-        self.input_processor = InputProcessor(self.engine_core.model_limits(), self.tokenizer.eos_token_id)
+        self.input_processor = InputProcessor(self.engine_core.model_limits(), self.tokenizer.eos_token_id,
+                                              (config.model_config.served_model_name or
+                                               [self.engine_core.resolved_model.name])[0])
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def tokenize(self, prompt: str) -> list[int]:
@@ -32,8 +35,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, cache_salt: str | None = None,
-                    output_kind: OutputKind = "cumulative") -> None:
+                    output_kind: OutputKind = "cumulative", pooling_params: PoolingParams | None = None) -> None:
         """Validate, tokenize and queue one request (n > 1: n child requests).
+
+        With pooling_params (runner pooling): an embedding request, `params` unused.
 
         Raises:
             InvalidRequestError: a bad prompt or parameter. QueueFullError: the waiting queue is full.
@@ -42,7 +47,7 @@ class LLMEngine:
         prompt_text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         requests = fan_out(self.input_processor, self.output_processor, request_id, token_ids, params, prompt_text,
-                           output_kind, priority=priority, cache_salt=cache_salt)
+                           output_kind, priority=priority, cache_salt=cache_salt, pooling_params=pooling_params)
         self.engine_core.add_request(requests[0])
 
     def abort_request(self, request_ids: list[str]) -> None:

@@ -19,7 +19,14 @@ from typing import Literal
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, decode_token
 from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsEntry
-from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from pagedllm.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestOutput,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +76,9 @@ class RequestState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    is_pooling: bool = False
+    """A pooling request: its one output is an EmbeddingRequestOutput with `pooled`."""
+    pooled: list[float] | None = None
 
 
 @dataclass
@@ -95,14 +105,16 @@ class OutputProcessor:
                     index: int = 0, output_kind: OutputKind = "cumulative") -> None:
         params = request.sampling_params
         detokenizer = (IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
-                       if params.detokenize and self.tokenizer is not None else None)
+                       if params.detokenize and self.tokenizer is not None and request.pooling_params is None
+                       else None)
         self.request_states[request.request_id] = RequestState(
             request_id=request.request_id, prompt=prompt, prompt_token_ids=request.prompt_token_ids,
             detokenizer=detokenizer, max_logprobs=params.logprobs, parent=parent, index=index,
             output_kind=output_kind, arrival_time=request.arrival_time,
             logprobs=[] if params.logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None,
-            prompt_logprobs=[] if params.prompt_logprobs is not None else None)
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None,
+            is_pooling=request.pooling_params is not None)
 
     def abort_requests(self, req_ids: list[str]) -> list[str]:
         """Forget requests (and a parent's children); returns the engine-side ids to abort."""
@@ -218,6 +230,8 @@ class OutputProcessor:
                 stopped_here = True
             elif stop_str is not None:
                 state.finish_reason, state.stop_reason = "stop", stop_str
+        if out.pooled is not None:
+            state.pooled = out.pooled
         if out.finish_reason is not None and state.finish_reason is None:
             state.finish_reason = str(out.finish_reason)
             state.stop_reason = out.stop_reason
@@ -244,10 +258,17 @@ class OutputProcessor:
                                 cumulative_logprob=state.cumulative_logprob, logprobs=logprobs,
                                 finish_reason=state.finish_reason, stop_reason=state.stop_reason)
 
-    def _make_request_output(self, state: RequestState) -> RequestOutput | None:
+    def _make_request_output(self, state: RequestState) -> RequestOutput | EmbeddingRequestOutput | None:
         finished = state.finish_reason is not None
         if state.output_kind == "final_only" and not finished:
             return None
+        if state.is_pooling:
+            return EmbeddingRequestOutput(request_id=state.request_id, outputs=EmbeddingOutput(state.pooled or []),
+                                          prompt_token_ids=state.prompt_token_ids, finished=True,
+                                          num_cached_tokens=state.num_cached_tokens, prompt=state.prompt,
+                                          error=state.error or (None if state.pooled is not None else
+                                                                f"The request ended without a vector "
+                                                                f"({state.finish_reason})."))
         completion = self._completion_output(state)
         parent = state.parent
         request_id = state.request_id

@@ -8,13 +8,14 @@ from __future__ import annotations
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
 from pagedllm.messages import EngineCoreRequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
 def fan_out(input_processor: InputProcessor, output_processor: OutputProcessor, request_id: str,
             prompt_token_ids: list[int], params: SamplingParams, prompt: str | None, output_kind: OutputKind,
             arrival_time: float | None = None, priority: int = 0,
-            cache_salt: str | None = None) -> list[EngineCoreRequest]:
+            cache_salt: str | None = None, pooling_params: PoolingParams | None = None) -> list[EngineCoreRequest]:
     """Validate a request (n > 1: each of its n children, seeded seed + i) and register it with the output
     processor; all or nothing. Returns the engine requests: send [0] now; with n > 1 the others wait in the
     parent's `pending` until child 0 has computed the prompt (ParentRequest).
@@ -22,6 +23,11 @@ def fan_out(input_processor: InputProcessor, output_processor: OutputProcessor, 
     Raises:
         InvalidRequestError: a bad prompt or parameter (nothing was registered).
     """
+    if pooling_params is not None:  # a pooling request (params unused): one request, one vector
+        request = input_processor.process_pooling(request_id, prompt_token_ids, pooling_params, arrival_time,
+                                                   priority, cache_salt)
+        output_processor.add_request(request, prompt, None, 0, "final_only")
+        return [request]
     if params.n == 1:
         request = input_processor.process(request_id, prompt_token_ids, params, arrival_time, priority, cache_salt)
         output_processor.add_request(request, prompt, None, 0, output_kind)

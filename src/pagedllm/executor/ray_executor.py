@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import signal
 import threading
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from zmq.utils.monitor import recv_monitor_message
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.executor.zmq_executor import POLL_MS, ZmqExecutor, free_port, log_level_name
 from pagedllm.models.loader import resolve_device
@@ -127,7 +127,7 @@ class RayExecutor(ZmqExecutor):
                                f"{ray.cluster_resources().get('CPU', 0):g} CPUs free (`ray status` shows its "
                                "nodes).")
         options: dict[str, Any] = {"num_cpus": 1, "max_restarts": 0}
-        env_vars = {k: v for k, v in os.environ.items() if k.startswith("PAGEDLLM_")}
+        env_vars = envs.with_prefix("PAGEDLLM_")
         if env_vars:  # this process's pagedllm settings (kernels, cache dir) hold on every node
             options["runtime_env"] = {"env_vars": env_vars}
         actor_class = ray.remote(RayWorker)
@@ -146,7 +146,7 @@ class RayExecutor(ZmqExecutor):
         """ray.init(address): None means RAY_ADDRESS, else the cluster `ray start` started on this machine, else a
         new local one (ray.init's rules, as vLLM). Ray installs a SIGTERM handler in a driver; the engine's own
         (engine/core_proc.py) is put back."""
-        where = address or os.environ.get("RAY_ADDRESS") or "this machine (or a new local one)"
+        where = address or envs.RAY_ADDRESS or "this machine (or a new local one)"
         logger.info("joining the Ray cluster at %s", where)
         sigterm = signal.getsignal(signal.SIGTERM)
         try:

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 RPC_METHODS = frozenset({"determine_num_blocks", "initialize_kv_cache", "kv_cache_spec",
                          "calculate_kv_scales", "wait_kv_cache_resident", "check_health",
-                         "get_step_spans"})
+                         "get_step_spans", "sleep", "wake_up"})
 """The Worker methods an RpcCall may name."""
 
 

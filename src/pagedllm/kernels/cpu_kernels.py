@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from pagedllm import envs
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name)
@@ -48,8 +50,7 @@ def _cache_dir() -> Path | None:
     """The folder of built libraries, `$PAGEDLLM_CACHE_DIR/kernels` (default ~/.cache/pagedllm/kernels); None when
     it cannot be trusted: not owned by this user, or writable by others (anyone who can write there could plant
     a library that this process would load and run)."""
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm")
+    root = envs.PAGEDLLM_CACHE_DIR or os.path.join(envs.XDG_CACHE_HOME or os.path.expanduser("~/.cache"), "pagedllm")
     path = Path(root) / "kernels"
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -148,9 +149,9 @@ def _library_name() -> str:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("PAGEDLLM_NATIVE_KERNELS", "1") == "0":
+    if not envs.PAGEDLLM_NATIVE_KERNELS:
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    compiler = shutil.which(envs.CC)
     if compiler is None:
         logger.info("no C compiler found: native CPU kernels off, torch paths used")
         return None

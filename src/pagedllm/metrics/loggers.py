@@ -28,6 +28,12 @@ class FinishedRequestStats:
     queue_time: float
     prefill_time: float
     decode_time: float
+    is_pooling: bool = False
+    """A pooling request (an embedding): prompt tokens, e2e, queue and prefill times only."""
+    time_to_first_token: float | None = None
+    """None: it finished before its first token."""
+    trace: object = None
+    """What the tracer (--otlp-traces-endpoint) was given with the request, for its span; None untraced."""
 
 
 @dataclass
@@ -35,7 +41,7 @@ class IterationStats:
     """What one engine step produced, as seen by the frontend."""
 
     num_prompt_tokens: int = 0
-    """Prompt tokens of requests that produced their first token this step."""
+    """Prompt tokens of requests that produced their first token (or, an embedding, their vector) this step."""
     num_generation_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
@@ -50,6 +56,8 @@ class _RequestTimes:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_generation_tokens: int = 0
+    is_pooling: bool = False
+    trace: object = None
 
 
 class RequestStatsTracker:
@@ -58,8 +66,8 @@ class RequestStatsTracker:
     def __init__(self) -> None:
         self._requests: dict[str, _RequestTimes] = {}
 
-    def add(self, request_id: str, arrival_time: float, num_prompt_tokens: int) -> None:
-        self._requests[request_id] = _RequestTimes(arrival_time, num_prompt_tokens)
+    def add(self, request_id: str, arrival_time: float, num_prompt_tokens: int, trace: object = None) -> None:
+        self._requests[request_id] = _RequestTimes(arrival_time, num_prompt_tokens, trace=trace)
 
     def finish(self, request_id: str, finish_reason: str, stats: IterationStats | None = None,
                now: float | None = None) -> None:
@@ -88,6 +96,11 @@ class RequestStatsTracker:
                 times.last_token_time = now
                 times.num_generation_tokens += num_new
                 stats.num_generation_tokens += num_new
+            if output.pooled is not None:  # an embedding: its prompt is computed, its vector out (no token)
+                times.is_pooling = True
+                stats.num_prompt_tokens += times.num_prompt_tokens
+                stats.time_to_first_tokens.append(now - times.arrival_time)  # vLLM's: the time to the vector
+                times.first_token_time = now  # the prefill ends here
             if output.finish_reason is not None:
                 self.finish(output.request_id, str(output.finish_reason), stats, now)
         return stats
@@ -100,7 +113,9 @@ def _finished(times: _RequestTimes, finish_reason: str, now: float) -> FinishedR
         finish_reason=finish_reason, e2e_latency=now - times.arrival_time,
         num_prompt_tokens=times.num_prompt_tokens, num_generation_tokens=times.num_generation_tokens,
         queue_time=max(0.0, scheduled - times.arrival_time), prefill_time=max(0.0, first_token - scheduled),
-        decode_time=max(0.0, (times.last_token_time or first_token) - first_token))
+        decode_time=max(0.0, (times.last_token_time or first_token) - first_token),
+        time_to_first_token=None if times.first_token_time is None else times.first_token_time - times.arrival_time,
+        trace=times.trace, is_pooling=times.is_pooling)
 
 
 class LoggingStatLogger:

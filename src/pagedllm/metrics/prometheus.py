@@ -1,6 +1,14 @@
 """Prometheus metrics with vLLM's names and a `model_name` label, on a private CollectorRegistry.
 
 Dashboards and autoscalers written for `vllm serve` read these unchanged.
+
+Several API servers (--api-server-count N) share the engine cores and the port, so a scrape reaches any one of
+them: as vLLM, they run in prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by the parent for
+every API server before it imports prometheus_client), each writing its values to files there, and /metrics
+renders them all. Counters and histograms are summed over the API servers: each counts its own requests, and the
+engine core sends its step counters (prefix cache, preemptions, speculative decoding) to API server 0 alone. The
+engine gauges take the most recent value written (`multiprocess_mode="mostrecent"`): every API server receives
+them every step.
 """
 
 from __future__ import annotations
@@ -9,6 +17,7 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pagedllm import envs
 from pagedllm.messages import SchedulerStats, SpecDecodingStats
 from pagedllm.metrics.loggers import IterationStats
 
@@ -37,7 +46,7 @@ class PrometheusStatLogger:
         self.registry = registry or CollectorRegistry()
         if cache_config_info:  # vLLM's info gauge: constant 1, the cache configuration in its labels
             Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", sorted(cache_config_info),
-                  registry=self.registry).labels(**cache_config_info).set(1)
+                  registry=self.registry, multiprocess_mode="mostrecent").labels(**cache_config_info).set(1)
         self.model_name = model_name
         self.admission_rejections = Counter("vllm:admission_rejections",
                                             "Requests rejected because the waiting queue was full.",
@@ -45,8 +54,21 @@ class PrometheusStatLogger:
         self.label_names = ["model_name", "engine"] if num_engines > 1 else ["model_name"]
         self.families = _Families(self.registry, self.label_names)
         self.engines = [_EngineSeries(self.families, self._labels(i)) for i in range(num_engines)]
+        self.engine_sleep_state = Gauge(
+            "vllm:engine_sleep_state", "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine "
+            "is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+            [*self.label_names, "sleep_state"], registry=self.registry)
+        self.record_sleep_state()
         self.spec_decode: _SpecDecodeCounters | None = None  # made on the first step that reports speculation
         self.routed_tokens: Counter | None = None  # made on the first step that reports experts (a MoE model)
+
+    def record_sleep_state(self, sleeping: bool = False, level: int = 0) -> None:
+        """vLLM's vllm:engine_sleep_state, for every engine (sleep mode: engine/sleep_mode.py)."""
+        values = {"awake": int(not sleeping), "weights_offloaded": int(sleeping and level == 1),
+                  "discard_all": int(sleeping and level == 2)}
+        for engine in range(len(self.engines)):
+            for state, value in values.items():
+                self.engine_sleep_state.labels(**self._labels(engine), sleep_state=state).set(value)
 
     def _labels(self, engine: int) -> dict[str, str]:
         return {"model_name": self.model_name, "engine": str(engine)} if "engine" in self.label_names else {
@@ -100,9 +122,10 @@ class PrometheusStatLogger:
             series.e2e_request_latency.observe(finished.e2e_latency)
             series.request_queue_time.observe(finished.queue_time)
             series.request_prefill_time.observe(finished.prefill_time)
-            series.request_decode_time.observe(finished.decode_time)
             series.request_prompt_tokens.observe(finished.num_prompt_tokens)
-            series.request_generation_tokens.observe(finished.num_generation_tokens)
+            if not finished.is_pooling:  # an embedding generates nothing: no decode time, no generation tokens
+                series.request_decode_time.observe(finished.decode_time)
+                series.request_generation_tokens.observe(finished.num_generation_tokens)
 
     def remove_engine(self, engine: int) -> None:
         """The engine died: remove its gauges (requests running and waiting, KV-cache usage and blocks), which would
@@ -111,14 +134,31 @@ class PrometheusStatLogger:
         values = list(self._labels(engine).values())
         for family in vars(self.families).values():
             if isinstance(family, Gauge):
+                if _multiprocess_dir():  # removing is not implemented there: nothing runs on a dead engine
+                    family.labels(*values).set(0)
+                    continue
                 with contextlib.suppress(KeyError):
                     family.remove(*values)
+        for state in ("awake", "weights_offloaded", "discard_all"):
+            with contextlib.suppress(KeyError):
+                self.engine_sleep_state.remove(*values, state)
 
     def record_admission_rejection(self) -> None:
         self.admission_rejections.inc()
 
     def render(self) -> bytes:
+        if _multiprocess_dir():
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)
+
+
+def _multiprocess_dir() -> str | None:
+    """prometheus_client's multiprocess directory (several API servers), None in a single process."""
+    return envs.PROMETHEUS_MULTIPROC_DIR
 
 
 class _Families:
@@ -126,7 +166,7 @@ class _Families:
 
     def __init__(self, registry: CollectorRegistry, names: list[str]):
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, names, registry=registry)
+            return Gauge(name, doc, names, registry=registry, multiprocess_mode="mostrecent")
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, names, registry=registry)

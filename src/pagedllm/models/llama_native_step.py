@@ -29,10 +29,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 
 import torch
 
+from pagedllm import envs
 from pagedllm.kernels import cpu_kernels, quant_q8act
 from pagedllm.layers.attention import step_plan
 from pagedllm.layers.forward_context import get_forward_context
@@ -120,7 +120,7 @@ class LlamaNativeDecodeStep:
     @classmethod
     def build(cls, model: torch.nn.Module) -> LlamaNativeDecodeStep | None:
         """The native step for `model`, or None where it does not apply (the module docstring says when)."""
-        if os.environ.get(SWITCH_ENV, "1") == "0" or not isinstance(model, LlamaForCausalLM):
+        if not envs.PAGEDLLM_NATIVE_STEP or not isinstance(model, LlamaForCausalLM):
             return None
         norm = model.model.norm
         if not _f32(norm.weight) or not cpu_kernels.available(norm.weight.dtype, norm.weight.device):

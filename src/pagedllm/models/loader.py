@@ -55,9 +55,15 @@ def resolve_model(model: str | ModelConfig | None, revision: str | None = None,
                   download_dir: str | None = None) -> ResolvedModel:
     """Turn a --model argument (or a ModelConfig's --model, --revision and --download-dir) into a local HF folder or
     GGUF file; ModelLoadError if neither."""
+    load_format = "auto"
     if isinstance(model, ModelConfig):
-        model, revision, download_dir = model.model, model.revision, model.download_dir
-    return _resolve_model(model, _EMBEDDED_PACKAGE, revision, download_dir)
+        model, revision, download_dir, load_format = (model.model, model.revision, model.download_dir,
+                                                      model.load_format)
+    resolved = _resolve_model(model, _EMBEDDED_PACKAGE, revision, download_dir)
+    found = "safetensors" if resolved.kind == "hf" else "gguf"
+    if load_format != "auto" and load_format != found:
+        raise ModelLoadError(f"--load-format {load_format}: {resolved.path} is a {found} model, not {load_format}.")
+    return resolved
 
 
 def resolve_device(device: str) -> torch.device:

@@ -99,7 +99,7 @@ class StructuredOutputManager:
             size = SMALL_GRAMMAR_BYTES + 1  # grammar_of refuses it, in the worker
         worker = self._small_worker if size <= SMALL_GRAMMAR_BYTES else self._big_worker
         return StructuredOutputRequest(worker.submit(self._compile_params, params), self._mask_worker,
-                                       self._compute_mask, self._track_mask)
+                                       self._compute_mask, self._track_mask, params.reasoning_end_token_ids)
 
     def _compile_params(self, params: StructuredOutputsParams):
         """In a worker: the grammar of `params` (raises StructuredOutputError past the bounds), then _compile."""
@@ -194,7 +194,8 @@ class StructuredOutputManager:
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
             so_request = request.structured_output_request if request is not None else None
-            if so_request is None or request.num_computed_tokens < len(request.all_token_ids):
+            if (so_request is None or so_request.in_reasoning
+                    or request.num_computed_tokens < len(request.all_token_ids)):
                 continue
             drafts = spec_tokens.get(req_id, ()) if spec_tokens else ()
             rows[req_id] = num_rows

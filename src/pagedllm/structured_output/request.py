@@ -6,7 +6,12 @@ The scheduler sees only `is_ready()`, `is_mask_ready()`, `accept_tokens()`, `val
 has compiled), the request's mask for its next step is computed on the manager's mask thread (llguidance drops the
 GIL while it computes a mask). The scheduler leaves a request whose mask is not ready out of a step that would
 sample for it (it keeps its place and its KV blocks, and joins the next step), so a grammar with costly masks
-delays only its own request. The matcher is touched by one thread at a time: the mask job runs between a step's
+delays only its own request. A request that begins inside the model's reasoning (`reasoning_end_token_ids`, set by the
+server's --reasoning-parser) is not constrained until it has sampled one of those tokens, as vLLM's
+`reasoner.is_reasoning_end`: no mask, no matcher advance, and its drafts are cut before an end token (so the end
+token is the last of its step and the token after it is sampled under the grammar).
+
+The matcher is touched by one thread at a time: the mask job runs between a step's
 update and the next step that samples for the request, and the busy loop's calls wait for a job still running.
 """
 
@@ -36,13 +41,16 @@ class StructuredOutputRequest:
         on_mask_submitted: called with each mask job's future (the manager keeps the pending ones).
     """
 
-    __slots__ = ("future", "matcher", "failed", "_mask_pool", "_compute_mask", "_on_mask_submitted", "_lock",
-                 "_mask", "_mask_drafts", "_mask_started")
+    __slots__ = ("future", "matcher", "failed", "reasoning_end_token_ids", "_mask_pool", "_compute_mask",
+                 "_on_mask_submitted", "_lock", "_mask", "_mask_drafts", "_mask_started")
 
     def __init__(self, future: Future, mask_pool: Executor | BigStackExecutor | None = None,
                  compute_mask: Callable[[object, Sequence[int]], np.ndarray] | None = None,
-                 on_mask_submitted: Callable[[Future], None] | None = None):
+                 on_mask_submitted: Callable[[Future], None] | None = None,
+                 reasoning_end_token_ids: Sequence[int] | None = None):
         self.future = future
+        self.reasoning_end_token_ids = frozenset(reasoning_end_token_ids) if reasoning_end_token_ids else None
+        """While set, the request is inside its reasoning and unconstrained; cleared by the first of these tokens."""
         self.matcher = None
         self.failed = False
         """The compile raised (the frontend validates first, so this is a backend failure): only EOS is allowed."""
@@ -77,6 +85,12 @@ class StructuredOutputRequest:
         """Advance the matcher over sampled tokens. A token the grammar refuses (only EOS at a dead end, or
         after min_tokens masked EOS) puts it in its error state, whose mask allows only EOS. The mask computed
         ahead is for the state before: gone (prepare_mask starts the next one)."""
+        if self.reasoning_end_token_ids is not None:
+            ends = [i for i, token_id in enumerate(token_ids) if token_id in self.reasoning_end_token_ids]
+            if not ends:
+                return
+            self.reasoning_end_token_ids = None  # the grammar starts after the end token
+            token_ids = token_ids[ends[0] + 1:]
         self._wait_mask()
         with self._lock:
             self._mask = None
@@ -88,6 +102,9 @@ class StructuredOutputRequest:
         so far; the matcher does not move. Drafts are cut there before they are scheduled, as vLLM's scheduler cuts
         them: a draft the grammar refuses would be rejected by the verify step anyway. A failed compile, or a
         grammar that has stopped (only EOS may follow), allows no drafts."""
+        if self.reasoning_end_token_ids is not None:
+            ends = [i for i, token_id in enumerate(token_ids) if token_id in self.reasoning_end_token_ids]
+            return token_ids[:ends[0]] if ends else token_ids
         self._wait_mask()
         if self.matcher is None or not token_ids or self.matcher.is_stopped():
             return []
@@ -95,18 +112,23 @@ class StructuredOutputRequest:
 
     # ---- the next step's mask, ahead of the step ----
 
+    @property
+    def in_reasoning(self) -> bool:
+        """Inside the model's reasoning: the step samples without this request's mask."""
+        return self.reasoning_end_token_ids is not None
+
     def prepare_mask(self, drafts: Sequence[int]) -> None:
         """Start computing the mask for the request's next step (after accept_tokens, with the drafts it may
         verify then: validated, so the step verifies a prefix of them)."""
-        if self._mask_pool is None or self.matcher is None:
+        if self._mask_pool is None or self.matcher is None or self.reasoning_end_token_ids is not None:
             return
         with self._lock:
             self._submit(list(drafts))
 
     def is_mask_ready(self) -> bool:
         """Whether the next step may sample for the request without waiting for its mask."""
-        if self._mask_pool is None or self.matcher is None:
-            return True  # masks computed by the step; a failed compile's mask (EOS) costs nothing
+        if self._mask_pool is None or self.matcher is None or self.reasoning_end_token_ids is not None:
+            return True  # masks computed by the step (none in the reasoning); a failed compile's (EOS) costs nothing
         with self._lock:
             if self._mask is None:  # compiled a moment ago: its callback has not run yet
                 self._submit([])

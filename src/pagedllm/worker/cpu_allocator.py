@@ -72,6 +72,18 @@ def keep_freed_memory() -> bool:
     return ok
 
 
+def release_freed_memory() -> bool:
+    """Give the heap's free pages back to the OS now (glibc malloc_trim; keep_freed_memory keeps them otherwise):
+    after the weights are dropped (sleep mode). Returns False where it does not apply."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def zeroed_pool(nbytes: int) -> np.ndarray:
     """A zero-filled uint8 array of nbytes in its own anonymous mapping (the array keeps the mapping alive)."""
     region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -29,6 +29,7 @@ from pagedllm.spec_decode.suffix_proposer import SuffixProposer
 from pagedllm.structured_output.manager import GrammarOutput
 from pagedllm.worker.cpu_allocator import PoolPrefault, keep_freed_memory, zeroed_pool
 from pagedllm.worker.input_batch import InputBatch, RequestState
+from pagedllm.worker.pooling import Pooler
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +62,13 @@ class ModelRunner:
         num_groups = self.kv_cache_layout.num_groups
         self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, max_model_len, self.block_size,
                                       num_groups)
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.model_config.logprobs_mode)
         self.kv_caches: list[torch.Tensor] = []
         self.kv_prefault: PoolPrefault | None = None
         # Generators of seeded requests survive preemption: sampling resumes where it stopped.
         self.generators: dict[str, torch.Generator] = {}
+        self.pooler = Pooler()
+        """Pooling requests (runner pooling): their rows are pooled into a vector instead of sampled."""
         self.grammar: GrammarOutput | None = None
         """This step's token bitmask (structured outputs), set by execute_model."""
         # One native call runs every layer: no room for the all-reduces of tensor parallelism, nor for a stage.
@@ -131,9 +134,15 @@ class ModelRunner:
         if hidden_states is None:  # a pipeline stage before the last: the tokens come in the next step's diffs
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
 
-        # A request samples when this step's tokens reach the end of the tokens it has.
+        # A request samples when this step's tokens reach the end of the tokens it has (a pooling request pools).
         seq_lens = batch.num_computed_tokens[rows] + num_sched
         sampling = np.flatnonzero(seq_lens >= batch.num_tokens[rows])  # indices into req_ids
+        pooled: dict[str, list[float]] = {}
+        if self.pooler.requests:
+            sampling = np.array([i for i in sampling.tolist() if not self.pooler.is_pooling(req_ids[i])],
+                                dtype=np.int64)
+            pooled = self.pooler.collect(req_ids, batch.num_computed_tokens[rows], num_sched,
+                                         attn_metadata.query_start_loc_cpu, hidden_states)
         sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
         logprobs: dict[str, list[LogprobsEntry]] = {}
         if len(sampling) and num_drafts is not None:
@@ -155,7 +164,7 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs,
                                  spec_token_ids=self._propose(rows, sampling) if self.proposer else None,
-                                 expert_routed_tokens=routed)
+                                 expert_routed_tokens=routed, pooler_output=pooled)
 
     # ---- speculative decoding -------------------------------------------------------------------------
     def _write_drafts(self, spec: dict[str, list[int]], req_ids: list[str]) -> np.ndarray:
@@ -255,8 +264,10 @@ class ModelRunner:
                 self.proposer.request_finished(batch.output_token_ids(row))
             batch.remove(req_id)
             self.generators.pop(req_id, None)
+            self.pooler.drop(req_id)
         for req_id in so.preempted_req_ids:
             batch.remove(req_id)
+            self.pooler.drop(req_id)
         for new in so.scheduled_new_reqs:
             batch.remove(new.req_id)  # a resumed request replaces any stale row
             params = new.sampling_params
@@ -267,6 +278,8 @@ class ModelRunner:
                 self.generators[new.req_id] = generator
             state = RequestState(new.req_id, params, new.eos_token_id, len(new.prompt_token_ids), generator)
             batch.add(state, new.prompt_token_ids + new.output_token_ids, new.block_ids, new.num_computed_tokens)
+            if new.pooling_params is not None:
+                self.pooler.add(new.req_id, new.pooling_params, len(new.prompt_token_ids))
         cached = so.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                    cached.num_computed_tokens, strict=True):

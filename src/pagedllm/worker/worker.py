@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import time
 from collections import deque
@@ -32,6 +33,7 @@ from pagedllm.models.model_info import ModelInfo
 from pagedllm.spec_decode.draft_model_proposer import DraftModelProposer
 from pagedllm.structured_output.manager import GrammarOutput
 from pagedllm.tokenizer import get_tokenizer, tokenizer_source
+from pagedllm.worker.cpu_allocator import release_freed_memory
 from pagedllm.worker.kv_scales import CALIBRATION_TEXT, calculate_kv_scales
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -60,6 +62,12 @@ class Worker:
         self.model_runner: ModelRunner | None = None
         self.draft_model: torch.nn.Module | None = None
         self.draft_scratch_bytes = 0
+        self.num_blocks = 0
+        """The KV pool's size in blocks (set by initialize_kv_cache; wake_up allocates the same again)."""
+        self.kv_cache_asleep = False
+        """Sleep mode: the pool is dropped and not yet woken (engine/sleep_mode.py)."""
+        self.heap_was_frozen = False
+        """Sleep mode: the heap was frozen (gc_heap.py) before sleep unfroze it; wake_up freezes it again."""
         self.step_spans: deque[tuple[float, float]] = deque(maxlen=STEP_SPANS_KEPT)
         """Bytes of the draft model's scratch KV cache (draft_model method), taken from the KV budget."""
 
@@ -155,7 +163,48 @@ class Worker:
         return cc.kv_cache_memory if cc.kv_cache_memory is not None else DEFAULT_CPU_KV_CACHE_BYTES
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
         self.model_runner.initialize_kv_cache(num_blocks)
+
+    # ---- sleep mode (engine/sleep_mode.py) ------------------------------------------------------
+    def sleep(self, level: int) -> None:
+        """Drop the weights and the KV pool (the runner that holds both) and give the memory back to the OS; the
+        process, its device and its tensor-parallel group stay. Levels 1 and 2 do the same here (see
+        engine/sleep_mode.py)."""
+        runner, self.model_runner, self.draft_model = self.model_runner, None, None
+        if runner is not None:
+            if runner.kv_prefault is not None:
+                runner.kv_prefault.stop()
+            runner.kv_caches.clear()
+            del runner
+        self.kv_cache_asleep = True
+        # A server froze its start-up heap, the model with it (gc_heap.py): a cycle in it is only collected unfrozen
+        self.heap_was_frozen = gc.get_freeze_count() > 0
+        gc.unfreeze()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        release_freed_memory()
+
+    def wake_up(self, *tags: str) -> None:
+        """"weights": load this rank's weights again (a new runner); "kv_cache": allocate the pool again, with the
+        same number of blocks (now, or once the weights are back); no tags: both."""
+        tags = tags or ("weights", "kv_cache")
+        reloaded = False
+        if "weights" in tags and self.model_runner is None:
+            self.load_model()
+            reloaded = True
+        if "kv_cache" in tags:
+            self.kv_cache_asleep = False
+        runner = self.model_runner
+        if runner is not None and not self.kv_cache_asleep and not runner.kv_caches:
+            runner.initialize_kv_cache(self.num_blocks)
+            reloaded = True
+        if reloaded and runner is not None and runner.kv_caches and self.config.cache_config.kv_scales_calculated:
+            self.calculate_kv_scales()
+        if reloaded and self.heap_was_frozen:  # out of the collector's reach again, as at start-up (gc_heap.py)
+            gc.collect()
+            gc.freeze()
 
     def calculate_kv_scales(self) -> None:
         """--calculate-kv-scales: every attention layer's k_scale and v_scale from the fixed calibration text (with

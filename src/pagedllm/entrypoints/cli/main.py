@@ -10,6 +10,8 @@ import sys
 SUBCOMMANDS = {
     "serve": "pagedllm.entrypoints.cli.serve",
     "bench": "pagedllm.entrypoints.cli.bench",
+    "chat": "pagedllm.entrypoints.cli.chat",
+    "complete": "pagedllm.entrypoints.cli.complete",
 }
 
 
@@ -22,7 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, module_name in SUBCOMMANDS.items():
         if name == chosen:
             module = importlib.import_module(module_name)
-            module.add_parser(subparsers)
+            subparser = module.add_parser(subparsers)
+            if hasattr(module, "preprocess_argv"):  # serve: --config FILE, --flag_names_with_underscores
+                argv = module.preprocess_argv(argv, subparser)
         else:
             subparsers.add_parser(name, help=f"see `pagedllm {name} --help`")
     args = parser.parse_args(argv)

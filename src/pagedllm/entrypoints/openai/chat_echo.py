@@ -5,13 +5,13 @@ from __future__ import annotations
 from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest
 
 
-def echo_text(request: ChatCompletionRequest) -> str:
+def echo_text(request: ChatCompletionRequest, role: str = "assistant") -> str:
     """What `echo: true` puts before each choice's content (vLLM's): the last message's content when its role is
-    the response's (the assistant's with add_generation_prompt, else the last message's own), else nothing."""
+    the response's `role` (--response-role with add_generation_prompt, else the last message's own), else
+    nothing."""
     if not request.echo or not request.messages:
         return ""
     last = request.messages[-1]
-    role = "assistant" if request.add_generation_prompt else last.get("role")
     if last.get("role") != role:
         return ""
     content = last.get("content") or ""

@@ -39,15 +39,25 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = True
 
 
+def _absent_if_none(value) -> bool:
+    return value is None
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    reasoning: str | None = Field(None, exclude_if=_absent_if_none)
+    """The reasoning split out by --reasoning-parser (vLLM 0.32's name); absent without a parser."""
+    reasoning_content: str | None = Field(None, exclude_if=_absent_if_none)
+    """The same text under vLLM's older name, which clients still read."""
     tool_calls: list[ToolCall] = Field(default_factory=list, exclude_if=lambda calls: not calls)  # absent, as in vLLM
 
 
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = Field(None, exclude_if=_absent_if_none)
+    reasoning_content: str | None = Field(None, exclude_if=_absent_if_none)
     tool_calls: list[DeltaToolCall] = Field(default_factory=list, exclude_if=lambda calls: not calls)
 
 

@@ -11,10 +11,16 @@ from pagedllm.entrypoints.openai.protocol import Logprob, PromptLogprobs, Prompt
 from pagedllm.outputs import PositionLogprobs
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> UsageInfo:
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int | None) -> UsageInfo:
+    """num_cached_tokens None: no prompt_tokens_details (vLLM's without --enable-prompt-tokens-details)."""
+    details = None if num_cached_tokens is None else PromptTokensDetails(cached_tokens=num_cached_tokens)
     return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                     total_tokens=num_prompt_tokens + num_completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
+                     total_tokens=num_prompt_tokens + num_completion_tokens, prompt_tokens_details=details)
+
+
+def token_id_text(token_id: int) -> str:
+    """A token as --return-tokens-as-token-ids writes it in logprobs (vLLM's placeholder)."""
+    return f"token_id:{token_id}"
 
 
 def top_entries(position: PositionLogprobs, num: int) -> list[tuple[int, float, str]]:
@@ -23,11 +29,14 @@ def top_entries(position: PositionLogprobs, num: int) -> list[tuple[int, float, 
     return [(tid, lp.logprob, lp.decoded_token or "") for tid, lp in ranked[:num]]
 
 
-def json_logprob(logprob: float) -> float:
+def json_logprob(logprob: float, logits: bool = False) -> float:
     """A logprob as the response carries it: at least -9999.0 (OpenAI's floor for -inf), at most 0.0, and never
     NaN (a degenerate distribution, e.g. a repetition_penalty that is 0.0 in float32, gives NaN logprobs: JSON
-    cannot carry them, and rendering the response failed)."""
-    return min(logprob, 0.0) if logprob > -9999.0 else -9999.0
+    cannot carry them, and rendering the response failed). logits (--logprobs-mode raw_logits or
+    processed_logits): the value is a logit, floored and never NaN but not capped at 0."""
+    if not logprob > -9999.0:
+        return -9999.0
+    return min(logprob, 9999.0) if logits else min(logprob, 0.0)
 
 
 def prompt_logprobs_json(positions: list[PositionLogprobs | None] | None, num: int) -> PromptLogprobs | None:

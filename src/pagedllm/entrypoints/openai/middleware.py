@@ -1,17 +1,22 @@
-"""What runs before a route's handler: `GuardMiddleware` (API key, drain, engine death, the body cap) around the
-whole app, and `prechecked_route_class` (the request caps on the raw body) around the generation and token routes.
+"""What runs before a route's handler: CORS and `XRequestIdMiddleware` outermost (add_outer_middleware), then
+`GuardMiddleware` (API key, drain, engine death, the body cap) around the whole app, and `prechecked_route_class`
+(the request caps on the raw body) around the generation and token routes.
 
 The head's size limit is enforced a level below, in the HTTP protocol (connection_limits.py)."""
 
 from __future__ import annotations
 
 import hmac
+import uuid
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
+from starlette._utils import get_route_path
+from starlette.datastructures import MutableHeaders
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from pagedllm.config import ServerConfig
@@ -71,7 +76,7 @@ class GuardMiddleware:
         await self.app(scope, counting_receive, guarded_send)
 
     def _check(self, scope) -> errors.APIError | None:
-        path = scope["path"]
+        path = get_route_path(scope)  # behind --root-path: the route's path, with or without the prefix
         headers: dict[bytes, bytes] = {}
         for name, value in scope["headers"]:  # a repeated header counts once, first wins (as Starlette's and vLLM's)
             headers.setdefault(name, value)
@@ -96,6 +101,45 @@ class GuardMiddleware:
         if length is not None and length.isdigit() and int(length) > config.max_request_bytes:
             return errors.too_large()
         return None
+
+
+def add_outer_middleware(app: FastAPI, config: ServerConfig) -> None:
+    """CORS (vLLM's Starlette CORSMiddleware with --allowed-origins/-methods/-headers and --allow-credentials) and,
+    with --enable-request-id-headers, X-Request-Id, both outside GuardMiddleware: a browser's preflight (an OPTIONS
+    request, which carries no Authorization header) is answered without the API key, and the guard's own answers
+    (401, 503, 413) carry the CORS and X-Request-Id headers too. Call after adding GuardMiddleware."""
+    app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=config.allowed_methods,
+                       allow_headers=config.allowed_headers, allow_credentials=config.allow_credentials)
+    if config.enable_request_id_headers:
+        app.add_middleware(XRequestIdMiddleware)
+
+
+class XRequestIdMiddleware:
+    """vLLM's --enable-request-id-headers: every response carries `X-Request-Id`, the request's own header if it
+    sent one, else a random uuid4 (hex)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = None
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                request_id = value.decode("latin-1")
+                break
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+
+        async def send_with_request_id(message):
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", ()))
+                MutableHeaders(raw=headers).append("X-Request-Id", request_id)
+                message["headers"] = headers
+            await send(message)
+
+        await self.app(scope, receive, send_with_request_id)
 
 
 def prechecked_route_class(caps: ServerConfig,

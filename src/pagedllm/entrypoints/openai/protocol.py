@@ -140,6 +140,8 @@ class SamplingFields(StructuredOutputFields):
                                    "characters).", json_schema_extra={"minLength": 1, "maxLength": MAX_CACHE_SALT_LEN})
     request_id: str | None = Field(None, json_schema_extra={"minLength": 1, "maxLength": MAX_REQUEST_ID_LEN})
     return_token_ids: bool | None = False
+    return_tokens_as_token_ids: bool | None = Field(None, description="Name logprobs' tokens `token_id:N` "
+                                                    "(vLLM's); default: the server's --return-tokens-as-token-ids.")
     add_special_tokens: bool | None = None
     prompt_logprobs: Int | None = range_field(0, 20, description="Top-N logprobs of every prompt token (vLLM's); "
                                                             "not with stream=true.")

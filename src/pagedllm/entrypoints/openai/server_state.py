@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -17,4 +18,7 @@ class ServerState:
     config: ServerConfig
     served_model_names: list[str]
     draining: bool = False
+    salt_secret: bytes = field(default_factory=lambda: os.urandom(32))
+    """--cache-salt-from-api-key's HMAC key: random per server, the same in every API server of one (a tenant's
+    requests share prefix-cache blocks whichever API server takes them)."""
     started: float = field(default_factory=time.time)

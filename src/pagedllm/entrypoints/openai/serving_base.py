@@ -13,10 +13,13 @@ from pagedllm.config import ServerConfig
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.input_processor import is_valid_unicode, json_options
 from pagedllm.entrypoints.openai import errors
-from pagedllm.entrypoints.openai.protocol import MAX_REQUEST_ID_LEN, SamplingFields, random_uuid
+from pagedllm.entrypoints.openai.formatting import usage
+from pagedllm.entrypoints.openai.protocol import MAX_REQUEST_ID_LEN, SamplingFields, UsageInfo, random_uuid
+from pagedllm.entrypoints.openai.reasoning import ReasoningParser, RequestReasoning
 from pagedllm.entrypoints.openai.request_caps import check_request_caps, n_above_cap
+from pagedllm.entrypoints.openai.request_logger import RequestLogger
 from pagedllm.entrypoints.openai.tokenizer_threads import TokenizerThreads
-from pagedllm.log_escape import escape_control
+from pagedllm.metrics.tracing import current_request_trace
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -41,6 +44,17 @@ class OpenAIServing:
         self.max_prompt_chars = max_prompt_chars(engine.max_model_len, self.tokenizer)
         self.tokenizer_threads = tokenizer_threads if tokenizer_threads is not None else TokenizerThreads()
         """Shared by every route of one app (app.py), so that a big text delays no small one anywhere."""
+        self.request_logger = RequestLogger(self.config.max_log_len) if self.config.log_requests else None
+        """--enable-log-requests (and --enable-log-outputs): None when requests are not logged."""
+        self.reasoning_parser = (ReasoningParser(self.config.reasoning_parser, self.tokenizer)
+                                 if self.config.reasoning_parser else None)
+        """--reasoning-parser over the tokenizer (reasoning.py); None without the flag."""
+
+    def request_reasoning(self, chat_template_kwargs: dict[str, Any] | None) -> RequestReasoning | None:
+        """A chat request's reasoning split (None without --reasoning-parser)."""
+        if self.reasoning_parser is None:
+            return None
+        return self.reasoning_parser.for_request(chat_template_kwargs)
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """The token ids of `text`, tokenized in a worker thread (tokenizer_threads.py): the event loop serves
@@ -66,6 +80,11 @@ class OpenAIServing:
         return json_options(self.engine.input_processor.limits)
 
     @property
+    def logprobs_are_logits(self) -> bool:
+        """--logprobs-mode raw_logits or processed_logits: responses carry logits in their `logprob` fields."""
+        return self.engine.input_processor.limits.logprobs_are_logits
+
+    @property
     def model_name(self) -> str:
         return self.served_model_names[0]
 
@@ -80,6 +99,25 @@ class OpenAIServing:
             raise errors.bad_request(f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_LEN} "
                                      "characters of valid Unicode.", param="request_id")
         return f"{prefix}-{given or random_uuid()}"
+
+    def usage(self, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> UsageInfo:
+        """A response's usage; prompt_tokens_details (the prefix-cache hits) with --enable-prompt-tokens-details."""
+        return usage(num_prompt_tokens, num_completion_tokens,
+                     num_cached_tokens if self.config.enable_prompt_tokens_details else None)
+
+    def stream_usage_options(self, request: SamplingFields) -> tuple[bool, bool]:
+        """(a final usage chunk, usage in every chunk) of a stream: stream_options', or both with
+        --enable-force-include-usage (vLLM's should_include_usage)."""
+        if self.config.enable_force_include_usage:
+            return True, True
+        options = request.stream_options
+        return bool(options and options.include_usage), bool(options and options.continuous_usage_stats)
+
+    def tokens_as_ids(self, request: SamplingFields) -> bool:
+        """Whether logprobs name tokens `token_id:N`: the request's return_tokens_as_token_ids, else the server's
+        --return-tokens-as-token-ids."""
+        given = request.return_tokens_as_token_ids
+        return self.config.return_tokens_as_token_ids if given is None else given
 
     def check_request_caps(self, request: SamplingFields, num_prompts: int = 1) -> None:
         check_request_caps(request, self.config, num_prompts)
@@ -129,26 +167,34 @@ class OpenAIServing:
             include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=logit_bias, **kwargs)
 
     def add_requests(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
-                     params: SamplingParams, request: SamplingFields,
+                     params: SamplingParams | list[SamplingParams], request: SamplingFields,
                      output_kind: str) -> list[AsyncIterator[RequestOutput]]:
-        """Send every prompt as `{engine_id}-{i}` (one prompt: `engine_id`); all or none.
+        """Send every prompt as `{engine_id}-{i}` (one prompt: `engine_id`); all or none. `params`: for every
+        prompt, or one each (they differ only in where a grammar starts, reasoning.py).
 
         The engine id is the response's id plus a random suffix, as vLLM does: a client-supplied request_id is
         echoed in the response but never shared with another request, so two requests (two tenants) with the
         same request_id both run and neither can tell that the other exists."""
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        params = per_prompt[0]
         if not 1 <= params.n <= self.config.max_n:
             raise n_above_cap(params.n, self.config)
         engine_id = f"{request_id}-{random_uuid()[:8]}"
-        if not self.config.disable_log_requests:
-            logger.info("Received request %s: %d prompt(s), %d prompt tokens, params %s", escape_control(engine_id),
-                        len(prompts), sum(len(ids) for _, ids in prompts), escape_control(_short(params)))
+        if (trace := current_request_trace.get()) is not None:  # --otlp-traces-endpoint: the span's request id
+            trace.request_id = request_id
         self.engine.check_admission(params.n * len(prompts))  # again: the queue may have filled meanwhile
         streams = []
         ids = [engine_id] if len(prompts) == 1 else [f"{engine_id}-{i}" for i in range(len(prompts))]
+        request_logger = self.request_logger
         try:
-            for sub_id, (text, token_ids) in zip(ids, prompts, strict=True):
-                streams.append(self.engine.add_request(sub_id, token_ids, params, text, output_kind,
-                                                       request.priority, request.cache_salt))
+            for sub_id, (text, token_ids), prompt_params in zip(ids, prompts, per_prompt, strict=True):
+                if request_logger is not None:
+                    request_logger.log_inputs(sub_id, text, token_ids, prompt_params)
+                stream = self.engine.add_request(sub_id, token_ids, prompt_params, text, output_kind,
+                                                 request.priority, request.cache_salt)
+                if request_logger is not None and self.config.enable_log_outputs:
+                    stream = request_logger.logging_outputs(stream, sub_id, params.n, output_kind == "delta")
+                streams.append(stream)
         except BaseException:
             for sub_id in ids[:len(streams)]:
                 self.engine.abort(sub_id)
@@ -172,12 +218,6 @@ def prompt_too_long(num_chars: int, max_model_len: int) -> errors.APIError:
 def longest_token_chars(tokenizer) -> int:
     """The most characters one token of the vocabulary stands for (byte-level tokens: bytes, at least as many)."""
     return max((len(token) for token in tokenizer.get_vocab()), default=1)
-
-
-def _short(params: SamplingParams, limit: int = 1000) -> str:
-    """The parameters for a log line, cut to `limit` characters (a request may carry large lists)."""
-    text = repr(params)
-    return text if len(text) <= limit else text[:limit] + "...)"
 
 
 async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

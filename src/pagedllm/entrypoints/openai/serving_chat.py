@@ -19,7 +19,7 @@ from pagedllm.entrypoints.openai.chat_protocol import (
     DeltaMessage,
     TopLogprob,
 )
-from pagedllm.entrypoints.openai.chat_stream_chunks import content_chunk_template, stream_choice
+from pagedllm.entrypoints.openai.chat_stream_chunks import choice_delta, content_chunk_template, stream_choice
 from pagedllm.entrypoints.openai.formatting import (
     SSE_DONE,
     chosen_entry,
@@ -27,15 +27,15 @@ from pagedllm.entrypoints.openai.formatting import (
     prompt_logprobs_json,
     sse,
     sse_error,
+    token_id_text,
     top_entries,
-    usage,
 )
+from pagedllm.entrypoints.openai.reasoning import ReasoningStream, RequestReasoning
 from pagedllm.entrypoints.openai.serving_base import OpenAIServing, merge_streams
 from pagedllm.entrypoints.openai.sse_template import SSETemplate
 from pagedllm.entrypoints.openai.structured_outputs import with_structured_outputs
 from pagedllm.entrypoints.openai.tool_calling import ChoiceStream, ToolCalling
 from pagedllm.outputs import PositionLogprobs
-from pagedllm.sampling_params import MAX_LOGPROBS
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -47,11 +47,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest
                                      ) -> ChatCompletionResponse | AsyncIterator[str]:
         self.check_model(request.model)
-        if request.top_logprobs is not None and not request.logprobs:
-            raise errors.bad_request("top_logprobs needs logprobs to be true.", param="top_logprobs")
-        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_LOGPROBS:
-            raise errors.bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {request.top_logprobs}.",
-                                     param="top_logprobs")
+        self._check_top_logprobs(request)
         self.check_stream_fields(request, request.prompt_logprobs)
         self.check_request_caps(request)
         self.engine.check_admission(request.n)
@@ -64,12 +60,15 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, max_tokens, logprobs, request.prompt_logprobs)
         params = await with_structured_outputs(request, params, self.grammar_compile_timeout_s, self.json_options)
         params = await tools.constrain(params, self.grammar_compile_timeout_s, self.json_options)
+        reasoning = self.request_reasoning(request.chat_template_kwargs)
+        if reasoning is not None:
+            params = reasoning.constrain_after_reasoning(params, token_ids)
         request_id = self.request_id("chatcmpl", request)
         streams = self.add_requests(request_id, [(prompt, token_ids)], params, request,
                                     "delta" if request.stream else "final_only")
         merged = merge_streams(streams)
         if request.stream:
-            return self._stream(request, request_id, token_ids, merged, tools)
+            return self._stream(request, request_id, token_ids, merged, tools, reasoning)
         final = None
         try:
             async for _, output in merged:
@@ -78,10 +77,16 @@ class OpenAIServingChat(OpenAIServing):
             await merged.aclose()
         choices = []
         num_completion = 0
-        echo = echo_text(request)
+        role = self.response_role(request)
+        echo = echo_text(request, role)
         for output in sorted(final.outputs, key=lambda o: o.index):
             num_completion += len(output.token_ids)
-            message, finish_reason = tools.message(output.text, output.finish_reason)
+            thought, text = reasoning.split(output.text) if reasoning is not None else (None, output.text)
+            message, finish_reason = tools.message(text or "", output.finish_reason)
+            message.role = role
+            if reasoning is not None:
+                message.reasoning = message.reasoning_content = thought
+                message.content = message.content or None
             if echo:
                 message.content = echo + (message.content or "")
             choices.append(ChatCompletionResponseChoice(
@@ -91,38 +96,58 @@ class OpenAIServingChat(OpenAIServing):
                 token_ids=list(output.token_ids) if request.return_token_ids else None))
         return ChatCompletionResponse(
             id=request_id, model=self.model_name, choices=choices,
-            usage=usage(len(token_ids), num_completion, final.num_cached_tokens),
+            usage=self.usage(len(token_ids), num_completion, final.num_cached_tokens),
             prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs, request.prompt_logprobs or 0),
             prompt_token_ids=list(token_ids) if request.return_token_ids else None)
 
+    def _check_top_logprobs(self, request: ChatCompletionRequest) -> None:
+        if request.top_logprobs is not None and not request.logprobs:
+            raise errors.bad_request("top_logprobs needs logprobs to be true.", param="top_logprobs")
+        limits = self.engine.input_processor.limits
+        cap = limits.max_logprobs if limits.max_logprobs != -1 else limits.vocab_size
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= cap:
+            raise errors.bad_request(f"top_logprobs must be in [0, {cap}] (--max-logprobs), got "
+                                     f"{request.top_logprobs}.", param="top_logprobs")
+
+    def response_role(self, request: ChatCompletionRequest) -> str:
+        """vLLM's: --response-role with add_generation_prompt, else the role of the request's last message."""
+        if request.add_generation_prompt or not request.messages:
+            return self.config.response_role
+        return request.messages[-1].get("role") or self.config.response_role
+
     def _logprobs(self, token_ids: list[int], positions: list[PositionLogprobs] | None,
                   request: ChatCompletionRequest) -> ChatLogprobs | None:
+        """Tokens as text, or as `token_id:N` with return_tokens_as_token_ids (bytes: the token's text's)."""
         if not request.logprobs or positions is None:
             return None
         num = request.top_logprobs or 0
+        as_ids = self.tokens_as_ids(request)
         content = []
+        logits = self.logprobs_are_logits
         for token_id, position in zip(token_ids, positions, strict=False):
             logprob, text = chosen_entry(position, token_id)
-            top = [TopLogprob(token=t, logprob=json_logprob(lp), bytes=list(t.encode()))
-                   for _, lp, t in top_entries(position, num)]
-            content.append(ChatLogprobToken(token=text, logprob=json_logprob(logprob), bytes=list(text.encode()),
+            top = [TopLogprob(token=token_id_text(tid) if as_ids else t, logprob=json_logprob(lp, logits),
+                              bytes=list(t.encode())) for tid, lp, t in top_entries(position, num)]
+            content.append(ChatLogprobToken(token=token_id_text(token_id) if as_ids else text,
+                                            logprob=json_logprob(logprob, logits), bytes=list(text.encode()),
                                             top_logprobs=top))
         return ChatLogprobs(content=content)
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, prompt_token_ids: list[int],
-                      merged, tools: ToolCalling) -> AsyncIterator[str]:
+                      merged, tools: ToolCalling, reasoning: RequestReasoning | None) -> AsyncIterator[str]:
         created = int(time.time())
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        continuous_usage = bool(request.stream_options and request.stream_options.continuous_usage_stats)
-        echo = echo_text(request)
-        started: dict[int, ChoiceStream] = {}
+        include_usage, continuous_usage = self.stream_usage_options(request)
+        role = self.response_role(request)
+        echo = echo_text(request, role)
+        started: dict[int, tuple[ChoiceStream, ReasoningStream | None]] = {}
         num_completion = num_cached = 0
         template: SSETemplate | None = None
         # Chunks of content only (no tool parsing, logprobs, token ids or usage) are written from a template.
-        plain = not (tools.parses_output or request.logprobs or request.return_token_ids or continuous_usage)
+        plain = not (tools.parses_output or request.logprobs or request.return_token_ids or continuous_usage
+                     or reasoning is not None)
 
         def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
-            so_far = usage(len(prompt_token_ids), num_completion, num_cached) if continuous_usage else None
+            so_far = self.usage(len(prompt_token_ids), num_completion, num_cached) if continuous_usage else None
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
                                                     choices=choices, usage=so_far))
 
@@ -132,12 +157,10 @@ class OpenAIServingChat(OpenAIServing):
                 choices: list[ChatCompletionStreamChoice | tuple] = []
                 for completion in output.outputs:
                     if completion.index not in started:
-                        started[completion.index] = tools.stream()
-                        yield chunk([ChatCompletionStreamChoice(
-                            index=completion.index, delta=DeltaMessage(role="assistant", content=""))])
-                        if echo:
-                            yield chunk([ChatCompletionStreamChoice(index=completion.index,
-                                                                    delta=DeltaMessage(content=echo))])
+                        started[completion.index] = (tools.stream(), reasoning and reasoning.stream())
+                        for first in [DeltaMessage(role=role, content="")] + ([DeltaMessage(content=echo)]
+                                                                              if echo else []):
+                            yield chunk([ChatCompletionStreamChoice(index=completion.index, delta=first)])
                     num_completion += len(completion.token_ids)
                     if not completion.text and not completion.token_ids and completion.finish_reason is None:
                         continue
@@ -145,11 +168,10 @@ class OpenAIServingChat(OpenAIServing):
                         choices.append((completion.index, completion.text, completion.finish_reason,
                                         completion.stop_reason))
                         continue
-                    delta, finish_reason = DeltaMessage(content=completion.text), completion.finish_reason
-                    if tools.parses_output:
-                        delta, finish_reason = started[completion.index].delta(completion.text, finish_reason)
-                        if delta is None and not (request.logprobs or request.return_token_ids):
-                            continue  # held back (a tail that may begin a tool call)
+                    delta, finish_reason = choice_delta(completion.text, completion.finish_reason, tools,
+                                                        *started[completion.index])
+                    if delta is None and not (request.logprobs or request.return_token_ids):
+                        continue  # held back (a tail that may begin a tool call or a tag)
                     choices.append(ChatCompletionStreamChoice(
                         index=completion.index, delta=delta or DeltaMessage(),
                         logprobs=self._logprobs(completion.token_ids, completion.logprobs, request),
@@ -163,7 +185,7 @@ class OpenAIServingChat(OpenAIServing):
             if include_usage:
                 yield sse(ChatCompletionStreamResponse(
                     id=request_id, created=created, model=self.model_name, choices=[],
-                    usage=usage(len(prompt_token_ids), num_completion, num_cached)))
+                    usage=self.usage(len(prompt_token_ids), num_completion, num_cached)))
         except Exception as e:
             yield sse_error(e)
         finally:

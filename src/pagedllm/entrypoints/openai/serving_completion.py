@@ -15,8 +15,8 @@ from pagedllm.entrypoints.openai.formatting import (
     prompt_logprobs_json,
     sse,
     sse_error,
+    token_id_text,
     top_entries,
-    usage,
 )
 from pagedllm.entrypoints.openai.protocol import (
     CompletionLogProbs,
@@ -52,6 +52,10 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self.sampling_params(request, request.max_tokens, request.logprobs,
                                       _num_prompt_logprobs_computed(request))
         params = await with_structured_outputs(request, params, self.grammar_compile_timeout_s, self.json_options)
+        reasoning = self.request_reasoning(None)
+        if reasoning is not None and params.structured_outputs is not None:
+            # as vLLM's engine does for every request: a grammar starts once the prompt's reasoning has ended
+            params = [reasoning.constrain_after_reasoning(params, token_ids) for _, token_ids in prompts]
         request_id = self.request_id("cmpl", request)
         streams = self.add_requests(request_id, prompts, params, request,
                                     "delta" if request.stream else "final_only")
@@ -114,7 +118,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(self._choice(request, prompt_index * request.n + output.index, prompt, final,
                                             output, echo=bool(request.echo)))
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                  usage=usage(num_prompt, num_completion, num_cached))
+                                  usage=self.usage(num_prompt, num_completion, num_cached))
 
     def _choice(self, request: CompletionRequest, index: int, prompt: Prompt, final: RequestOutput,
                 output: CompletionOutput, echo: bool) -> CompletionResponseChoice:
@@ -128,7 +132,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 positions = _prompt_positions(final) + list(positions)
         logprobs = None
         if request.logprobs is not None and positions is not None:
-            logprobs = self._logprobs(token_ids, positions, request.logprobs)
+            logprobs = self._logprobs(token_ids, positions, request.logprobs, as_ids=self.tokens_as_ids(request))
         num_prompt_logprobs = _num_prompt_logprobs_returned(request)
         return CompletionResponseChoice(
             index=index, text=text, logprobs=logprobs, finish_reason=output.finish_reason,
@@ -139,22 +143,26 @@ class OpenAIServingCompletion(OpenAIServing):
             token_ids=list(output.token_ids) if request.return_token_ids else None)
 
     def _logprobs(self, token_ids: list[int], positions: list[PositionLogprobs | None], num: int,
-                  text_offset: int = 0) -> CompletionLogProbs:
+                  text_offset: int = 0, as_ids: bool = False) -> CompletionLogProbs:
+        """as_ids: tokens named `token_id:N` (--return-tokens-as-token-ids), their offsets counted so too."""
         result = CompletionLogProbs()
+        logits = self.logprobs_are_logits
         for token_id, position in zip(token_ids, positions, strict=False):
             if position is None:
-                token_text = decode_token(self.tokenizer, token_id)
+                token_text = token_id_text(token_id) if as_ids else decode_token(self.tokenizer, token_id)
                 result.tokens.append(token_text)
                 result.token_logprobs.append(None)
                 result.top_logprobs.append(None)
             else:
                 logprob, token_text = chosen_entry(position, token_id)
+                if as_ids:
+                    token_text = token_id_text(token_id)
                 result.tokens.append(token_text)
-                result.token_logprobs.append(json_logprob(logprob))
+                result.token_logprobs.append(json_logprob(logprob, logits))
                 top: dict[str, float] = {}
-                for _, lp, text in top_entries(position, num):  # best first: keep the best of equal texts
-                    top.setdefault(text, json_logprob(lp))
-                top.setdefault(token_text, json_logprob(logprob))
+                for top_id, lp, text in top_entries(position, num):  # best first: keep the best of equal texts
+                    top.setdefault(token_id_text(top_id) if as_ids else text, json_logprob(lp, logits))
+                top.setdefault(token_text, json_logprob(logprob, logits))
                 result.top_logprobs.append(top)
             result.text_offset.append(text_offset)
             text_offset += len(token_text)
@@ -178,8 +186,8 @@ class OpenAIServingCompletion(OpenAIServing):
                       merged) -> AsyncIterator[str]:
         created = int(time.time())
         n = request.n
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        continuous_usage = bool(request.stream_options and request.stream_options.continuous_usage_stats)
+        include_usage, continuous_usage = self.stream_usage_options(request)
+        as_ids = self.tokens_as_ids(request)
         num_prompt = sum(len(ids) for _, ids in prompts)
         templated = not (request.return_token_ids or continuous_usage)
         """Chunks without logprobs are written from a template (no token ids, no usage in every chunk)."""
@@ -202,7 +210,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs = None
                     if request.logprobs is not None and positions is not None:
                         logprobs = self._logprobs(token_ids, positions, request.logprobs,
-                                                  text_offsets.get(index, 0))
+                                                  text_offsets.get(index, 0), as_ids)
                     first = index not in text_offsets
                     text_offsets[index] = text_offsets.get(index, 0) + len(text)
                     if not text and completion.finish_reason is None and not token_ids:
@@ -220,13 +228,13 @@ class OpenAIServingCompletion(OpenAIServing):
                     template = template or _chunk_template(request_id, created, self.model_name)
                     yield template.render(*choices[0])
                 elif choices:
-                    so_far = usage(num_prompt, num_completion, sum(num_cached)) if continuous_usage else None
+                    so_far = self.usage(num_prompt, num_completion, sum(num_cached)) if continuous_usage else None
                     yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
                                                        choices=[_choice(c) for c in choices], usage=so_far))
             if include_usage:
                 yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
-                                                   choices=[], usage=usage(num_prompt, num_completion,
-                                                                           sum(num_cached))))
+                                                   choices=[], usage=self.usage(num_prompt, num_completion,
+                                                                                sum(num_cached))))
         except Exception as e:
             yield sse_error(e)
         finally:
