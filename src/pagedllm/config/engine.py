@@ -210,6 +210,12 @@ class SchedulerConfig:
     disable_hybrid_kv_cache_manager: bool = False
     """One block table for every layer, as for a model without windows: sliding-window layers still attend only
     their window but keep the whole context's KV (the default frees the blocks behind the window)."""
+    async_scheduling: bool = False
+    """Schedule step N+1 while step N runs and apply step N's outputs while N+1 runs (each running request is
+    assumed to get one token from the step in flight), so scheduling and output processing leave the critical
+    path between model steps; greedy outputs stay the same. Off by default, as on vLLM-CPU. Not with speculative
+    decoding nor pipeline parallelism; a batch whose constrained (structured output) request waits for its token
+    runs synchronously."""
 
     def __post_init__(self) -> None:
         check_bounds(self, SCHEDULER_BOUNDS)
@@ -346,6 +352,14 @@ class EngineConfig:
         if self.parallel_config.data_parallel_size > 1 and self.model_config.device == "cuda":
             raise ValueError("--data-parallel-size above 1 is not supported with --device cuda yet (the replicas "
                              "would share one GPU); it runs on the CPU.")
+        if self.scheduler_config.async_scheduling:
+            if self.speculative_config is not None:  # vLLM refuses ngram and suffix too; draft_model: not built here
+                raise ValueError(f"--async-scheduling is not supported with {self.speculative_config.method} "
+                                 "speculative decoding (the drafts of the step in flight are not known yet); "
+                                 "use --no-async-scheduling or drop --speculative-config.")
+            if self.parallel_config.pipeline_parallel_size > 1:
+                raise ValueError("--async-scheduling is not supported with pipeline parallelism (as with vLLM's V1 "
+                                 "model runner): its batch queue already keeps a step in flight per stage.")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

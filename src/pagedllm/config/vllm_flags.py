@@ -42,6 +42,7 @@ HONOURED_FLAGS = (
     "--enable-request-id-headers", "--disable-fastapi-docs", "--disable-uvicorn-access-log",
     "--enable-server-load-tracking", "--enable-sleep-mode",
     "--reasoning-parser", "--api-server-count", "--otlp-traces-endpoint", "--runner", "--convert", "--pooler-config",
+    "--async-scheduling",
 )
 """vLLM's flags that pagedllm honours; all but the parser's own (--help, --config, --model) are generated from a
 config dataclass field of the same name (config/arguments.py)."""
@@ -301,7 +302,6 @@ VLLM_ONLY_FLAGS: dict[str, tuple[str, str, str]] = {
     "--scheduler-reserve-full-isl": ("bool", REFUSED, _SCHED),
     "--watermark": ("float", REFUSED, _SCHED),
     "--prefill-schedule-interval": ("int", REFUSED, _SCHED),
-    "--async-scheduling": ("bool", REFUSED, _NBY),
     "--stream-interval": ("int", REFUSED, _SCHED),
     "--cudagraph-capture-sizes": ("int+", ACCEPTED, _EAGER),
     "--max-cudagraph-capture-size": ("int", ACCEPTED, _EAGER),

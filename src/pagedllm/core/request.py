@@ -73,6 +73,7 @@ class Request:
         "num_cached_tokens", "status", "stop_reason", "block_hashes", "num_preemptions",
         "preempted_at_step", "first_scheduled_time", "first_output_sent", "max_tokens", "_stop_token_ids",
         "spec_token_ids", "spec_acceptance", "structured_output_request", "pooling_params",
+        "num_output_placeholders",
     )
 
     def __init__(
@@ -104,6 +105,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        """--async-scheduling: tokens that steps in flight will sample for it (counted in num_computed_tokens, not
+        yet in all_token_ids); always 0 without it (core/async_scheduler.py)."""
         self.num_cached_tokens = 0
         """Prompt tokens found in the prefix cache when the request was first scheduled."""
         self.status = RequestStatus.WAITING

@@ -1,19 +1,20 @@
 """Scheduler: vLLM V1 semantics. No prefill or decode phase, a token budget per step.
 
-Each request has num_computed_tokens and num_tokens (prompt + outputs so far); a step decides how
-many tokens each request advances. One step (see DESIGN section 4):
-  1. running requests, in order, get min(needed, budget left); a failed allocation preempts the
-     lowest-priority, latest-arrived running request (recompute) and retries;
+Each request has num_computed_tokens and num_tokens (prompt + outputs so far); a step decides how many tokens each
+request advances. One step (see DESIGN section 4):
+  1. running requests, in order, get min(needed, budget left); a failed allocation preempts the lowest-priority,
+     latest-arrived running request (recompute) and retries;
   2. only if nothing was preempted, waiting requests in policy order, after a prefix-cache lookup;
-  3. update_from_output appends sampled tokens, checks stops, frees finished requests and registers
-     newly full blocks in the prefix cache.
-Besides the token budget, prefill chunks share an attention budget (max_prefill_attention_pairs): a chunk
-of T tokens ending at context L attends T x L (query, key) pairs, so deep into a long prompt its chunks get
-shorter and no step runs for long (decodes keep flowing).
-num_computed_tokens advances when a step is scheduled (as in vLLM), so the next schedule() may run
-before the previous step's update and still see the right positions: with pipeline parallelism up to pp steps are
-in flight (engine/core.py). A request in flight is scheduled again only for its next prefill chunk; a decode waits
-for its sampled token. Outputs of a request aborted or preempted after its step was scheduled are dropped.
+  3. update_from_output appends sampled tokens, checks stops, frees finished requests and registers newly full
+     blocks in the prefix cache.
+Besides the token budget, prefill chunks share an attention budget (max_prefill_attention_pairs): a chunk of T tokens
+ending at context L attends T x L (query, key) pairs, so deep into a long prompt its chunks get shorter and no step
+runs for long (decodes keep flowing).
+num_computed_tokens advances when a step is scheduled (as in vLLM), so the next schedule() may run before the
+previous step's update and still see the right positions: with pipeline parallelism up to pp steps are in flight
+(engine/core.py). A request in flight is scheduled again only for its next prefill chunk; a decode waits for its
+token (not with --async-scheduling: core/async_scheduler.py). Outputs of a request aborted or preempted after its
+step was scheduled are dropped.
 """
 
 from __future__ import annotations
@@ -159,11 +160,7 @@ class Scheduler:
     # ---- one step ----
 
     def schedule(self) -> SchedulerOutput:
-        """Decide this step's batch. See the module docstring for the order.
-
-        Returns:
-            The SchedulerOutput for the model runner; num_computed_tokens already counts this step.
-        """
+        """This step's SchedulerOutput (order: the module docstring); num_computed_tokens already counts it."""
         step = StepBuilder(token_budget=self.max_num_batched_tokens, attention_pairs=self.max_prefill_attention_pairs)
         spec = self.speculative_config
         step.use_spec = spec is not None and (spec.disable_by_batch_size is None
@@ -200,7 +197,9 @@ class Scheduler:
         i = 0
         while i < len(running) and token_budget > 0:
             request = running[i]
-            num_new_tokens = len(request.all_token_ids) - request.num_computed_tokens
+            num_new_tokens = len(request.all_token_ids) + request.num_output_placeholders - request.num_computed_tokens
+            if request.num_output_placeholders and self._reaches_limit_in_flight(request):
+                num_new_tokens = 0  # --async-scheduling: the steps in flight already take it to its last token
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             if num_new_tokens > token_budget:
@@ -246,15 +245,14 @@ class Scheduler:
                 i += 1
         step.token_budget = token_budget
 
-    def _select_victim(self) -> int:
-        """Index in self.running of the lowest-priority, latest-arrived request (fcfs: latest-arrived).
+    def _reaches_limit_in_flight(self, request: Request) -> bool:  # placeholders exist only in AsyncScheduler
+        return False
 
-        Ties go to the later position in the running list.
-        """
+    def _select_victim(self) -> int:
+        """Index in self.running of the lowest-priority, latest-arrived request (ties: the later position)."""
         priority = self.scheduler_config.scheduling_policy == "priority"
         key = (lambda r: (r.priority, r.arrival_time)) if priority else (lambda r: r.arrival_time)
-        best = 0
-        best_key = key(self.running[0])
+        best, best_key = 0, key(self.running[0])
         for index in range(1, len(self.running)):
             k = key(self.running[index])
             if k >= best_key:
@@ -385,6 +383,8 @@ class Scheduler:
             start = num_computed_tokens - num_scheduled  # computed before this step
             index = req_id_to_index.get(req_id)
             new_token_ids = sampled_token_ids[index] if index is not None else None
+            if new_token_ids and request.num_output_placeholders:
+                request.num_output_placeholders -= 1  # --async-scheduling: the token is known now
             drafts = spec_tokens.get(req_id) if spec_tokens else None
             if drafts:
                 # Roll back over the rejected drafts before any block is cached: their K/V stays in blocks

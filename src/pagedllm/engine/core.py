@@ -1,5 +1,5 @@
 """EngineCore: the loop body every frontend drives: schedule -> execute -> update (with pipeline parallelism,
-up to pp steps in flight at once: step_with_batch_queue).
+up to pp steps in flight at once, and with --async-scheduling two: step_with_batch_queue).
 
 It owns the Scheduler (and through it the KV cache manager) and the Executor (executor/), which runs the
 model on one or more ranks. Only the thread that calls `step()` touches scheduler or KV state. The offline
@@ -14,6 +14,7 @@ from collections import deque
 
 from pagedllm.config import EngineConfig
 from pagedllm.config.pooler import resolve_pooler, runner_type, wrong_runner_message
+from pagedllm.core.async_scheduler import AsyncScheduler
 from pagedllm.core.kv_events import KVEventBatch
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
@@ -75,14 +76,17 @@ class EngineCore(SleepMode):
             kec = config.kv_events_config
             # Before the KV cache is allocated: the scheduler refuses a pool that cannot hold one longest request.
             pp_size = config.parallel_config.pipeline_parallel_size
-            self.scheduler = Scheduler(sc, cc, self.num_blocks, self.max_model_len, config.speculative_config,
-                                       enable_kv_cache_events=kec is not None and kec.enable_kv_cache_events,
-                                       pipeline_parallel=pp_size > 1,
-                                       kv_cache_layout=kv_cache_layout(info, sc.disable_hybrid_kv_cache_manager))
-            self.batch_queue_size = pp_size
-            """Steps kept in flight (vLLM's batch queue): one per pipeline stage, so every stage has work."""
+            scheduler_cls = AsyncScheduler if sc.async_scheduling else Scheduler
+            self.scheduler = scheduler_cls(sc, cc, self.num_blocks, self.max_model_len, config.speculative_config,
+                                           enable_kv_cache_events=kec is not None and kec.enable_kv_cache_events,
+                                           pipeline_parallel=pp_size > 1,
+                                           kv_cache_layout=kv_cache_layout(info, sc.disable_hybrid_kv_cache_manager))
+            self.async_scheduling = sc.async_scheduling
+            self.batch_queue_size = 2 if self.async_scheduling else pp_size
+            """Steps kept in flight (vLLM's batch queue): one per pipeline stage, so every stage has work; with
+            --async-scheduling two: step N+1 is scheduled and submitted before step N's outputs are applied."""
             self.batch_queue: deque[tuple[StepFuture, SchedulerOutput]] = deque()
-            """Submitted steps not yet applied, oldest first (pipeline parallelism only)."""
+            """Submitted steps not yet applied, oldest first (pipeline parallelism or async scheduling only)."""
             self.max_batch_queue_depth = 0
             """The most steps in flight at once so far (tests and diagnostics)."""
             self.step_seconds = 0.0
@@ -232,10 +236,16 @@ class EngineCore(SleepMode):
         """vLLM's batch queue: while fewer than pp steps are in flight and something can be scheduled, schedule
         and submit without waiting (stats-only outputs), so stage 0 starts step N+1 while stage 1 runs step N;
         otherwise (queue full, nothing schedulable: e.g. every running decode waits for its token) wait for the
-        oldest step and apply it. Outputs are applied in submission order."""
+        oldest step and apply it. Outputs are applied in submission order.
+
+        --async-scheduling (two in flight): each call schedules and submits step N+1 (its decodes counting the
+        tokens step N samples as placeholders, core/async_scheduler.py), then waits for step N and applies it
+        while N+1 runs. While a constrained request waits for a token in flight, its next mask needs that token:
+        the call applies the oldest step first instead (those batches step synchronously)."""
         queue = self.batch_queue
         submitted = False
-        if self.scheduler.has_unfinished_requests() and len(queue) < self.batch_queue_size:
+        if (self.scheduler.has_unfinished_requests() and len(queue) < self.batch_queue_size
+                and not (queue and self.async_scheduling and self.scheduler.has_pending_grammar_tokens())):
             self.structured_output_manager.wait_for_masks(self._mask_wait_s())  # see _schedule
             scheduler_output = self.scheduler.schedule()
             if not scheduler_output.num_scheduled_tokens and self.scheduler.num_waiting_for_mask and not queue:
