@@ -108,6 +108,35 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
+class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """A LoRA adapter a request runs with (vLLM's vllm.lora.request.LoRARequest; also pagedllm.lora.request):
+    `lora_name` names it (the prefix cache keys blocks by it), `lora_int_id` (>= 1) identifies its loaded weights
+    in the worker, `lora_path` is its PEFT folder."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.lora_int_id < 1:
+            raise ValueError(f"id must be > 0, got {self.lora_int_id}")
+        if not self.lora_path:
+            raise ValueError("lora_path cannot be empty")
+
+    @property
+    def adapter_id(self) -> int:
+        return self.lora_int_id
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return self.lora_path
+
+
 class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -116,6 +145,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True):
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
+    """The adapter the request runs with (None: the base model)."""
 
 
 class LogprobsEntry(msgspec.Struct, array_like=True):
@@ -175,6 +206,13 @@ class ModelLimits:
     json_disable_additional_properties: bool = True
     """Structured outputs: the server's JSON options (StructuredOutputsConfig's disable_any_whitespace and
     disable_additional_properties), so that the frontend checks the grammar the engine will compile."""
+    max_lora_rank: int | None = None
+    """--enable-lora: the largest adapter rank accepted (None: LoRA off; a request with an adapter is refused)."""
+    lora_module_shapes: dict[str, list[int]] = field(default_factory=dict)
+    """--enable-lora: each LoRA target module's [in_features, out_features], against which the frontend checks an
+    adapter's tensors before any request runs it (lora/peft.py)."""
+    num_layers: int = 0
+    """The model's decoder layers (an adapter's layer indices are checked against it)."""
 
 
 @dataclass

@@ -28,6 +28,7 @@ from pagedllm.config.bounds import (
 )
 from pagedllm.config.generation_overrides import parse_generation_overrides
 from pagedllm.config.kv_events import KVEventsConfig
+from pagedllm.config.lora import LoRAConfig
 from pagedllm.config.parallel import ParallelConfig
 
 GiB = 1 << 30
@@ -292,13 +293,17 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     kv_events_config: KVEventsConfig | None = None
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
 
-    SECTIONS = ("model_config", "cache_config", "scheduler_config", "parallel_config")
+    SECTIONS = ("model_config", "cache_config", "scheduler_config", "parallel_config", "lora_config")
 
     def __post_init__(self) -> None:
         if self.parallel_config.data_parallel_size > 1 and self.model_config.device == "cuda":
             raise ValueError("--data-parallel-size above 1 is not supported with --device cuda yet (the replicas "
                              "would share one GPU); it runs on the CPU.")
+        if self.lora_config.enable_lora and self.parallel_config.world_size > 1:
+            raise ValueError("--enable-lora is not supported with --tensor-parallel-size or --pipeline-parallel-size "
+                             "above 1 yet (adapters are applied on one rank's whole layers).")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -307,13 +312,16 @@ class EngineConfig:
                                  "structured_outputs_config": StructuredOutputsConfig.parse(
                                      kwargs.pop("structured_outputs_config", None)),
                                  "kv_events_config": _kv_events_config(kwargs.pop("kv_events_config", None))}
-        for section, section_cls in zip(cls.SECTIONS, (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig),
-                                        strict=True):
+        for section, section_cls in zip(cls.SECTIONS, ENGINE_SECTIONS, strict=True):
             names = {f.name for f in fields(section_cls)}
             parts[section] = section_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         if kwargs:
             raise ValueError(f"unknown engine arguments: {', '.join(sorted(kwargs))}")
         return cls(**parts)
+
+
+ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, LoRAConfig)
+"""The flat engine arguments' dataclasses, in EngineConfig.SECTIONS' order."""
 
 
 @functools.cache
@@ -372,9 +380,10 @@ def add_dataclass_flags(group, cls: type, prefix: str, skip: frozenset[str] | se
 
 def add_engine_flags(group, skip: frozenset[str] | set[str] = frozenset(), suppress_defaults: bool = False,
                      prefix: str = "engine_") -> None:
-    """Flags for every engine argument (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig) except `skip`."""
+    """Flags for every engine argument (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, LoRAConfig) except
+    `skip`."""
     seen = set(skip)
-    for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig):
+    for cls in ENGINE_SECTIONS:
         add_dataclass_flags(group, cls, prefix, frozenset(seen), suppress_defaults)
         seen |= {f.name for f in fields(cls)}
     if "speculative_config" not in seen:

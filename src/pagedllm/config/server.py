@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pagedllm.config.bounds import SERVER_BOUNDS, check_bounds
+from pagedllm.config.lora import parse_lora_modules
 
 
 @dataclass
@@ -102,6 +103,10 @@ class ServerConfig:
     """Seconds a request's body has to arrive in full after its head; then the connection is closed."""
     enable_debug_routes: bool = False
     """Serve GET /debug/kv_cache (free and total KV blocks, running and waiting requests) for tests."""
+    lora_modules: list[str] | None = None
+    """LoRA adapters served at start-up (needs --enable-lora), each `name=path` or JSON
+    '{"name": "sql", "path": "/adapters/sql", "base_model_name": "base"}'; several: `--lora-modules a=/p b=/q`.
+    A request selects one by its name in `model`; /v1/models lists each with its base model as `parent`."""
 
     def __post_init__(self) -> None:
         parse_api_keys(self.api_key)
@@ -110,6 +115,7 @@ class ServerConfig:
                              "no tenant to derive a salt from.")
         check_tool_flags(self.enable_auto_tool_choice, self.tool_call_parser)
         check_bounds(self, SERVER_BOUNDS)
+        parse_lora_modules(self.lora_modules)
 
     @property
     def api_keys(self) -> list[str]:

@@ -10,7 +10,7 @@ from pagedllm.core.block_hash import BlockHash, append_block_hashes
 from pagedllm.messages import FinishReason
 
 if TYPE_CHECKING:
-    from pagedllm.messages import EngineCoreRequest
+    from pagedllm.messages import EngineCoreRequest, LoRARequest
     from pagedllm.sampling_params import SamplingParams
 
 
@@ -63,6 +63,8 @@ class Request:
         block_size: KV block size, for the prefix-cache hashes.
         priority: lower runs first under the priority policy.
         cache_salt: prefix-cache namespace; only requests with the same salt share blocks.
+        lora_request: the LoRA adapter it runs with (None: the base model); only requests of the same adapter
+            share blocks.
     """
 
     __slots__ = (
@@ -70,7 +72,7 @@ class Request:
         "cache_salt", "block_size", "output_token_ids", "all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "status", "stop_reason", "block_hashes", "num_preemptions",
         "preempted_at_step", "first_scheduled_time", "first_output_sent", "max_tokens", "_stop_token_ids",
-        "spec_token_ids", "spec_acceptance", "structured_output_request",
+        "spec_token_ids", "spec_acceptance", "structured_output_request", "lora_request", "lora_name",
     )
 
     def __init__(
@@ -83,6 +85,7 @@ class Request:
         block_size: int,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ):
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt.")
@@ -95,6 +98,9 @@ class Request:
         self.arrival_time = arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
+        self.lora_name = None if lora_request is None else lora_request.lora_name
+        """The adapter's name, a prefix-cache key (None: the base model)."""
         self.block_size = block_size
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -122,7 +128,7 @@ class Request:
         """structured_output.StructuredOutputRequest when the output must match a grammar (set by the engine core,
         which puts the request in WAITING_FOR_FSM): `is_ready()`, `accept_tokens(token_ids)`,
         `validate_tokens(draft_token_ids)`."""
-        append_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
+        append_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt, self.lora_name)
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, block_size: int) -> Request:
@@ -144,6 +150,7 @@ class Request:
             block_size=block_size,
             priority=req.priority,
             cache_salt=req.cache_salt,
+            lora_request=req.lora_request,
         )
 
     @property
@@ -178,7 +185,8 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
         if len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self.block_size:
-            append_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+            append_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt,
+                                    self.lora_name)
 
     def append_output_token_id(self, token_id: int) -> None:
         """Append one sampled token (the decode hot path) and hash the block it completes, if any."""
@@ -186,7 +194,7 @@ class Request:
         all_token_ids = self.all_token_ids
         all_token_ids.append(token_id)
         if len(all_token_ids) % self.block_size == 0:
-            append_block_hashes(self.block_hashes, all_token_ids, self.block_size, self.cache_salt)
+            append_block_hashes(self.block_hashes, all_token_ids, self.block_size, self.cache_salt, self.lora_name)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status}, tokens={self.num_tokens}, "

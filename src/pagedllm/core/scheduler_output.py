@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.messages import LoRARequest  # at run time too (the mp executor's broadcast decodes it)
 from pagedllm.sampling_params import SamplingParams  # at run time: msgspec decodes it (the mp executor's broadcast)
 
 
@@ -27,6 +28,8 @@ class NewRequestData:
     eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter the request runs with (None: the base model); the runner groups rows by it."""
 
 
 @dataclass

@@ -30,7 +30,8 @@ from pagedllm.messages import (
     SchedulerStats,
 )
 from pagedllm.models.loader import resolve_model
-from pagedllm.models.registry import kv_cache_layout
+from pagedllm.lora.peft import module_shapes
+from pagedllm.models.registry import get_model_class, kv_cache_layout
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import get_tokenizer, tokenizer_source
 from pagedllm.worker.worker import resolve_max_model_len
@@ -76,7 +77,9 @@ class EngineCore:
             self.scheduler = Scheduler(sc, cc, self.num_blocks, self.max_model_len, config.speculative_config,
                                        enable_kv_cache_events=kec is not None and kec.enable_kv_cache_events,
                                        pipeline_parallel=pp_size > 1,
-                                       kv_cache_layout=kv_cache_layout(info, sc.disable_hybrid_kv_cache_manager))
+                                       kv_cache_layout=kv_cache_layout(info, sc.disable_hybrid_kv_cache_manager),
+                                       max_loras=config.lora_config.max_loras if config.lora_config.enable_lora
+                                       else None)
             self.batch_queue_size = pp_size
             """Steps kept in flight (vLLM's batch queue): one per pipeline stage, so every stage has work."""
             self.batch_queue: deque[tuple[StepFuture, SchedulerOutput]] = deque()
@@ -123,7 +126,18 @@ class EngineCore:
                            grammar_compile_timeout_s=so_config.compile_timeout_s,
                            priority_scheduling=self.config.scheduler_config.scheduling_policy == "priority",
                            json_disable_any_whitespace=so_config.disable_any_whitespace,
-                           json_disable_additional_properties=so_config.disable_additional_properties)
+                           json_disable_additional_properties=so_config.disable_additional_properties,
+                           **self._lora_limits())
+
+    def _lora_limits(self) -> dict:
+        """ModelLimits' LoRA fields (--enable-lora): the rank cap and the target modules' shapes."""
+        lc = self.config.lora_config
+        if not lc.enable_lora:
+            return {}
+        family = get_model_class(self.model_info.architecture, self.resolved_model.path)
+        dense = all(family.moe_options(self.model_info, i) is None for i in range(self.model_info.num_layers))
+        return {"max_lora_rank": lc.max_lora_rank, "num_layers": self.model_info.num_layers,
+                "lora_module_shapes": module_shapes(self.model_info, dense_mlp=dense)}
 
     def cache_config_info(self) -> dict[str, str]:
         """The labels of vLLM's `vllm:cache_config_info` gauge (its CacheConfig's names, values as strings): the
