@@ -20,6 +20,7 @@ from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.engine.kv_event_publisher import create_kv_event_publisher
 from pagedllm.executor.abstract import ExecutorDeadError, StepFuture
 from pagedllm.executor.factory import create_executor
+from pagedllm.lora.peft import module_shapes
 from pagedllm.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -30,7 +31,6 @@ from pagedllm.messages import (
     SchedulerStats,
 )
 from pagedllm.models.loader import resolve_model
-from pagedllm.lora.peft import module_shapes
 from pagedllm.models.registry import get_model_class, kv_cache_layout
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import get_tokenizer, tokenizer_source

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from pagedllm.lora.peft import LoRAAdapterError, check_adapter_weights, read_adapter_config
+from pagedllm.lora.peft import check_adapter_weights, read_adapter_config
 from pagedllm.messages import EngineCoreRequest, LoRARequest, ModelLimits
 from pagedllm.sampling_params import SamplingParams, SamplingParamsError
 from pagedllm.structured_output.grammar import StructuredOutputError, check_grammar
