@@ -3,12 +3,13 @@ adapter (block 0's extra keys hold the adapter's name, as vLLM's hold lora_name)
 
 from __future__ import annotations
 
+from tests.core.utils import step
+
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.messages import LoRARequest
 from pagedllm.sampling_params import SamplingParams
-from tests.core.utils import step
 
 A = LoRARequest("a", 1, "/adapters/a")
 B = LoRARequest("b", 2, "/adapters/b")

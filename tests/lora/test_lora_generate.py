@@ -12,14 +12,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from lora_adapters import hf_greedy, merged_model
 
+from lora_adapters import NUM_TOKENS
 from pagedllm import SamplingParams
 from pagedllm.engine.input_processor import InvalidRequestError
 from pagedllm.lora.peft import LoRAAdapterError, LoRAAdapterNotFoundError
 from pagedllm.lora.request import LoRARequest
 
-NUM_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 IDS = {"sql": 1, "chat": 2, "rs": 3}
 
@@ -27,21 +26,6 @@ IDS = {"sql": 1, "chat": 2, "rs": 3}
 def _prompts(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 380) for _ in range(rng.randrange(4, 40))] for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_llama_dir, tiny_adapters):
-    """expected(adapter name or None, prompt) -> transformers' greedy tokens with that adapter merged."""
-    models = {None: merged_model(tiny_llama_dir, None)} | {
-        name: merged_model(tiny_llama_dir, path) for name, path in tiny_adapters.items()}
-    cache = {}
-
-    def run(name, prompt):
-        key = (name, tuple(prompt))
-        if key not in cache:
-            cache[key] = hf_greedy(models[name], prompt, NUM_TOKENS)
-        return cache[key]
-    return run
 
 
 def _lora(tiny_adapters, name):

@@ -11,6 +11,7 @@ import os
 import uvicorn
 
 from pagedllm.config import EngineConfig, ModelConfig, ServerConfig
+from pagedllm.config.lora import parse_lora_modules
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineStartupError, start_engine_cores
 from pagedllm.entrypoints.openai.app import build_app
@@ -24,6 +25,7 @@ from pagedllm.entrypoints.openai.connection_limits import (
 from pagedllm.entrypoints.openai.draining import DrainingServer
 from pagedllm.entrypoints.openai.loop_errors import RateLimitedLoopErrors
 from pagedllm.entrypoints.openai.server_state import ServerState
+from pagedllm.entrypoints.openai.serving_models import ServingModels
 from pagedllm.gc_heap import freeze_gc_heap
 
 logger = logging.getLogger(__name__)
@@ -117,7 +119,20 @@ async def run_server(engine_config: EngineConfig, sc: ServerConfig) -> int:
     engine = AsyncLLM(clients, tokenizer, names[0], engine_config.scheduler_config.max_num_queued_reqs,
                       log_stats=not sc.disable_log_stats, watchdog_timeout_s=sc.engine_hang_timeout or None,
                       max_buffered_outputs=sc.max_buffered_outputs)
-    state = ServerState(engine, sc, names)
+    models = ServingModels(names, clients[0].ready.model_name,
+                           engine.input_processor.check_lora if engine_config.lora_config.enable_lora else None)
+    try:
+        models.load_static(parse_lora_modules(sc.lora_modules))
+    except ValueError as e:
+        logger.error("%s", e)
+        engine.shutdown()
+        return 1
+    return await _serve(ServerState(engine, sc, names, models=models), fd_limit)
+
+
+async def _serve(state: ServerState, fd_limit: int) -> int:
+    """Serve the app until shut down; returns the exit status (1 when the engine died or the server never started)."""
+    engine, sc, names = state.engine, state.config, state.served_model_names
     limits = ConnectionLimits(effective_max_connections(sc.max_connections, fd_limit), sc.header_read_timeout,
                               sc.body_read_timeout)
     config = uvicorn.Config(build_app(state), host=sc.host or "0.0.0.0", port=sc.port,

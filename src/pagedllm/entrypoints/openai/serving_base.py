@@ -15,8 +15,10 @@ from pagedllm.engine.input_processor import is_valid_unicode, json_options
 from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.protocol import MAX_REQUEST_ID_LEN, SamplingFields, random_uuid
 from pagedllm.entrypoints.openai.request_caps import check_request_caps, n_above_cap
+from pagedllm.entrypoints.openai.serving_models import ServingModels
 from pagedllm.entrypoints.openai.tokenizer_threads import TokenizerThreads
 from pagedllm.log_escape import escape_control
+from pagedllm.messages import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -33,10 +35,12 @@ _DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], config: ServerConfig | None = None,
-                 tokenizer_threads: TokenizerThreads | None = None):
+                 tokenizer_threads: TokenizerThreads | None = None, models: ServingModels | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names
+        self.models = models if models is not None else ServingModels(served_model_names, served_model_names[0])
+        """The base model's names and the LoRA adapters a request may name in `model`."""
         self.config = config if config is not None else ServerConfig()
         self.max_prompt_chars = max_prompt_chars(engine.max_model_len, self.tokenizer)
         self.tokenizer_threads = tokenizer_threads if tokenizer_threads is not None else TokenizerThreads()
@@ -69,9 +73,14 @@ class OpenAIServing:
     def model_name(self) -> str:
         return self.served_model_names[0]
 
-    def check_model(self, model: str | None) -> None:
-        if model and model not in self.served_model_names:
-            raise errors.model_not_found(model)
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model); raises APIError 404 for a model not served."""
+        return self.models.resolve(model)
+
+    def response_model(self, request) -> str:
+        """The `model` of a response: the adapter's name for a request that runs one (as vLLM), else the base
+        model's first served name."""
+        return request.model if request.model in self.models.lora_requests else self.model_name
 
     @staticmethod
     def request_id(prefix: str, request: SamplingFields) -> str:
@@ -143,12 +152,13 @@ class OpenAIServing:
             logger.info("Received request %s: %d prompt(s), %d prompt tokens, params %s", escape_control(engine_id),
                         len(prompts), sum(len(ids) for _, ids in prompts), escape_control(_short(params)))
         self.engine.check_admission(params.n * len(prompts))  # again: the queue may have filled meanwhile
+        lora = self.check_model(request.model)  # again: the adapter may have been unloaded meanwhile
         streams = []
         ids = [engine_id] if len(prompts) == 1 else [f"{engine_id}-{i}" for i in range(len(prompts))]
         try:
             for sub_id, (text, token_ids) in zip(ids, prompts, strict=True):
                 streams.append(self.engine.add_request(sub_id, token_ids, params, text, output_kind,
-                                                       request.priority, request.cache_salt))
+                                                       request.priority, request.cache_salt, lora))
         except BaseException:
             for sub_id in ids[:len(streams)]:
                 self.engine.abort(sub_id)

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import torch
 
+NUM_TOKENS = 8
+"""Greedy tokens every LoRA test generates and compares."""
+
 
 def make_adapter(model_dir: Path, out: Path, seed: int, r: int = 8, alpha: float = 16,
                  targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
