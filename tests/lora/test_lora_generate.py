@@ -94,3 +94,16 @@ def test_adapters_that_cannot_be_served_are_refused(make_llm, tiny_llama_dir, ti
     base = make_llm(tiny_llama_dir)
     with pytest.raises(InvalidRequestError, match="LoRA is not enabled"):
         base.generate(prompt, GREEDY, use_tqdm=False, lora_request=_lora(tiny_adapters, "sql"))
+
+
+def test_one_adapter_a_step_evicts_and_reloads_with_chunked_prefill(make_llm, tiny_llama_dir, tiny_adapters,
+                                                                    expected):
+    """--max-loras 1 and --max-cpu-loras 1: the adapters take turns (one a step, the other evicted and reloaded from
+    its folder), prompts prefilled in chunks of at most 16 tokens; outputs unchanged."""
+    llm = make_llm(tiny_llama_dir, enable_lora=True, max_loras=1, max_num_batched_tokens=16)
+    prompts = _prompts(4, seed=11)
+    names = ["sql", "chat", None, "sql"]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[_lora(tiny_adapters, n) for n in names])
+    assert [list(o.outputs[0].token_ids) for o in outs] == [expected(n, p) for n, p in zip(names, prompts)]
+    manager = llm.llm_engine.engine_core.runner.lora_manager
+    assert len(manager.loaded) == 1
