@@ -104,6 +104,6 @@ def test_one_adapter_a_step_evicts_and_reloads_with_chunked_prefill(make_llm, ti
     prompts = _prompts(4, seed=11)
     names = ["sql", "chat", None, "sql"]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[_lora(tiny_adapters, n) for n in names])
-    assert [list(o.outputs[0].token_ids) for o in outs] == [expected(n, p) for n, p in zip(names, prompts)]
+    assert [list(o.outputs[0].token_ids) for o in outs] == [expected(n, p) for n, p in zip(names, prompts, strict=True)]
     manager = llm.llm_engine.engine_core.runner.lora_manager
     assert len(manager.loaded) == 1
