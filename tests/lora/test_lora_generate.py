@@ -37,12 +37,12 @@ def test_mixed_batch_matches_peft_merged_with_prefix_caching(make_llm, tiny_llam
     hits, each on its own adapter's blocks), shuffled. max_loras=2: the scheduler runs at most two adapters a step
     (with the base model's rows), the third waits; a step's rows of one adapter are apart (an index, not a slice)."""
     llm = make_llm(tiny_llama_dir, enable_lora=True, max_loras=2, max_lora_rank=16, max_num_seqs=8, block_size=4)
-    prompts = _prompts(8, seed=0)
+    prompts = _prompts(6, seed=0)
     prompts[5] = prompts[1]  # the same prompt under `sql` and `chat`: no shared blocks
-    prompts[7] = prompts[3]  # ... and under the base model and `sql`
-    names = [None, "sql", "chat", "sql", "rs", "chat", None, "sql"]
+    prompts[3] = prompts[0]  # ... and under the base model and `sql`
+    names = [None, "sql", "chat", "sql", "rs", "chat"]
     for attempt in range(2):
-        order = list(range(len(prompts))) if attempt == 0 else random.Random(1).sample(range(len(prompts)), 8)
+        order = list(range(len(prompts))) if attempt == 0 else random.Random(1).sample(range(len(prompts)), 6)
         outs = llm.generate([prompts[i] for i in order], GREEDY, use_tqdm=False,
                             lora_request=[_lora(tiny_adapters, names[i]) for i in order])
         for i, out in zip(order, outs, strict=True):
@@ -101,8 +101,8 @@ def test_one_adapter_a_step_evicts_and_reloads_with_chunked_prefill(make_llm, ti
     """--max-loras 1 and --max-cpu-loras 1: the adapters take turns (one a step, the other evicted and reloaded from
     its folder), prompts prefilled in chunks of at most 16 tokens; outputs unchanged."""
     llm = make_llm(tiny_llama_dir, enable_lora=True, max_loras=1, max_num_batched_tokens=16)
-    prompts = _prompts(4, seed=11)
-    names = ["sql", "chat", None, "sql"]
+    prompts = _prompts(3, seed=11)
+    names = ["sql", "chat", "sql"]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[_lora(tiny_adapters, n) for n in names])
     assert [list(o.outputs[0].token_ids) for o in outs] == [expected(n, p) for n, p in zip(names, prompts, strict=True)]
     manager = llm.llm_engine.engine_core.runner.lora_manager

@@ -55,6 +55,12 @@ class LoRAManager:
         self.loaded: OrderedDict[int, LoRARequest] = OrderedDict()
         """lora_int_id -> its request, least recently used first."""
 
+    @staticmethod
+    def sort_key(state) -> int:
+        """The runner orders a step's requests by this (a stable sort): the base model's first, then each adapter's
+        together, so that each adapter's rows are one slice (outputs do not depend on a row's place in the batch)."""
+        return 0 if state.lora_request is None else state.lora_request.lora_int_id
+
     def mapping(self, loras: list[LoRARequest | None], num_sched: np.ndarray) -> LoRAMapping | None:
         """This step's LoRAMapping (None when no row runs an adapter), loading the adapters it needs.
         `loras`: each scheduled request's adapter, in batch order; `num_sched`: its tokens this step."""

@@ -120,8 +120,10 @@ class ModelRunner:
         if not req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         batch = self.input_batch
+        if self.lora_manager is not None:  # each adapter's rows together: one slice of the batch per adapter
+            req_ids.sort(key=lambda r: self.lora_manager.sort_key(batch.states[batch.req_id_to_row[r]]))
         rows = np.fromiter((batch.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        num_sched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         spec = so.scheduled_spec_decode_tokens
         num_drafts = self._write_drafts(spec, req_ids) if spec else None
         input_ids, positions, attn_metadata = self._prepare_inputs(rows, num_sched)
