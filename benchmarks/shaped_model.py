@@ -21,6 +21,11 @@ SHAPES = {
         num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643,
         eos_token_id=151645)),
+    # HuggingFaceTB/SmolLM2-135M-Instruct's config.json (the default model's shape; LoRA benchmarks need a folder)
+    "smollm2-135m": ("LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)),
 }
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

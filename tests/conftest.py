@@ -4,6 +4,7 @@
 tokenizer_config.json (ChatML chat template). `tiny_llama_gguf`: the same model and tokenizer as one
 F32 GGUF file, llama.cpp naming and Q/K permutation. Both fp32, session-scoped, built in ~1 s.
 `tiny_llama_padded_dir`: the same architecture with vocab_size 512, padded past its 384-token tokenizer.
+`tiny_adapters`: PEFT LoRA adapters of the tiny Llama, and `expected`: transformers' greedy tokens with one merged.
 """
 
 from __future__ import annotations
@@ -248,3 +249,38 @@ def tiny_hub_cache(tiny_llama_dir, tiny_llama_gguf, tmp_path_factory):
         requests = list(hub.requests)
     return SimpleNamespace(hf_home=hf_home, download_dir=download_dir, tokenizer_dir=tokenizer_dir, v2_dir=v2,
                            q8_gguf=q8, commits=commits, results=results, requests=requests)
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_llama_dir, tmp_path_factory) -> dict[str, str]:
+    """PEFT LoRA adapters of the tiny Llama with random non-zero weights (lora_adapters.py), name -> folder: `sql`
+    (r 8 on every projection), `chat` (r 4 on q, v and down, alpha 8), `rs` (r 16 on q, k, v, o with rsLoRA and a
+    rank_pattern giving o_proj rank 4)."""
+    from lora_adapters import make_adapter
+
+    root = tmp_path_factory.mktemp("lora-adapters")
+    return {
+        "sql": str(make_adapter(tiny_llama_dir, root / "sql", seed=1)),
+        "chat": str(make_adapter(tiny_llama_dir, root / "chat", seed=2, r=4, alpha=8,
+                                 targets=("q_proj", "v_proj", "down_proj"))),
+        "rs": str(make_adapter(tiny_llama_dir, root / "rs", seed=3, r=16, alpha=8, use_rslora=True,
+                               targets=("q_proj", "k_proj", "v_proj", "o_proj"), rank_pattern={"o_proj": 4})),
+    }
+
+
+@pytest.fixture(scope="session")
+def expected(tiny_llama_dir, tiny_adapters):
+    """expected(adapter name or None, prompt token ids) -> transformers' NUM_TOKENS greedy tokens with that adapter
+    merged into the model (PEFT's merge_and_unload), fp32; computed once per (adapter, prompt)."""
+    from lora_adapters import NUM_TOKENS, hf_greedy, merged_model
+
+    models, cache = {}, {}
+
+    def run(name, prompt):
+        key = (name, tuple(prompt))
+        if key not in cache:
+            if name not in models:
+                models[name] = merged_model(tiny_llama_dir, None if name is None else tiny_adapters[name])
+            cache[key] = hf_greedy(models[name], prompt, NUM_TOKENS)
+        return cache[key]
+    return run

@@ -14,6 +14,7 @@ import pytest
 
 from pagedllm.config import (
     CacheConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -29,6 +30,7 @@ CONFIGS = {  # each dataclass -> (the smallest valid arguments, how its fields a
     CacheConfig: ({}, None),
     SchedulerConfig: ({}, None),
     ParallelConfig: ({}, None),
+    LoRAConfig: ({}, None),
     SpeculativeConfig: ({"method": "suffix", "num_speculative_tokens": 4}, "--speculative-config"),
     StructuredOutputsConfig: ({}, "--structured-outputs-config"),
     KVEventsConfig: ({}, "--kv-events-config"),

@@ -5,7 +5,8 @@ child process's environment hold. No other module reads os.environ (tests/core/t
 environment on to a child process (`{**os.environ, ...}`) is not a read.
 
 vLLM's variables that pagedllm honours: VLLM_API_KEY, VLLM_LOGGING_LEVEL, VLLM_CONFIGURE_LOGGING,
-VLLM_SERVER_DEV_MODE, VLLM_ENGINE_READY_TIMEOUT_S, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (same names and meanings).
+VLLM_SERVER_DEV_MODE, VLLM_ENGINE_READY_TIMEOUT_S, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES,
+VLLM_ALLOW_RUNTIME_LORA_UPDATING (same names and meanings).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ if TYPE_CHECKING:  # for type checkers: the attributes module __getattr__ serves
     VLLM_LOGGING_LEVEL: str
     VLLM_CONFIGURE_LOGGING: bool
     VLLM_SERVER_DEV_MODE: bool
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING: bool
     VLLM_ENGINE_READY_TIMEOUT_S: float | None
     VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES: bool
     RAY_ADDRESS: str | None
@@ -80,6 +82,10 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                              "1: serve vLLM's development routes (/reset_prefix_cache, /sleep, /wake_up, "
                              "/is_sleeping), as --enable-debug-routes does (vLLM reads an integer; true is taken "
                              "too)."),
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": (lambda: (os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING") or "0").strip()
+                                         .lower() in ("1", "true"),
+                                         "1: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters "
+                                         "loaded and unloaded at run time), as vLLM does."),
     "VLLM_ENGINE_READY_TIMEOUT_S": (_number("VLLM_ENGINE_READY_TIMEOUT_S", float),
                                     "Seconds to wait for the engine core to be ready: --engine-startup-timeout's "
                                     "default when set (vLLM's default 600 is pagedllm's too)."),

@@ -41,6 +41,12 @@ class SpecDecodingStats(msgspec.Struct, kw_only=True):
     num_accepted_tokens_per_pos: list[int] = []
     """[num_spec_tokens]: drafts accepted at each position of a draft run."""
 
+    @classmethod
+    def for_drafts(cls, num_spec_tokens: int | None) -> SpecDecodingStats | None:
+        """Zeroed counters for runs of up to num_spec_tokens drafts (None without speculative decoding)."""
+        k = num_spec_tokens
+        return cls(num_spec_tokens=k, num_accepted_tokens_per_pos=[0] * k) if k else None
+
     def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
@@ -109,6 +115,35 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
+class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """A LoRA adapter a request runs with (vLLM's vllm.lora.request.LoRARequest; also pagedllm.lora.request):
+    `lora_name` names it (the prefix cache keys blocks by it), `lora_int_id` (>= 1) identifies its loaded weights
+    in the worker, `lora_path` is its PEFT folder."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.lora_int_id < 1:
+            raise ValueError(f"id must be > 0, got {self.lora_int_id}")
+        if not self.lora_path:
+            raise ValueError("lora_path cannot be empty")
+
+    @property
+    def adapter_id(self) -> int:
+        return self.lora_int_id
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return self.lora_path
+
+
 class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -122,6 +157,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True):
     placeholder) and ends with its pooled vector."""
     client_index: int = 0
     """Which API server sent it (--api-server-count > 1): the engine core answers on that server's socket."""
+    lora_request: LoRARequest | None = None
+    """The adapter the request runs with (None: the base model)."""
 
 
 class LogprobsEntry(msgspec.Struct, array_like=True):
@@ -192,6 +229,13 @@ class ModelLimits:
     """--runner resolved: generate (text generation routes) or pooling (embeddings only), as vLLM serves one kind."""
     pooler: PoolerDefaults | None = None
     """runner pooling: the model's pooling (config/pooler.py), which the frontend puts in each PoolingParams."""
+    max_lora_rank: int | None = None
+    """--enable-lora: the largest adapter rank accepted (None: LoRA off; a request with an adapter is refused)."""
+    lora_module_shapes: dict[str, list[int]] = field(default_factory=dict)
+    """--enable-lora: each LoRA target module's [in_features, out_features], against which the frontend checks an
+    adapter's tensors before any request runs it (lora/peft.py)."""
+    num_layers: int = 0
+    """The model's decoder layers (an adapter's layer indices are checked against it)."""
 
 
 @dataclass

@@ -57,8 +57,8 @@ def test_vllm_only_flags_from_the_file_keep_their_class(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="pagedllm.config"):
         configs_from_args(_parse(["m", "--config", str(config)]))
     assert sum("no effect" in r.getMessage() for r in caplog.records) == 2
-    config.write_text("enable-lora: true\n")
-    with pytest.raises(ValueError, match="--enable-lora is not supported by pagedllm"):
+    config.write_text("grpc: true\n")
+    with pytest.raises(ValueError, match="--grpc is not supported by pagedllm"):
         configs_from_args(_parse(["m", "--config", str(config)]))
 
 

@@ -35,6 +35,7 @@ HONOURED_SAMPLES = {  # values pagedllm takes where the generic sample (from vLL
     "--quantization": ["fp8"], "--tool-call-parser": ["hermes"], "--distributed-executor-backend": ["mp"],
     "--speculative-config": ['{"method": "ngram", "num_speculative_tokens": 2}'], "--generation-config": ["vllm"],
     "--load-format": ["safetensors"], "--block-size": ["32"], "--reasoning-parser": ["qwen3"],
+    "--lora-modules": ["sql=/adapters/sql"],
 }
 HONOURED_EXTRA = {  # flags a flag needs beside it
     "--enable-expert-parallel": ["--tensor-parallel-size", "2"],
@@ -75,7 +76,8 @@ def _config_value(engine: EngineConfig, server: ServerConfig, dest: str):
     section, _, name = dest.partition("_")
     if section == "server":
         return getattr(server, name)
-    for part in (engine.model_config, engine.cache_config, engine.scheduler_config, engine.parallel_config, engine):
+    for part in (engine.model_config, engine.cache_config, engine.scheduler_config, engine.parallel_config,
+                 engine.lora_config, engine):
         if hasattr(part, name):
             return getattr(part, name)
     raise AssertionError(f"{dest} is in no configuration section")
@@ -145,16 +147,16 @@ def test_each_flag(flag, caplog, monkeypatch):
 
 def test_refused_flag_stops_start_up_with_exit_code_2(caplog):
     with caplog.at_level(logging.ERROR):
-        assert main(["serve", "some/model", "--enable-lora", "--enforce-eager"]) == 2
-    assert "--enable-lora is not supported by pagedllm: not built yet" in caplog.text
+        assert main(["serve", "some/model", "--grpc", "--enforce-eager"]) == 2
+    assert "--grpc is not supported by pagedllm" in caplog.text
     assert "unrecognized" not in caplog.text
 
 
 def test_several_refused_flags_are_named_together():
-    args = PARSER.parse_args(["m", "--grpc", "--max-loras", "2", "--collect-detailed-traces", "all"])
+    args = PARSER.parse_args(["m", "--grpc", "--fully-sharded-loras", "--collect-detailed-traces", "all"])
     with pytest.raises(ValueError) as e:
         configs_from_args(args)
-    for flag in ("--grpc", "--max-loras", "--collect-detailed-traces"):
+    for flag in ("--grpc", "--fully-sharded-loras", "--collect-detailed-traces"):
         assert flag in str(e.value)
 
 

@@ -11,7 +11,7 @@ The layers, bottom first (a top-level module or sub-package is named by its firs
                  log_escape, math_utils, child_process, native_thread_name   (no torch; the last two: a process's own
                  exit and thread names)
     core         core (pure Python, no torch), kernels (native code)
-    model        layers, models, tokenizer, spec_decode, distributed (the tensor-parallel group)
+    model        layers, models, tokenizer, spec_decode, distributed (the tensor-parallel group), lora (adapters)
     worker       worker
     executor     executor (drives the workers: in-process or one process per rank)
     metrics      metrics
@@ -41,7 +41,7 @@ LAYERS = [
     {"sampling_params", "pooling_params", "messages", "outputs", "config", "envs", "log_escape", "math_utils",
      "child_process", "native_thread_name", "gc_heap"},
     {"core", "kernels"},
-    {"layers", "models", "tokenizer", "spec_decode", "distributed", "structured_output"},
+    {"layers", "models", "tokenizer", "spec_decode", "distributed", "structured_output", "lora"},
     {"worker"},
     {"executor"},
     {"metrics"},

@@ -36,5 +36,6 @@ from pagedllm.config.engine import (  # noqa: F401
     StructuredOutputsConfig,
 )
 from pagedllm.config.kv_events import KVEventsConfig  # noqa: F401
+from pagedllm.config.lora import LoRAConfig  # noqa: F401
 from pagedllm.config.parallel import EXECUTOR_BACKENDS, RAY_EXTRA_HINT, ParallelConfig  # noqa: F401
 from pagedllm.config.server import REASONING_PARSERS, TOOL_CALL_PARSERS, ServerConfig, parse_api_keys  # noqa: F401

@@ -19,14 +19,11 @@ from typing import Any, Literal
 
 from pagedllm import envs
 from pagedllm.config.engine import (
+    ENGINE_SECTIONS,
     SPECULATIVE_METHODS,
-    CacheConfig,
     EngineConfig,
     KVEventsConfig,
-    ModelConfig,
-    SchedulerConfig,
 )
-from pagedllm.config.parallel import ParallelConfig
 from pagedllm.config.server import ServerConfig, parse_api_keys
 
 logger = logging.getLogger("pagedllm.config")
@@ -122,9 +119,10 @@ class _CommaJoined(argparse.Action):
 
 def add_engine_flags(group, skip: frozenset[str] | set[str] = frozenset(), suppress_defaults: bool = False,
                      prefix: str = "engine_") -> None:
-    """Flags for every engine argument (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig) except `skip`."""
+    """Flags for every engine argument (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, LoRAConfig)
+    except `skip`."""
     seen = set(skip)
-    for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig):
+    for cls in ENGINE_SECTIONS:
         add_dataclass_flags(group, cls, prefix, frozenset(seen), suppress_defaults)
         seen |= {f.name for f in fields(cls)}
     from pagedllm.config.vllm_flags import ALIASES

@@ -73,6 +73,11 @@ SCHEDULER_BOUNDS = {
     "max_prefill_attention_pairs": at_least(0, 1 << 40),
     "max_num_queued_reqs": at_least(0, 1 << 24),
 }
+LORA_BOUNDS = {
+    "max_loras": at_least(1, 1 << 10, "each step applies every adapter's product separately"),
+    "max_lora_rank": at_least(1, 1 << 12, "vLLM's largest rank is 512"),
+    "max_cpu_loras": at_least(1, 1 << 16),
+}
 PARALLEL_BOUNDS = {
     "tensor_parallel_size": at_least(1, 1024),
     "pipeline_parallel_size": at_least(1, 1024),

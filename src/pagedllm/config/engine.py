@@ -23,6 +23,7 @@ from pagedllm.config.bounds import (
 )
 from pagedllm.config.generation_overrides import parse_generation_overrides
 from pagedllm.config.kv_events import KVEventsConfig
+from pagedllm.config.lora import LoRAConfig
 from pagedllm.config.parallel import ParallelConfig
 from pagedllm.config.pooler import PoolerConfig, check_runner
 
@@ -345,8 +346,9 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     kv_events_config: KVEventsConfig | None = None
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
 
-    SECTIONS = ("model_config", "cache_config", "scheduler_config", "parallel_config")
+    SECTIONS = ("model_config", "cache_config", "scheduler_config", "parallel_config", "lora_config")
 
     def __post_init__(self) -> None:
         if self.parallel_config.data_parallel_size > 1 and self.model_config.device == "cuda":
@@ -360,6 +362,9 @@ class EngineConfig:
             if self.parallel_config.pipeline_parallel_size > 1:
                 raise ValueError("--async-scheduling is not supported with pipeline parallelism (as with vLLM's V1 "
                                  "model runner): its batch queue already keeps a step in flight per stage.")
+        if self.lora_config.enable_lora and self.parallel_config.world_size > 1:
+            raise ValueError("--enable-lora is not supported with --tensor-parallel-size or --pipeline-parallel-size "
+                             "above 1 yet (adapters are applied on one rank's whole layers).")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -368,8 +373,7 @@ class EngineConfig:
                                  "structured_outputs_config": StructuredOutputsConfig.parse(
                                      kwargs.pop("structured_outputs_config", None)),
                                  "kv_events_config": _kv_events_config(kwargs.pop("kv_events_config", None))}
-        for section, section_cls in zip(cls.SECTIONS, (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig),
-                                        strict=True):
+        for section, section_cls in zip(cls.SECTIONS, ENGINE_SECTIONS, strict=True):
             names = {f.name for f in fields(section_cls)}
             parts[section] = section_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         if kwargs:
@@ -379,6 +383,10 @@ class EngineConfig:
             logger.warning("--trust-remote-code: pagedllm never runs code from a model repository (its model "
                            "families and tokenizers are its own); no remote code runs.")
         return config
+
+
+ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, LoRAConfig)
+"""The flat engine arguments' dataclasses, in EngineConfig.SECTIONS' order."""
 
 
 def _json_object_flag(value: str | dict | None, cls: type, flag: str, example: str) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pagedllm.config.bounds import SERVER_BOUNDS, check_bounds
+from pagedllm.config.lora import parse_lora_modules
 
 
 @dataclass
@@ -185,6 +186,11 @@ class ServerConfig:
     prompt) with vLLM's `gen_ai.*` attributes, a child of the caller's trace when the request has a `traceparent`
     header. OTLP over gRPC, or HTTP with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf; exported in the
     background and flushed at shutdown. Needs the `otel` extra (opentelemetry-sdk, opentelemetry-exporter-otlp)."""
+    """Serve GET /debug/kv_cache (free and total KV blocks, running and waiting requests) for tests."""
+    lora_modules: list[str] | None = None
+    """LoRA adapters served at start-up (needs --enable-lora), each `name=path` or JSON
+    '{"name": "sql", "path": "/adapters/sql", "base_model_name": "base"}'; several: `--lora-modules a=/p b=/q`.
+    A request selects one by its name in `model`; /v1/models lists each with its base model as `parent`."""
 
     def __post_init__(self) -> None:
         parse_api_keys(self.api_key)
@@ -204,6 +210,7 @@ class ServerConfig:
             raise ValueError(f"--reasoning-parser {self.reasoning_parser!r} is not a registered reasoning parser; "
                              f"the registered ones are {', '.join(REASONING_PARSERS)}.")
         check_bounds(self, SERVER_BOUNDS)
+        parse_lora_modules(self.lora_modules)
 
     @property
     def log_requests(self) -> bool:

@@ -42,7 +42,8 @@ HONOURED_FLAGS = (
     "--enable-request-id-headers", "--disable-fastapi-docs", "--disable-uvicorn-access-log",
     "--enable-server-load-tracking", "--enable-sleep-mode",
     "--reasoning-parser", "--api-server-count", "--otlp-traces-endpoint", "--runner", "--convert", "--pooler-config",
-    "--async-scheduling",
+    "--async-scheduling", "--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
+    "--lora-dtype",
 )
 """vLLM's flags that pagedllm honours; all but the parser's own (--help, --config, --model) are generated from a
 config dataclass field of the same name (config/arguments.py)."""
@@ -94,7 +95,6 @@ _CONFIG = "not built yet: this configuration section"
 VLLM_ONLY_FLAGS: dict[str, tuple[str, str, str]] = {
     "--headless": ("true", REFUSED, _DP_MULTINODE),
     "--grpc": ("true", REFUSED, "not built yet: the gRPC server"),
-    "--lora-modules": ("str+", REFUSED, _NBY),
     "--chat-template-content-format": ("str", REFUSED, _FRONT),
     "--trust-request-mm-kwargs": ("bool", REFUSED, _MM),
     "--default-chat-template-kwargs": ("json", REFUSED, _FRONT),
@@ -265,12 +265,7 @@ VLLM_ONLY_FLAGS: dict[str, tuple[str, str, str]] = {
     "--mm-processor-device": ("str", REFUSED, _MM),
     "--mm-ipc-gpu-memory-gb": ("float", REFUSED, _MM),
     "--mm-device-do-normalize": ("bool", REFUSED, _MM),
-    "--enable-lora": ("bool", REFUSED, _NBY),
-    "--max-loras": ("int", REFUSED, _NBY),
-    "--max-lora-rank": ("int", REFUSED, _NBY),
-    "--lora-dtype": ("str", REFUSED, _NBY),
     "--enable-tower-connector-lora": ("bool", REFUSED, _MM),
-    "--max-cpu-loras": ("int", REFUSED, _NBY),
     "--fully-sharded-loras": ("bool", REFUSED, _LORA),
     "--lora-target-modules": ("str+", REFUSED, _LORA),
     "--default-mm-loras": ("json", REFUSED, _MM),

@@ -10,7 +10,7 @@ from pagedllm.core.block_hash import BlockHash, append_block_hashes
 from pagedllm.messages import FinishReason
 
 if TYPE_CHECKING:
-    from pagedllm.messages import EngineCoreRequest
+    from pagedllm.messages import EngineCoreRequest, LoRARequest
     from pagedllm.pooling_params import PoolingParams
     from pagedllm.sampling_params import SamplingParams
 
@@ -65,6 +65,8 @@ class Request:
         priority: lower runs first under the priority policy.
         cache_salt: prefix-cache namespace; only requests with the same salt share blocks.
         pooling_params: set for a pooling request (an embedding).
+        lora_request: the LoRA adapter it runs with (None: the base model); only requests of the same adapter
+            share blocks.
     """
 
     __slots__ = (
@@ -73,7 +75,7 @@ class Request:
         "num_cached_tokens", "status", "stop_reason", "block_hashes", "num_preemptions",
         "preempted_at_step", "first_scheduled_time", "first_output_sent", "max_tokens", "_stop_token_ids",
         "spec_token_ids", "spec_acceptance", "structured_output_request", "pooling_params",
-        "num_output_placeholders",
+        "num_output_placeholders", "lora_request", "lora_name",
     )
 
     def __init__(
@@ -87,6 +89,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ):
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt.")
@@ -101,6 +104,9 @@ class Request:
         self.cache_salt = cache_salt
         self.pooling_params = pooling_params
         """A pooling request's parameters (None: it generates): it finishes when its prompt is computed."""
+        self.lora_request = lora_request
+        self.lora_name = None if lora_request is None else lora_request.lora_name
+        """The adapter's name, a prefix-cache key (None: the base model)."""
         self.block_size = block_size
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -131,7 +137,7 @@ class Request:
         """structured_output.StructuredOutputRequest when the output must match a grammar (set by the engine core,
         which puts the request in WAITING_FOR_FSM): `is_ready()`, `accept_tokens(token_ids)`,
         `validate_tokens(draft_token_ids)`."""
-        append_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
+        append_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt, self.lora_name)
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, block_size: int) -> Request:
@@ -154,6 +160,7 @@ class Request:
             priority=req.priority,
             cache_salt=req.cache_salt,
             pooling_params=req.pooling_params,
+            lora_request=req.lora_request,
         )
 
     @property
@@ -194,7 +201,8 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
         if len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self.block_size:
-            append_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+            append_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt,
+                                    self.lora_name)
 
     def append_output_token_id(self, token_id: int) -> None:
         """Append one sampled token (the decode hot path) and hash the block it completes, if any."""
@@ -202,7 +210,7 @@ class Request:
         all_token_ids = self.all_token_ids
         all_token_ids.append(token_id)
         if len(all_token_ids) % self.block_size == 0:
-            append_block_hashes(self.block_hashes, all_token_ids, self.block_size, self.cache_salt)
+            append_block_hashes(self.block_hashes, all_token_ids, self.block_size, self.cache_salt, self.lora_name)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status}, tokens={self.num_tokens}, "

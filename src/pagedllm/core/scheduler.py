@@ -65,10 +65,11 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int, speculative_config: SpeculativeConfig | None = None,
                  enable_kv_cache_events: bool = False, pipeline_parallel: bool = False,
-                 kv_cache_layout: KVCacheLayout | None = None):
+                 kv_cache_layout: KVCacheLayout | None = None, max_loras: int | None = None):
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_loras = max_loras  # distinct LoRA adapters in one step (None: LoRA off)
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
@@ -273,7 +274,7 @@ class Scheduler:
     def _schedule_waiting(self, step: StepBuilder) -> None:
         kv = self.kv_cache_manager
         chunked = self.scheduler_config.enable_chunked_prefill
-        waiting_for_fsm = []
+        waiting_for_fsm = []  # and requests whose LoRA adapter would exceed max_loras this step
         while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if request.status == RequestStatus.WAITING_FOR_FSM:
@@ -284,6 +285,9 @@ class Scheduler:
             if request.structured_output_request is not None and not request.structured_output_request.is_mask_ready():
                 self.num_waiting_for_mask += 1
                 waiting_for_fsm.append(self.waiting.pop())  # its first mask (computed as it compiled) is not ready
+                continue
+            if not step.admits_lora(request, self.running, self.max_loras):
+                waiting_for_fsm.append(self.waiting.pop())
                 continue
             computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request, num_computed_tokens)
@@ -320,6 +324,7 @@ class Scheduler:
                 block_ids=get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
                 pooling_params=r.pooling_params,
+                lora_request=r.lora_request,
             )
             for r in step.new_reqs
         ]
@@ -457,6 +462,7 @@ class Scheduler:
         totals = (kv.prefix_cache_queries, kv.prefix_cache_hits, self.num_preemptions)
         deltas = [now - before for now, before in zip(totals, self._last_stats, strict=True)]
         self._last_stats = totals
+        spec_stats, self._spec_stats = self._spec_stats, self._new_spec_stats()
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -466,19 +472,12 @@ class Scheduler:
             prefix_cache_queries_delta=deltas[0],
             prefix_cache_hits_delta=deltas[1],
             num_preemptions_delta=deltas[2],
-            spec_decoding_stats=self._take_spec_stats(),
+            spec_decoding_stats=spec_stats,
             expert_routed_tokens_delta=self.routed_tokens.take(),
         )
 
     def _new_spec_stats(self) -> SpecDecodingStats | None:
-        if self.speculative_config is None:
-            return None
-        k = self.speculative_config.num_speculative_tokens
-        return SpecDecodingStats(num_spec_tokens=k, num_accepted_tokens_per_pos=[0] * k)
-
-    def _take_spec_stats(self) -> SpecDecodingStats | None:
-        stats, self._spec_stats = self._spec_stats, self._new_spec_stats()
-        return stats
+        return SpecDecodingStats.for_drafts(self.speculative_config and self.speculative_config.num_speculative_tokens)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.messages import LoRARequest  # at run time too (the mp executor's broadcast decodes it)
 from pagedllm.pooling_params import PoolingParams  # at run time: as SamplingParams
 from pagedllm.sampling_params import SamplingParams  # at run time: msgspec decodes it (the mp executor's broadcast)
 
@@ -30,6 +31,8 @@ class NewRequestData:
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None
     """A pooling request: the runner pools its prompt's hidden states instead of sampling."""
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter the request runs with (None: the base model); the runner groups rows by it."""
 
 
 @dataclass

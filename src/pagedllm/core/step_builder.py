@@ -30,6 +30,24 @@ class StepBuilder:
     """req_id -> the drafts verified this step (speculative decoding)."""
     use_spec: bool = False
     """Whether running requests' drafts are scheduled this step."""
+    loras: set[int] | None = None
+    """The LoRA adapters (lora_int_id) of the running requests and of those admitted this step (None: not counted
+    yet)."""
+
+    def admits_lora(self, request: Request, running: list[Request], max_loras: int | None) -> bool:
+        """Whether a waiting request's adapter fits this step: it is the base model's, or an adapter already in
+        the step, or one more adapter while fewer than max_loras are (vLLM's rule); counts it in if so."""
+        lora = request.lora_request
+        if lora is None or max_loras is None:
+            return True
+        if self.loras is None:
+            self.loras = {r.lora_request.lora_int_id for r in running if r.lora_request is not None}
+        if lora.lora_int_id in self.loras:
+            return True
+        if len(self.loras) >= max_loras:
+            return False
+        self.loras.add(lora.lora_int_id)
+        return True
 
     def add(self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock]) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens

@@ -36,7 +36,16 @@ from pagedllm.engine.input_processor import InputProcessor, InvalidRequestError
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.utility_calls import UtilityCalls
-from pagedllm.messages import EngineCoreRequest, FromEngine, Outputs, Ready, Rejected, SchedulerStats, UtilityResult
+from pagedllm.messages import (
+    EngineCoreRequest,
+    FromEngine,
+    LoRARequest,
+    Outputs,
+    Ready,
+    Rejected,
+    SchedulerStats,
+    UtilityResult,
+)
 from pagedllm.metrics.loggers import IterationStats, LoggingStatLogger, RequestStatsTracker
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 from pagedllm.metrics.tracing import RequestTrace, RequestTracer, current_request_trace
@@ -163,11 +172,11 @@ class AsyncLLM(UtilityCalls):
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, output_kind: OutputKind = "delta", priority: int = 0,
-                    cache_salt: str | None = None,
-                    pooling_params: PoolingParams | None = None) -> AsyncIterator[RequestOutput]:
+                    cache_salt: str | None = None, pooling_params: PoolingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Validate and send one request (n > 1: its first child); returns its output stream. With pooling_params
         (a pooling server), an embedding request: `params` is unused and the stream yields one
-        EmbeddingRequestOutput.
+        EmbeddingRequestOutput. lora_request: the adapter it runs with (None: the base model).
 
         Raises:
             InvalidRequestError: bad prompt or parameters. EngineDeadError: the engine is gone.
@@ -178,7 +187,7 @@ class AsyncLLM(UtilityCalls):
             raise InvalidRequestError(f"request_id {request_id!r} is already in use.", param="request_id")
         arrival_time = time.time()
         requests = fan_out(self.input_processor, self.output_processor, request_id, prompt_token_ids, params, prompt,
-                           output_kind, arrival_time, priority, cache_salt, pooling_params)
+                           output_kind, arrival_time, priority, cache_salt, pooling_params, lora_request)
         first = requests[0]  # the prompt exactly as the engine will hash it
         replica = self.router.route([r.request_id for r in requests], first.prompt_token_ids, first.cache_salt)
         if self.router.num_unfinished(replica) == len(requests):  # it was idle: the watchdog counts from now

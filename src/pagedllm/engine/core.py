@@ -23,6 +23,7 @@ from pagedllm.engine.kv_event_publisher import create_kv_event_publisher
 from pagedllm.engine.sleep_mode import SleepMode
 from pagedllm.executor.abstract import ExecutorDeadError, StepFuture
 from pagedllm.executor.factory import create_executor
+from pagedllm.lora.peft import module_shapes
 from pagedllm.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -33,7 +34,7 @@ from pagedllm.messages import (
     SchedulerStats,
 )
 from pagedllm.models.loader import resolve_model
-from pagedllm.models.registry import kv_cache_layout
+from pagedllm.models.registry import get_model_class, kv_cache_layout
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import get_tokenizer, tokenizer_source
 from pagedllm.worker.worker import resolve_max_model_len
@@ -80,7 +81,9 @@ class EngineCore(SleepMode):
             self.scheduler = scheduler_cls(sc, cc, self.num_blocks, self.max_model_len, config.speculative_config,
                                            enable_kv_cache_events=kec is not None and kec.enable_kv_cache_events,
                                            pipeline_parallel=pp_size > 1,
-                                           kv_cache_layout=kv_cache_layout(info, sc.disable_hybrid_kv_cache_manager))
+                                           kv_cache_layout=kv_cache_layout(info, sc.disable_hybrid_kv_cache_manager),
+                                           max_loras=config.lora_config.max_loras if config.lora_config.enable_lora
+                                           else None)
             self.async_scheduling = sc.async_scheduling
             self.batch_queue_size = 2 if self.async_scheduling else pp_size
             """Steps kept in flight (vLLM's batch queue): one per pipeline stage, so every stage has work; with
@@ -137,7 +140,17 @@ class EngineCore(SleepMode):
                            priority_scheduling=self.config.scheduler_config.scheduling_policy == "priority",
                            json_disable_any_whitespace=so_config.disable_any_whitespace,
                            json_disable_additional_properties=so_config.disable_additional_properties,
-                           runner_type=self.runner_type, pooler=self.pooler)
+                           runner_type=self.runner_type, pooler=self.pooler, **self._lora_limits())
+
+    def _lora_limits(self) -> dict:
+        """ModelLimits' LoRA fields (--enable-lora): the rank cap and the target modules' shapes."""
+        lc = self.config.lora_config
+        if not lc.enable_lora:
+            return {}
+        family = get_model_class(self.model_info.architecture, self.resolved_model.path)
+        dense = all(family.moe_options(self.model_info, i) is None for i in range(self.model_info.num_layers))
+        return {"max_lora_rank": lc.max_lora_rank, "num_layers": self.model_info.num_layers,
+                "lora_module_shapes": module_shapes(self.model_info, dense_mlp=dense)}
 
     def cache_config_info(self) -> dict[str, str]:
         """The labels of vLLM's `vllm:cache_config_info` gauge (its CacheConfig's names, values as strings): the

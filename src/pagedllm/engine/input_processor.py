@@ -13,7 +13,8 @@ import time
 import msgspec
 
 from pagedllm.config.pooler import wrong_runner_message
-from pagedllm.messages import EngineCoreRequest, ModelLimits
+from pagedllm.lora.peft import check_adapter_weights, read_adapter_config
+from pagedllm.messages import EngineCoreRequest, LoRARequest, ModelLimits
 from pagedllm.pooling_params import PoolerDefaults, PoolingParams
 from pagedllm.sampling_params import SamplingParams, SamplingParamsError
 from pagedllm.structured_output.grammar import StructuredOutputError, check_grammar
@@ -45,6 +46,8 @@ class InputProcessor:
         self.limits = limits if tokenizer_eos_token_id is None else with_tokenizer_eos(limits, tokenizer_eos_token_id)
         self.model_name = model_name
         """The served model name, for the messages that name the model (vLLM's dimensions checks)."""
+        self.checked_loras: dict[LoRARequest, None] = {}
+        """Adapters already checked (check_lora), by value: name, id and path."""
 
     def default_sampling_params(self) -> SamplingParams:
         """The model's generation-config defaults, or vLLM's when it has none."""
@@ -73,7 +76,7 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 arrival_time: float | None = None, priority: int = 0,
-                cache_salt: str | None = None) -> EngineCoreRequest:
+                cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> EngineCoreRequest:
         """Validate and build the engine request.
 
         Raises:
@@ -119,6 +122,8 @@ class InputProcessor:
             raise InvalidRequestError(f"min_tokens ({params.min_tokens}) must be at most max_tokens "
                                       f"({params.max_tokens}).", param="min_tokens")
         check_cache_salt(cache_salt)
+        if lora_request is not None:
+            self.check_lora(lora_request)
         if not all(is_valid_unicode(s) for s in params.stop):
             raise InvalidRequestError("stop strings must be valid Unicode (no lone surrogates).", param="stop")
         if limits.extra_stop_token_ids and not params.ignore_eos:
@@ -133,7 +138,24 @@ class InputProcessor:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             priority=priority,
             cache_salt=cache_salt,
+            lora_request=lora_request,
         )
+
+    def check_lora(self, lora: LoRARequest) -> None:
+        """Check an adapter once (its config and its tensors' names and shapes against the model), so that the
+        engine never fails a step on it. Raises LoRAAdapterError (its status_code: 404 for no adapter at the path,
+        else 400), or InvalidRequestError when LoRA is off."""
+        limits = self.limits
+        if limits.max_lora_rank is None:
+            raise InvalidRequestError(f"Got lora_request {lora.lora_name!r} but LoRA is not enabled (start with "
+                                      "--enable-lora).", param="model")
+        if lora in self.checked_loras:
+            return
+        adapter = read_adapter_config(lora.lora_name, lora.lora_path, limits.max_lora_rank)
+        check_adapter_weights(lora.lora_name, lora.lora_path, adapter, limits.lora_module_shapes, limits.num_layers)
+        if len(self.checked_loras) >= 4096:
+            self.checked_loras.pop(next(iter(self.checked_loras)))
+        self.checked_loras[lora] = None
 
 
     def process_pooling(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams,

@@ -11,6 +11,7 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.output_processor import OutputKind, OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
+from pagedllm.messages import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -35,7 +36,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, cache_salt: str | None = None,
-                    output_kind: OutputKind = "cumulative", pooling_params: PoolingParams | None = None) -> None:
+                    output_kind: OutputKind = "cumulative", pooling_params: PoolingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Validate, tokenize and queue one request (n > 1: n child requests).
 
         With pooling_params (runner pooling): an embedding request, `params` unused.
@@ -47,7 +49,8 @@ class LLMEngine:
         prompt_text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         requests = fan_out(self.input_processor, self.output_processor, request_id, token_ids, params, prompt_text,
-                           output_kind, priority=priority, cache_salt=cache_salt, pooling_params=pooling_params)
+                           output_kind, priority=priority, cache_salt=cache_salt, pooling_params=pooling_params,
+                           lora_request=lora_request)
         self.engine_core.add_request(requests[0])
 
     def abort_request(self, request_ids: list[str]) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.messages import LoRARequest
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -22,7 +23,8 @@ class LLM:
         model: a Hugging Face folder, a GGUF file, a hub id (`Qwen/Qwen3-8B`, `unsloth/Qwen3-0.6B-GGUF:Q4_K_M`; with
             revision= and download_dir=, as vLLM's), or None for the embedded SmolLM2-135M-Instruct.
         **engine_args: any field of ModelConfig, CacheConfig or SchedulerConfig (vLLM's names), e.g.
-            max_num_seqs=64, max_num_batched_tokens=512, enable_prefix_caching=False, dtype="float32".
+            max_num_seqs=64, max_num_batched_tokens=512, enable_prefix_caching=False, dtype="float32",
+            enable_lora=True, max_loras=4.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any):
@@ -58,12 +60,14 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; returns one RequestOutput per prompt, in input order.
 
         Prompts may be strings, token-id lists, or {"prompt_token_ids": [...]} / {"prompt": "..."} dicts, which
         may also carry a "cache_salt" (vLLM's TokensPrompt / TextPrompt): prefix-cache hits only between requests
-        with the same salt.
+        with the same salt. `lora_request`: the LoRA adapter every prompt runs with, or one per prompt (None: the
+        base model); needs enable_lora=True (vLLM's LoRARequest(lora_name, lora_int_id, lora_path)).
         """
         if self.llm_engine.engine_core.is_sleeping():
             raise RuntimeError("the engine is asleep: call LLM.wake_up() before generating.")
@@ -77,13 +81,19 @@ class LLM:
             params_list = list(sampling_params)
         else:
             params_list = [sampling_params] * len(prompts)
+        if isinstance(lora_request, Sequence):
+            if len(lora_request) != len(prompts):
+                raise ValueError(f"got {len(lora_request)} LoRA requests for {len(prompts)} prompts")
+            loras = list(lora_request)
+        else:
+            loras = [lora_request] * len(prompts)
         request_ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 request_id = str(next(self._counter))
                 self.llm_engine.add_request(request_id, prompt, params,
                                             priority=priority[i] if priority is not None else 0,
-                                            output_kind="final_only", cache_salt=salts[i])
+                                            output_kind="final_only", cache_salt=salts[i], lora_request=loras[i])
                 request_ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(request_ids)

@@ -57,6 +57,8 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
     layer_attn_metadata: list[AttentionMetadata] | None = None
     """Per layer, its KV cache group's metadata (several groups only; None: every layer reads attn_metadata)."""
+    lora_mapping: Any = None
+    """This step's LoRA adapters and their rows (lora/layers.py's LoRAMapping); None: no row runs an adapter."""
 
 
 _forward_context: ForwardContext | None = None
@@ -65,14 +67,14 @@ _forward_context: ForwardContext | None = None
 @contextlib.contextmanager
 def set_forward_context(
     attn_metadata: AttentionMetadata | None, kv_caches: list[torch.Tensor],
-    layer_attn_metadata: list[AttentionMetadata] | None = None,
+    layer_attn_metadata: list[AttentionMetadata] | None = None, lora_mapping: Any = None,
 ) -> Iterator[ForwardContext]:
     """Make `attn_metadata` and `kv_caches` (and, with several KV cache groups, each layer's metadata) visible to the
     attention layers for one forward pass."""
     global _forward_context
     previous = _forward_context
     _forward_context = ForwardContext(attn_metadata=attn_metadata, kv_caches=kv_caches,
-                                      layer_attn_metadata=layer_attn_metadata)
+                                      layer_attn_metadata=layer_attn_metadata, lora_mapping=lora_mapping)
     try:
         yield _forward_context
     finally:

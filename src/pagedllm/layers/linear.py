@@ -28,6 +28,7 @@ def onednn_available(weight: torch.Tensor) -> bool:
 class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None  # oneDNN's layout of weight, set by pack_weights
     quant_weight: PackedWeight | None = None  # the weight kept quantized, set by set_quantized_weight
+    lora = None  # lora/layers.py's LinearLoRA when LoRA adapters may run on this Linear (--enable-lora)
 
     def set_quantized_weight(self, weight: PackedWeight) -> None:
         """Run on `weight` (quantized, CPU fp32 activations) instead of a float weight, which is dropped."""
@@ -50,10 +51,12 @@ class Linear(nn.Linear):
         # x: [T, in_features] -> [T, out_features]
         if self.quant_weight is not None:
             y = self.quant_weight.matmul(x)
-            return y if self.bias is None else y.add_(self.bias)
-        if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            y = y if self.bias is None else y.add_(self.bias)
+        elif self.packed_weight is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.apply(x, y)
 
 
 def pack_linear_weights(model: nn.Module) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from pagedllm.layers.sampling.rejection_sampler import can_speculate
 from pagedllm.math_utils import cdiv
+from pagedllm.messages import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -26,6 +27,8 @@ class RequestState:
     eos_token_id: int | None
     num_prompt_tokens: int
     generator: torch.Generator | None
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter it runs with (None: the base model)."""
     can_speculate: bool = field(init=False)
     """Whether the verifier keeps this request's distribution exactly (rejection_sampler.can_speculate), fixed by
     its sampling params: computed once here, not on every step's proposal."""

@@ -14,11 +14,12 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import CachedRequestData, SchedulerOutput
 from pagedllm.distributed.pipeline_parallel import PipelineParallelGroup, run_stage
 from pagedllm.kernels import cpu_kernels
-from pagedllm.layers.forward_context import AttentionMetadata, kv_cache_shape, set_forward_context
+from pagedllm.layers.forward_context import AttentionMetadata, get_forward_context, kv_cache_shape, set_forward_context
 from pagedllm.layers.fused_moe import routed_token_counter
 from pagedllm.layers.sampler import Sampler, build_sampling_metadata, compute_prompt_logprobs, logprobs_to_entries
 from pagedllm.layers.sampling.grammar_bitmask import apply_grammar_bitmask
 from pagedllm.layers.sampling.rejection_sampler import rejection_sample
+from pagedllm.lora.manager import LoRAManager
 from pagedllm.math_utils import cdiv
 from pagedllm.messages import LogprobsEntry, ModelRunnerOutput
 from pagedllm.models.llama_native_step import LlamaNativeDecodeStep
@@ -81,6 +82,9 @@ class ModelRunner:
         self.native_step = LlamaNativeDecodeStep.build(model) if native else None
         self.routed_tokens = routed_token_counter(model, device)
         """A mixture of experts: [E] tokens routed to each expert in this step's forward (all layers), else None."""
+        self.lora_manager = LoRAManager(model, config.lora_config, model_info, dtype) \
+            if config.lora_config.enable_lora else None
+        """--enable-lora: the adapters, and each step's rows grouped by adapter (lora/manager.py)."""
         self.speculative_config = config.speculative_config
         self.proposer = _make_proposer(config.speculative_config, draft_model, device, dtype, max_model_len,
                                        self.block_size, config.scheduler_config.max_num_batched_tokens)
@@ -119,8 +123,10 @@ class ModelRunner:
         if not req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         batch = self.input_batch
+        if self.lora_manager is not None:  # each adapter's rows together: one slice of the batch per adapter
+            req_ids.sort(key=lambda r: self.lora_manager.sort_key(batch.states[batch.req_id_to_row[r]]))
         rows = np.fromiter((batch.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        num_sched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         spec = so.scheduled_spec_decode_tokens
         num_drafts = self._write_drafts(spec, req_ids) if spec else None
         input_ids, positions, attn_metadata = self._prepare_inputs(rows, num_sched)
@@ -129,7 +135,9 @@ class ModelRunner:
         layer_metadata = self._layer_metadata(attn_metadata, rows) if self.kv_cache_layout.num_groups > 1 else None
         if self.routed_tokens is not None:
             self.routed_tokens.zero_()
-        with set_forward_context(attn_metadata, self.kv_caches, layer_metadata):
+        lora = None if self.lora_manager is None else self.lora_manager.mapping(
+            [batch.states[r].lora_request for r in rows.tolist()], num_sched)
+        with set_forward_context(attn_metadata, self.kv_caches, layer_metadata, lora):
             hidden_states = self._forward(input_ids, positions)  # [T, hidden]
         if hidden_states is None:  # a pipeline stage before the last: the tokens come in the next step's diffs
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
@@ -245,11 +253,12 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The model's hidden states for this step: one native call for a step of decodes where the model has a
-        native decode step (models/llama_native_step.py, bitwise the same), else its modules. A pipeline stage
+        native decode step (models/llama_native_step.py, bitwise the same) and no row runs a LoRA adapter, else its
+        modules. A pipeline stage
         runs its layers on the previous stage's output and hands its own to the next (None but on the last)."""
         if self.pp.size > 1:
             return run_stage(self.model, self.pp, input_ids, positions, self.dtype)
-        if self.native_step is not None:
+        if self.native_step is not None and get_forward_context().lora_mapping is None:
             hidden_states = self.native_step.forward(input_ids, positions)
             if hidden_states is not None:
                 return hidden_states
@@ -276,7 +285,8 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(params.seed % (1 << 63))
                 self.generators[new.req_id] = generator
-            state = RequestState(new.req_id, params, new.eos_token_id, len(new.prompt_token_ids), generator)
+            state = RequestState(new.req_id, params, new.eos_token_id, len(new.prompt_token_ids), generator,
+                                 new.lora_request)
             batch.add(state, new.prompt_token_ids + new.output_token_ids, new.block_ids, new.num_computed_tokens)
             if new.pooling_params is not None:
                 self.pooler.add(new.req_id, new.pooling_params, len(new.prompt_token_ids))

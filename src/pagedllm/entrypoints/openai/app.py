@@ -28,6 +28,7 @@ from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
 from pagedllm.entrypoints.openai.dev_routes import add_dev_routes, dev_mode
 from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest, EmbeddingResponse
+from pagedllm.entrypoints.openai.lora_routes import add_lora_routes
 from pagedllm.entrypoints.openai.middleware import (
     API_KEY_SCOPE_KEY,
     GuardMiddleware,
@@ -35,7 +36,7 @@ from pagedllm.entrypoints.openai.middleware import (
     prechecked_route_class,
 )
 from pagedllm.entrypoints.openai.openapi import SSE_CONTENT, error_responses, openapi_document
-from pagedllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse, ModelCard, ModelList
+from pagedllm.entrypoints.openai.protocol import CompletionRequest, CompletionResponse, ModelList
 from pagedllm.entrypoints.openai.responses import guard, respond, run_until_disconnect
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest, ResponsesResponse
 from pagedllm.entrypoints.openai.server_load import add_load_route
@@ -43,6 +44,7 @@ from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_models import runtime_lora_updating
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.tenant_salt import tenant_cache_salt
@@ -73,7 +75,7 @@ def build_app(state: ServerState) -> FastAPI:
     add_outer_middleware(app, state.config)
     _add_error_handlers(app)
     # one set of tokenizer threads for every route: a big text in any of them delays no small one in another
-    serving = (state.engine, state.served_model_names, state.config, TokenizerThreads())
+    serving = (state.engine, state.served_model_names, state.config, TokenizerThreads(), state.models)
     limits = getattr(getattr(state.engine, "ready", None), "limits", None)
     if getattr(limits, "runner_type", "generate") == "pooling":  # as vLLM: one kind of routes, the other is a 404
         _add_embedding_routes(app, state, OpenAIServingEmbedding(*serving))
@@ -86,6 +88,8 @@ def build_app(state: ServerState) -> FastAPI:
         _add_generation_routes(app, state, completions, chat, responses)
     _add_info_routes(app, state)
     _add_token_routes(app, state, tokenization)
+    if runtime_lora_updating():
+        add_lora_routes(app, state.models)
     if state.config.enable_debug_routes:
         _add_debug_routes(app, state)
     if dev_mode(state.config.enable_debug_routes):
@@ -184,9 +188,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models", responses={200: {"model": ModelList}, **error_responses(401, 503)})
     async def show_models():
-        cards = [ModelCard(id=name, root=engine.ready.model_name, max_model_len=engine.max_model_len)
-                 for name in state.served_model_names]
-        return JSONResponse(ModelList(data=cards).model_dump())
+        return JSONResponse(ModelList(data=state.models.cards(engine.max_model_len)).model_dump())
 
     @app.get("/health", response_class=Response,
              responses={200: {"description": "The engine is healthy (an empty body)."}, **error_responses(503)})

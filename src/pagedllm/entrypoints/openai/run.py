@@ -20,6 +20,7 @@ import uvicorn.config
 
 from pagedllm import envs
 from pagedllm.config import EngineConfig, ModelConfig, ServerConfig
+from pagedllm.config.lora import parse_lora_modules
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineCoreClient, EngineStartupError, start_engine_cores
 from pagedllm.entrypoints.openai.app import build_app
@@ -33,6 +34,7 @@ from pagedllm.entrypoints.openai.connection_limits import (
 from pagedllm.entrypoints.openai.draining import DrainingServer
 from pagedllm.entrypoints.openai.loop_errors import RateLimitedLoopErrors
 from pagedllm.entrypoints.openai.server_state import ServerState
+from pagedllm.entrypoints.openai.serving_models import ServingModels
 from pagedllm.entrypoints.openai.ssl_refresh import SSLCertRefresher
 from pagedllm.gc_heap import freeze_gc_heap
 
@@ -203,7 +205,22 @@ async def run_server(engine_config: EngineConfig, sc: ServerConfig, shared: Shar
                       watchdog_timeout_s=sc.engine_hang_timeout or None, max_buffered_outputs=sc.max_buffered_outputs)
     engine.num_api_servers = sc.api_server_count
     engine.tracer = _make_tracer(sc, names[0])
-    state = ServerState(engine, sc, names, salt_secret=os.urandom(32) if shared is None else shared.salt_secret)
+    models = ServingModels(names, clients[0].ready.model_name,
+                           engine.input_processor.check_lora if engine_config.lora_config.enable_lora else None)
+    try:
+        models.load_static(parse_lora_modules(sc.lora_modules))
+    except ValueError as e:
+        logger.error("%s", e)
+        engine.shutdown()
+        return 1
+    state = ServerState(engine, sc, names, models=models,
+                        salt_secret=os.urandom(32) if shared is None else shared.salt_secret)
+    return await _serve_app(state, fd_limit, shared)
+
+
+async def _serve_app(state: ServerState, fd_limit: int, shared: SharedEngines | None) -> int:
+    """Serve the app until shut down; returns the exit status (1 when the engine died or the server never started)."""
+    engine, sc, names = state.engine, state.config, state.served_model_names
     limits = ConnectionLimits(effective_max_connections(sc.max_connections, fd_limit), sc.header_read_timeout,
                               sc.body_read_timeout)
     config = uvicorn_config(build_app(state), sc, limits)

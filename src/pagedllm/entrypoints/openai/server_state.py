@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.config import ServerConfig
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.serving_models import ServingModels
 
 
 @dataclass
@@ -22,3 +23,9 @@ class ServerState:
     """--cache-salt-from-api-key's HMAC key: random per server, the same in every API server of one (a tenant's
     requests share prefix-cache blocks whichever API server takes them)."""
     started: float = field(default_factory=time.time)
+    models: ServingModels | None = None
+    """The base model's names and the LoRA adapters (None: the served names alone, no adapters)."""
+
+    def __post_init__(self) -> None:
+        if self.models is None:
+            self.models = ServingModels(self.served_model_names, self.engine.ready.model_name)

@@ -18,7 +18,9 @@ from pagedllm.entrypoints.openai.protocol import MAX_REQUEST_ID_LEN, SamplingFie
 from pagedllm.entrypoints.openai.reasoning import ReasoningParser, RequestReasoning
 from pagedllm.entrypoints.openai.request_caps import check_request_caps, n_above_cap
 from pagedllm.entrypoints.openai.request_logger import RequestLogger
+from pagedllm.entrypoints.openai.serving_models import ServingModels
 from pagedllm.entrypoints.openai.tokenizer_threads import TokenizerThreads
+from pagedllm.messages import LoRARequest
 from pagedllm.metrics.tracing import current_request_trace
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -36,10 +38,12 @@ _DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], config: ServerConfig | None = None,
-                 tokenizer_threads: TokenizerThreads | None = None):
+                 tokenizer_threads: TokenizerThreads | None = None, models: ServingModels | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names
+        self.models = models if models is not None else ServingModels(served_model_names, served_model_names[0])
+        """The base model's names and the LoRA adapters a request may name in `model`."""
         self.config = config if config is not None else ServerConfig()
         self.max_prompt_chars = max_prompt_chars(engine.max_model_len, self.tokenizer)
         self.tokenizer_threads = tokenizer_threads if tokenizer_threads is not None else TokenizerThreads()
@@ -88,9 +92,14 @@ class OpenAIServing:
     def model_name(self) -> str:
         return self.served_model_names[0]
 
-    def check_model(self, model: str | None) -> None:
-        if model and model not in self.served_model_names:
-            raise errors.model_not_found(model)
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model); raises APIError 404 for a model not served."""
+        return self.models.resolve(model)
+
+    def response_model(self, request) -> str:
+        """The `model` of a response: the adapter's name for a request that runs one (as vLLM), else the base
+        model's first served name."""
+        return request.model if request.model in self.models.lora_requests else self.model_name
 
     @staticmethod
     def request_id(prefix: str, request: SamplingFields) -> str:
@@ -183,6 +192,7 @@ class OpenAIServing:
         if (trace := current_request_trace.get()) is not None:  # --otlp-traces-endpoint: the span's request id
             trace.request_id = request_id
         self.engine.check_admission(params.n * len(prompts))  # again: the queue may have filled meanwhile
+        lora = self.check_model(request.model)  # again: the adapter may have been unloaded meanwhile
         streams = []
         ids = [engine_id] if len(prompts) == 1 else [f"{engine_id}-{i}" for i in range(len(prompts))]
         request_logger = self.request_logger
@@ -191,7 +201,7 @@ class OpenAIServing:
                 if request_logger is not None:
                     request_logger.log_inputs(sub_id, text, token_ids, prompt_params)
                 stream = self.engine.add_request(sub_id, token_ids, prompt_params, text, output_kind,
-                                                 request.priority, request.cache_salt)
+                                                 request.priority, request.cache_salt, lora_request=lora)
                 if request_logger is not None and self.config.enable_log_outputs:
                     stream = request_logger.logging_outputs(stream, sub_id, params.n, output_kind == "delta")
                 streams.append(stream)

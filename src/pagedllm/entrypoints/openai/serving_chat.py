@@ -95,7 +95,7 @@ class OpenAIServingChat(OpenAIServing):
                 finish_reason=finish_reason, stop_reason=output.stop_reason,
                 token_ids=list(output.token_ids) if request.return_token_ids else None))
         return ChatCompletionResponse(
-            id=request_id, model=self.model_name, choices=choices,
+            id=request_id, model=self.response_model(request), choices=choices,
             usage=self.usage(len(token_ids), num_completion, final.num_cached_tokens),
             prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs, request.prompt_logprobs or 0),
             prompt_token_ids=list(token_ids) if request.return_token_ids else None)
@@ -135,7 +135,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, prompt_token_ids: list[int],
                       merged, tools: ToolCalling, reasoning: RequestReasoning | None) -> AsyncIterator[str]:
-        created = int(time.time())
+        created, model = int(time.time()), self.response_model(request)
         include_usage, continuous_usage = self.stream_usage_options(request)
         role = self.response_role(request)
         echo = echo_text(request, role)
@@ -148,7 +148,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
             so_far = self.usage(len(prompt_token_ids), num_completion, num_cached) if continuous_usage else None
-            return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+            return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
                                                     choices=choices, usage=so_far))
 
         try:
@@ -178,13 +178,13 @@ class OpenAIServingChat(OpenAIServing):
                         finish_reason=finish_reason, stop_reason=completion.stop_reason,
                         token_ids=list(completion.token_ids) if request.return_token_ids else None))
                 if len(choices) == 1 and isinstance(choices[0], tuple):
-                    template = template or content_chunk_template(request_id, created, self.model_name)
+                    template = template or content_chunk_template(request_id, created, model)
                     yield template.render(*choices[0])
                 elif choices:
                     yield chunk([stream_choice(c) for c in choices])
             if include_usage:
                 yield sse(ChatCompletionStreamResponse(
-                    id=request_id, created=created, model=self.model_name, choices=[],
+                    id=request_id, created=created, model=model, choices=[],
                     usage=self.usage(len(prompt_token_ids), num_completion, num_cached)))
         except Exception as e:
             yield sse_error(e)

@@ -117,7 +117,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 num_completion += len(output.token_ids)
                 choices.append(self._choice(request, prompt_index * request.n + output.index, prompt, final,
                                             output, echo=bool(request.echo)))
-        return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+        return CompletionResponse(id=request_id, model=self.response_model(request), choices=choices,
                                   usage=self.usage(num_prompt, num_completion, num_cached))
 
     def _choice(self, request: CompletionRequest, index: int, prompt: Prompt, final: RequestOutput,
@@ -184,7 +184,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _stream(self, request: CompletionRequest, request_id: str, prompts: list[Prompt],
                       merged) -> AsyncIterator[str]:
-        created = int(time.time())
+        created, model = int(time.time()), self.response_model(request)
         n = request.n
         include_usage, continuous_usage = self.stream_usage_options(request)
         as_ids = self.tokens_as_ids(request)
@@ -225,14 +225,14 @@ class OpenAIServingCompletion(OpenAIServing):
                                           if request.return_token_ids and first else None),
                         token_ids=list(completion.token_ids) if request.return_token_ids else None))
                 if len(choices) == 1 and isinstance(choices[0], tuple):
-                    template = template or _chunk_template(request_id, created, self.model_name)
+                    template = template or _chunk_template(request_id, created, model)
                     yield template.render(*choices[0])
                 elif choices:
                     so_far = self.usage(num_prompt, num_completion, sum(num_cached)) if continuous_usage else None
-                    yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+                    yield sse(CompletionStreamResponse(id=request_id, created=created, model=model,
                                                        choices=[_choice(c) for c in choices], usage=so_far))
             if include_usage:
-                yield sse(CompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+                yield sse(CompletionStreamResponse(id=request_id, created=created, model=model,
                                                    choices=[], usage=self.usage(num_prompt, num_completion,
                                                                                 sum(num_cached))))
         except Exception as e:
