@@ -192,4 +192,7 @@ def test_random_operations_keep_invariants():
     print(f"property test ran {total} random operations: {op_counts}; {events}")
     assert total >= 10_000
     assert min(op_counts.values()) > 500
-    assert min(events.values()) > 100  # the run really preempts, hits the cache and finishes requests
+    # The run really preempts, hits the cache and finishes requests. The counts depend on which examples hypothesis
+    # generates, and that varies with what ran before in the process (standalone: 149 preemptions; after the whole
+    # suite once: 47), so the floor is a coverage check, not a figure.
+    assert min(events.values()) > 20

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pagedllm.config import ServerConfig
 from pagedllm.entrypoints.openai import chat_stream_chunks, serving_completion
 from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionStreamResponse
 from pagedllm.entrypoints.openai.formatting import sse
@@ -17,6 +18,7 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionResponseChoice,
     CompletionStreamResponse,
 )
+from pagedllm.entrypoints.openai.serving_models import ServingModels
 from pagedllm.entrypoints.openai.sse_template import SSETemplate
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
@@ -61,6 +63,8 @@ def test_completion_stream_builds_no_pydantic_model_per_token(monkeypatch):
         monkeypatch.setattr(cls, "__init__", counting)
     serving = object.__new__(serving_completion.OpenAIServingCompletion)
     serving.served_model_names = ["m"]
+    serving.models = ServingModels(["m"], "/models/m")
+    serving.config = ServerConfig()
     texts = [" a", "\u00e9\n", " \"b\"", ""]
     outputs = [RequestOutput("cmpl-1", None, [1, 2], [CompletionOutput(0, text, [5 + i],
                                                                        finish_reason="length" if i == 3 else None)],
