@@ -43,3 +43,15 @@ def test_runtime_updating_switch(monkeypatch, value, on):
     else:
         monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", value)
     assert runtime_lora_updating() is on
+
+
+def test_runtime_updating_is_refused_with_several_api_servers(monkeypatch):
+    from pagedllm.config import configs_from_args
+    from pagedllm.entrypoints.cli.serve import add_parser
+
+    parser = add_parser(argparse.ArgumentParser(prog="pagedllm").add_subparsers())
+    args = parser.parse_args(["m", "--enable-lora", "--api-server-count", "2"])
+    configs_from_args(args)  # without the runtime switch: fine
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    with pytest.raises(ValueError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING .* --api-server-count"):
+        configs_from_args(args)

@@ -257,7 +257,11 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     model = args.model or args.model_tag
     if args.model and args.model_tag and args.model != args.model_tag:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}.")
-    return EngineConfig.from_kwargs(model=model, **engine_kwargs), ServerConfig(**server_kwargs)
+    engine, server = EngineConfig.from_kwargs(model=model, **engine_kwargs), ServerConfig(**server_kwargs)
+    if server.api_server_count > 1 and envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
+        raise ValueError("VLLM_ALLOW_RUNTIME_LORA_UPDATING is not supported with --api-server-count above 1: an "
+                         "adapter loaded at run time would be known to one API server only.")
+    return engine, server
 
 
 _SERVER_ENV_DEFAULTS = {"engine_startup_timeout": "VLLM_ENGINE_READY_TIMEOUT_S"}
