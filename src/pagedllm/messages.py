@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -159,6 +159,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True):
     """Which API server sent it (--api-server-count > 1): the engine core answers on that server's socket."""
     lora_request: LoRARequest | None = None
     """The adapter the request runs with (None: the base model)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's kv_transfer_params for a KV connector (disaggregated prefill/decode); None: none."""
 
 
 class LogprobsEntry(msgspec.Struct, array_like=True):
@@ -185,6 +187,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
     """Set with FinishReason.ERROR: what went wrong, safe to show the client."""
     pooled: list[float] | None = None
     """A pooling request's result (float32 values), sent with its finish."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """Sent with its finish by a KV connector's request_finished (a producer: where the consumer pulls from)."""
 
     @property
     def finished(self) -> bool:
@@ -239,6 +243,24 @@ class ModelLimits:
 
 
 @dataclass
+class KVConnectorOutput:
+    """What a KV connector's worker side reports after a step (vLLM's KVConnectorOutput), summed over the ranks: a
+    request is listed once every rank has finished it.
+
+    finished_sending: requests whose blocks the connector no longer reads (their freeing was delayed until now).
+    finished_recving: requests whose asynchronous load ended (WAITING_FOR_REMOTE_KVS -> WAITING).
+    invalid_block_ids: blocks whose load failed (kv_load_failure_policy decides: recompute or fail the request).
+    """
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+
+
+@dataclass
 class ModelRunnerOutput:
     """What the ModelRunner hands back to the Scheduler after one forward + sample: plain Python, no tensors.
 
@@ -263,6 +285,8 @@ class ModelRunnerOutput:
     pipeline parallelism, the last stage's layers); None for a dense model."""
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
     """Pooling requests whose prompt ended this step: their pooled (float32) vector."""
+    kv_connector_output: KVConnectorOutput | None = None
+    """A KV connector's news from the workers (None: no connector)."""
 
     @property
     def req_id_to_index(self) -> dict[str, int]:

@@ -36,6 +36,8 @@ HONOURED_SAMPLES = {  # values pagedllm takes where the generic sample (from vLL
     "--speculative-config": ['{"method": "ngram", "num_speculative_tokens": 2}'], "--generation-config": ["vllm"],
     "--load-format": ["safetensors"], "--block-size": ["32"], "--reasoning-parser": ["qwen3"],
     "--lora-modules": ["sql=/adapters/sql"],
+    "--kv-transfer-config": ['{"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}'],
+    "--kv-offloading-backend": ["native"],
 }
 HONOURED_EXTRA = {  # flags a flag needs beside it
     "--enable-expert-parallel": ["--tensor-parallel-size", "2"],

@@ -11,7 +11,8 @@ The layers, bottom first (a top-level module or sub-package is named by its firs
                  log_escape, math_utils, child_process, native_thread_name   (no torch; the last two: a process's own
                  exit and thread names)
     core         core (pure Python, no torch), kernels (native code)
-    model        layers, models, tokenizer, spec_decode, distributed (the tensor-parallel group), lora (adapters)
+    model        layers, models, tokenizer, spec_decode, distributed (the tensor-parallel group), lora (adapters),
+                 kv_transfer (KV connectors)
     worker       worker
     executor     executor (drives the workers: in-process or one process per rank)
     metrics      metrics
@@ -41,7 +42,7 @@ LAYERS = [
     {"sampling_params", "pooling_params", "messages", "outputs", "config", "envs", "log_escape", "math_utils",
      "child_process", "native_thread_name", "gc_heap"},
     {"core", "kernels"},
-    {"layers", "models", "tokenizer", "spec_decode", "distributed", "structured_output", "lora"},
+    {"layers", "models", "tokenizer", "spec_decode", "distributed", "structured_output", "lora", "kv_transfer"},
     {"worker"},
     {"executor"},
     {"metrics"},

@@ -138,6 +138,12 @@ def add_engine_flags(group, skip: frozenset[str] | set[str] = frozenset(), suppr
         group.add_argument("--structured-outputs-config", dest=prefix + "structured_outputs_config", metavar="JSON",
                            default=argparse.SUPPRESS if suppress_defaults else None,
                            help="vLLM's JSON, e.g. '{\"backend\": \"guidance\"}'; backends: auto, guidance.")
+    if "kv_transfer_config" not in seen:
+        group.add_argument("--kv-transfer-config", dest=prefix + "kv_transfer_config", metavar="JSON",
+                           default=argparse.SUPPRESS if suppress_defaults else None,
+                           help="vLLM's JSON, e.g. '{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": "
+                                "\"kv_both\", \"kv_connector_extra_config\": {\"cpu_bytes_to_use\": 4e9}}': a KV "
+                                "connector (offload tier, disaggregated prefill/decode). Default: none.")
     if "kv_events_config" not in seen:
         group.add_argument("--kv-events-config", dest=prefix + "kv_events_config", metavar="JSON",
                            default=argparse.SUPPRESS if suppress_defaults else None,

@@ -65,6 +65,7 @@ CACHE_BOUNDS = {
     "kv_cache_memory_bytes": at_least(1, 1 << 50, "1 PiB"),
     "gpu_memory_utilization": positive(1.0, "a fraction of the GPU's memory"),
     "num_gpu_blocks_override": at_least(1, (1 << 31) - 1, "block ids are 32-bit"),
+    "kv_offloading_size": positive(1 << 20, "GiB: 1 PiB"),
 }
 SCHEDULER_BOUNDS = {
     "max_num_seqs": at_least(1, 1 << 16, "the persistent batch holds a row of max_model_len tokens per sequence"),

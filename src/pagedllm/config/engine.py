@@ -23,6 +23,7 @@ from pagedllm.config.bounds import (
 )
 from pagedllm.config.generation_overrides import parse_generation_overrides
 from pagedllm.config.kv_events import KVEventsConfig
+from pagedllm.config.kv_transfer import KVTransferConfig, offloading_transfer_config
 from pagedllm.config.lora import LoRAConfig
 from pagedllm.config.parallel import ParallelConfig
 from pagedllm.config.pooler import PoolerConfig, check_runner
@@ -160,6 +161,12 @@ class CacheConfig:
     two) calculated once at load from a fixed calibration text, not from live requests, and K rounded with error
     feedback along the directions that text's queries look in (less logprob drift). Default: on for fp8 caches;
     --no-calculate-kv-scales: scale 1.0 and plain rounding, as vLLM without checkpoint scales."""
+    kv_offloading_size: float | None = None
+    """GiB of CPU memory for a KV offload tier (vLLM's): full blocks are kept there, shared by every data-parallel
+    replica on the host, and a prompt whose prefix is there loads it instead of computing it (the
+    OffloadingConnector, kv_transfer/offloading/). Default: no offload tier."""
+    kv_offloading_backend: Literal["native", "lmcache"] = "native"
+    """The offload tier's implementation: native (pagedllm's own). lmcache is refused (not installed)."""
 
     @property
     def uses_fp8_kv_cache(self) -> bool:
@@ -347,6 +354,8 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     kv_events_config: KVEventsConfig | None = None
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
+    kv_transfer_config: KVTransferConfig | None = None
+    """A KV connector (kv_transfer/): --kv-transfer-config, or the offload tier --kv-offloading-size makes."""
 
     SECTIONS = ("model_config", "cache_config", "scheduler_config", "parallel_config", "lora_config")
 
@@ -362,9 +371,24 @@ class EngineConfig:
             if self.parallel_config.pipeline_parallel_size > 1:
                 raise ValueError("--async-scheduling is not supported with pipeline parallelism (as with vLLM's V1 "
                                  "model runner): its batch queue already keeps a step in flight per stage.")
+        self.kv_transfer_config = offloading_transfer_config(
+            self.cache_config.kv_offloading_size, self.cache_config.kv_offloading_backend, self.kv_transfer_config)
+        if self.kv_transfer_config is not None:
+            self._check_kv_transfer()
         if self.lora_config.enable_lora and self.parallel_config.world_size > 1:
             raise ValueError("--enable-lora is not supported with --tensor-parallel-size or --pipeline-parallel-size "
                              "above 1 yet (adapters are applied on one rank's whole layers).")
+
+    def _check_kv_transfer(self) -> None:
+        if self.scheduler_config.async_scheduling:
+            raise ValueError("--kv-transfer-config / --kv-offloading-size are not supported with --async-scheduling "
+                             "yet (a step in flight would hold blocks the connector loads into).")
+        if self.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError("--kv-transfer-config / --kv-offloading-size are not supported with pipeline "
+                             "parallelism yet (each stage holds a part of the layers' KV).")
+        if self.parallel_config.executor_backend == "ray":
+            raise ValueError("--kv-transfer-config / --kv-offloading-size are not supported with "
+                             "--distributed-executor-backend ray yet; use mp.")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -372,7 +396,8 @@ class EngineConfig:
         parts: dict[str, Any] = {"speculative_config": SpeculativeConfig.parse(kwargs.pop("speculative_config", None)),
                                  "structured_outputs_config": StructuredOutputsConfig.parse(
                                      kwargs.pop("structured_outputs_config", None)),
-                                 "kv_events_config": _kv_events_config(kwargs.pop("kv_events_config", None))}
+                                 "kv_events_config": _kv_events_config(kwargs.pop("kv_events_config", None)),
+                                 "kv_transfer_config": _kv_transfer_config(kwargs.pop("kv_transfer_config", None))}
         for section, section_cls in zip(cls.SECTIONS, ENGINE_SECTIONS, strict=True):
             names = {f.name for f in fields(section_cls)}
             parts[section] = section_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
@@ -413,3 +438,11 @@ def _kv_events_config(value: str | dict | KVEventsConfig | None) -> KVEventsConf
         return value
     return KVEventsConfig(**_json_object_flag(value, KVEventsConfig, "--kv-events-config",
                                               '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'))
+
+
+def _kv_transfer_config(value: str | dict | KVTransferConfig | None) -> KVTransferConfig | None:
+    """From the flag's JSON text, an LLM(kv_transfer_config={...}) dict, or None (no connector)."""
+    if value is None or isinstance(value, KVTransferConfig):
+        return value
+    return KVTransferConfig(**_json_object_flag(value, KVTransferConfig, "--kv-transfer-config",
+                                                '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}'))

@@ -21,6 +21,8 @@ class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     WAITING_FOR_FSM = enum.auto()
     """Waiting for its grammar to compile (structured outputs); then WAITING."""
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    """Waiting for a KV connector's asynchronous load into its blocks (core/kv_connector.py); then WAITING."""
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -67,6 +69,7 @@ class Request:
         pooling_params: set for a pooling request (an embedding).
         lora_request: the LoRA adapter it runs with (None: the base model); only requests of the same adapter
             share blocks.
+        kv_transfer_params: the request's kv_transfer_params for a KV connector (None: none).
     """
 
     __slots__ = (
@@ -75,7 +78,7 @@ class Request:
         "num_cached_tokens", "status", "stop_reason", "block_hashes", "num_preemptions",
         "preempted_at_step", "first_scheduled_time", "first_output_sent", "max_tokens", "_stop_token_ids",
         "spec_token_ids", "spec_acceptance", "structured_output_request", "pooling_params",
-        "num_output_placeholders", "lora_request", "lora_name",
+        "num_output_placeholders", "lora_request", "lora_name", "kv_transfer_params",
     )
 
     def __init__(
@@ -90,6 +93,7 @@ class Request:
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
+        kv_transfer_params: dict | None = None,
     ):
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt.")
@@ -107,6 +111,9 @@ class Request:
         self.lora_request = lora_request
         self.lora_name = None if lora_request is None else lora_request.lora_name
         """The adapter's name, a prefix-cache key (None: the base model)."""
+        self.kv_transfer_params = kv_transfer_params
+        """What the client sent for a KV connector (disaggregated prefill/decode: do_remote_decode, or the producer's
+        remote_* fields for a consumer); None: nothing."""
         self.block_size = block_size
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -161,6 +168,7 @@ class Request:
             cache_salt=req.cache_salt,
             pooling_params=req.pooling_params,
             lora_request=req.lora_request,
+            kv_transfer_params=req.kv_transfer_params,
         )
 
     @property

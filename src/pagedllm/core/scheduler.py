@@ -27,12 +27,14 @@ from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.acceptance_guard import VerifyCost, drafts_to_verify
 from pagedllm.core.kv_cache_coordinator import AnyKVCacheManager, make_kv_cache_manager
 from pagedllm.core.kv_cache_spec import KVCacheLayout
+from pagedllm.core.kv_connector import KVTransferScheduling, SchedulerConnector
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
+from pagedllm.core.scheduler_introspection import SchedulerIntrospection
 from pagedllm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.core.step_builder import StepBuilder
 from pagedllm.core.stop_check import append_and_check_stop, check_stop
-from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, RoutedTokenCounts, SchedulerStats, SpecDecodingStats
+from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, RoutedTokenCounts
 
 if TYPE_CHECKING:
     from pagedllm.messages import ModelRunnerOutput
@@ -42,7 +44,7 @@ class QueueFullError(Exception):
     """The waiting queue holds max_num_queued_reqs requests; the new one is rejected (HTTP 503)."""
 
 
-class Scheduler:
+class Scheduler(SchedulerIntrospection):
     """Decides, every step, which requests advance by how many tokens, and owns their KV blocks.
 
     Args:
@@ -65,7 +67,8 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int, speculative_config: SpeculativeConfig | None = None,
                  enable_kv_cache_events: bool = False, pipeline_parallel: bool = False,
-                 kv_cache_layout: KVCacheLayout | None = None, max_loras: int | None = None):
+                 kv_cache_layout: KVCacheLayout | None = None, max_loras: int | None = None,
+                 kv_connector: SchedulerConnector | None = None):
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -103,6 +106,8 @@ class Scheduler:
         """Every draft verified since start (the per-snapshot deltas go out in make_stats)."""
         self.routed_tokens = RoutedTokenCounts()
         """A mixture of experts: tokens routed to each expert since the last make_stats (the runner's counts)."""
+        self.kv_transfer = KVTransferScheduling(kv_connector, self.block_size) if kv_connector else None
+        """A KV connector's bookkeeping (core/kv_connector.py); None without one."""
 
     # ---- requests in and out ----
 
@@ -153,10 +158,17 @@ class Scheduler:
         if removed_running:
             self.running = [r for r in self.running if not r.is_finished]
 
-    def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+    def _free_request(self, request: Request) -> dict | None:
+        """Free a finished request's blocks (unless its KV connector still reads them); its kv_transfer_params."""
+        delay, params = False, None
+        if self.kv_transfer is not None:
+            delay, params = self.kv_transfer.request_finished(request, self.kv_cache_manager.get_block_ids(
+                request.request_id))
+        if not delay:
+            self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
+        return params
 
     # ---- one step ----
 
@@ -171,6 +183,10 @@ class Scheduler:
         if not step.preempted_reqs:
             self._schedule_waiting(step)
         output = self._make_output(step)
+        if self.kv_transfer is not None:
+            output.preempted_req_ids |= self.kv_transfer.preempted_ids
+            self.kv_transfer.preempted_ids = set()
+            output.kv_connector_metadata = self.kv_transfer.connector.build_connector_meta(output)
         output.step_id = self.num_steps
         self.num_steps += 1
         for request in step.running_reqs:
@@ -289,16 +305,27 @@ class Scheduler:
             if not step.admits_lora(request, self.running, self.max_loras):
                 waiting_for_fsm.append(self.waiting.pop())
                 continue
-            computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
-            num_new_tokens = self._num_new_tokens(request, num_computed_tokens)
+            if self.kv_transfer is None:
+                computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
+                num_external = 0
+            else:  # the local hit, then what the KV connector loads (an asynchronous load: the request waits)
+                prepared = self.kv_transfer.prepare_waiting(request, self)
+                if prepared is None:
+                    waiting_for_fsm.append(self.waiting.pop())
+                    continue
+                computed_blocks, num_computed_tokens, num_external = prepared
+            num_new_tokens = self._num_new_tokens(request, num_computed_tokens + num_external)
             if not chunked and num_new_tokens > step.token_budget:
                 break  # the prompt waits until it fits a step whole
-            num_new_tokens = step.cap_prefill(num_computed_tokens, min(num_new_tokens, step.token_budget))
+            num_new_tokens = step.cap_prefill(num_computed_tokens + num_external,
+                                              min(num_new_tokens, step.token_budget))
             if num_new_tokens <= 0:
                 break  # the step's attention budget is spent
-            new_blocks = kv.allocate_slots(request, num_new_tokens, num_computed_tokens, computed_blocks)
+            new_blocks = kv.allocate_slots(request, num_external + num_new_tokens, num_computed_tokens, computed_blocks)
             if new_blocks is None:
                 break  # not enough free blocks: wait for running requests to finish
+            if self.kv_transfer is not None:
+                num_computed_tokens = self.kv_transfer.after_alloc(request, kv, num_computed_tokens, num_external)
             self.waiting.pop()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -378,6 +405,9 @@ class Scheduler:
         proposals = model_runner_output.spec_token_ids
         pooler_output = model_runner_output.pooler_output
         outputs = []
+        kv_output = model_runner_output.kv_connector_output
+        if kv_output is not None and self.kv_transfer is not None:
+            outputs = self.kv_transfer.update(kv_output, self)  # before the tokens: a failed load voids them
         any_finished = False
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(req_id)
@@ -449,50 +479,7 @@ class Scheduler:
             request.first_output_sent = True
             if finished:
                 any_finished = True
-                self._free_request(request)
+                outputs[-1].kv_transfer_params = self._free_request(request)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return EngineCoreOutputs(outputs=outputs, timestamp=time.time())
-
-    # ---- introspection ----
-
-    def make_stats(self) -> SchedulerStats:
-        """A snapshot; the *_delta counters count since the previous call."""
-        kv = self.kv_cache_manager
-        totals = (kv.prefix_cache_queries, kv.prefix_cache_hits, self.num_preemptions)
-        deltas = [now - before for now, before in zip(totals, self._last_stats, strict=True)]
-        self._last_stats = totals
-        spec_stats, self._spec_stats = self._spec_stats, self._new_spec_stats()
-        return SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=kv.usage,
-            num_free_blocks=kv.num_free_blocks,
-            num_total_blocks=kv.block_pool.num_usable_blocks,
-            prefix_cache_queries_delta=deltas[0],
-            prefix_cache_hits_delta=deltas[1],
-            num_preemptions_delta=deltas[2],
-            spec_decoding_stats=spec_stats,
-            expert_routed_tokens_delta=self.routed_tokens.take(),
-        )
-
-    def _new_spec_stats(self) -> SpecDecodingStats | None:
-        return SpecDecodingStats.for_drafts(self.speculative_config and self.speculative_config.num_speculative_tokens)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.kv_cache_manager.num_free_blocks
-
-    @property
-    def num_total_blocks(self) -> int:
-        return self.kv_cache_manager.block_pool.num_usable_blocks
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget all cached prefixes (only when no request holds blocks). Returns success."""
-        return self.kv_cache_manager.reset_prefix_cache()

@@ -71,6 +71,8 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     """req_id -> draft tokens verified this step (speculative decoding). They are the last len(drafts) of the
     request's num_scheduled_tokens: a decode with 3 drafts schedules 4 tokens (its last token, then the drafts)."""
+    kv_connector_metadata: dict | None = None
+    """A KV connector's plan for the workers this step (build_connector_meta; None without a connector)."""
 
     @classmethod
     def empty(cls) -> SchedulerOutput:

@@ -8,6 +8,7 @@ LLM calls it in-process; the server runs it in its own process (engine/core_proc
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -23,6 +24,8 @@ from pagedllm.engine.kv_event_publisher import create_kv_event_publisher
 from pagedllm.engine.sleep_mode import SleepMode
 from pagedllm.executor.abstract import ExecutorDeadError, StepFuture
 from pagedllm.executor.factory import create_executor
+from pagedllm.kv_transfer.base import KVConnectorRole
+from pagedllm.kv_transfer.factory import create_kv_connector
 from pagedllm.lora.peft import module_shapes
 from pagedllm.messages import (
     EngineCoreOutput,
@@ -64,6 +67,9 @@ class EngineCore(SleepMode):
     def __init__(self, config: EngineConfig, data_parallel_rank: int = 0):
         """data_parallel_rank: this replica's rank under --data-parallel-size (its KV events carry it and go
         out on the endpoint's port + rank, vLLM's layout)."""
+        if config.kv_transfer_config is not None:  # each replica's connector knows its data-parallel rank
+            config = dataclasses.replace(config, kv_transfer_config=dataclasses.replace(
+                config.kv_transfer_config, kv_rank=data_parallel_rank))
         self.config = config
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         start = time.perf_counter()
@@ -78,12 +84,20 @@ class EngineCore(SleepMode):
             # Before the KV cache is allocated: the scheduler refuses a pool that cannot hold one longest request.
             pp_size = config.parallel_config.pipeline_parallel_size
             scheduler_cls = AsyncScheduler if sc.async_scheduling else Scheduler
+            layout = kv_cache_layout(info, sc.disable_hybrid_kv_cache_manager)
+            tp_size = config.parallel_config.tensor_parallel_size
+            self.kv_connector = create_kv_connector(config, KVConnectorRole.SCHEDULER,
+                                                    (data_parallel_rank, 0, tp_size))
+            """The KV connector's scheduler side (kv_transfer/); None without --kv-transfer-config."""
+            if self.kv_connector is not None and layout.num_groups > 1:
+                raise ValueError(f"{info.architecture} has {layout.num_groups} KV cache groups (sliding-window "
+                                 "layers): a KV connector moves one block table's blocks; not supported yet.")
             self.scheduler = scheduler_cls(sc, cc, self.num_blocks, self.max_model_len, config.speculative_config,
                                            enable_kv_cache_events=kec is not None and kec.enable_kv_cache_events,
                                            pipeline_parallel=pp_size > 1,
-                                           kv_cache_layout=kv_cache_layout(info, sc.disable_hybrid_kv_cache_manager),
+                                           kv_cache_layout=layout,
                                            max_loras=config.lora_config.max_loras if config.lora_config.enable_lora
-                                           else None)
+                                           else None, kv_connector=self.kv_connector)
             self.async_scheduling = sc.async_scheduling
             self.batch_queue_size = 2 if self.async_scheduling else pp_size
             """Steps kept in flight (vLLM's batch queue): one per pipeline stage, so every stage has work; with
@@ -231,8 +245,8 @@ class EngineCore(SleepMode):
         if not scheduler_output.num_scheduled_tokens:
             if self.scheduler.num_waiting_for_mask:  # every request that could run waits for its mask
                 masks.wait_for_masks(MASK_IDLE_WAIT_S, any_one=True)
-            elif self.scheduler.waiting:
-                time.sleep(0.001)  # e.g. every request waits for its grammar: no busy spin while it compiles
+            elif self.scheduler.waiting or self.kv_connector is not None:
+                time.sleep(0.001)  # e.g. a grammar compiles, a KV load is in flight: no busy spin meanwhile
         return scheduler_output
 
     def _mask_wait_s(self) -> float:
@@ -333,6 +347,8 @@ class EngineCore(SleepMode):
         self.structured_output_manager.shutdown()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         self.executor.shutdown()
 
     def _load_tokenizer(self):

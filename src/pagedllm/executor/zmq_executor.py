@@ -38,6 +38,7 @@ from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.distributed.parallel_state import check_tensor_parallel_size
 from pagedllm.distributed.pipeline_parallel import check_pipeline_parallel_size
 from pagedllm.executor.abstract import Executor, ExecutorDeadError
+from pagedllm.executor.kv_output_aggregator import KVOutputAggregator
 from pagedllm.executor.worker_messages import (
     ExecuteModel,
     FromWorker,
@@ -74,6 +75,9 @@ class ZmqExecutor(Executor):
         self._call_ids = itertools.count()
         self._pending_steps: deque[PendingStep] = deque()
         """Steps published and not yet answered, oldest first."""
+        self.kv_aggregator = KVOutputAggregator(self.world_size) \
+            if config.kv_transfer_config is not None and self.world_size > 1 else None
+        """With a KV connector every rank answers each step (its connector's report); else the driver alone."""
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromWorker)
         self.ctx = zmq.Context()
@@ -187,6 +191,20 @@ class ZmqExecutor(Executor):
         if not self._pending_steps:
             logger.warning("a step result from worker %d but no step is pending", message.rank)
             return
+        if self.kv_aggregator is not None and message.error is None:
+            step = next((s for s in self._pending_steps if message.rank not in s.parts), None)
+            if step is None:
+                logger.warning("a step result from worker %d but no step waits for it", message.rank)
+                return
+            step.parts[message.rank] = message.output
+            if len(step.parts) < self.world_size:
+                return
+            self._pending_steps.remove(step)
+            driver = step.parts[self.world_size - self.config.parallel_config.tensor_parallel_size]
+            driver.kv_connector_output = self.kv_aggregator.aggregate(
+                [o.kv_connector_output for o in step.parts.values()])
+            step.output, step.finished = driver, True
+            return
         step = self._pending_steps.popleft()
         if message.error is None:
             step.output = message.output
@@ -250,6 +268,8 @@ class PendingStep:
         self.finished = False
         self.output: ModelRunnerOutput | None = None
         self.error: BaseException | None = None
+        self.parts: dict[int, ModelRunnerOutput] = {}
+        """With a KV connector and several ranks: each rank's answer, until all are in."""
 
     def done(self) -> bool:
         executor = self._executor

@@ -25,6 +25,8 @@ from pagedllm.distributed.parallel_state import (
     init_tensor_parallel_group,
 )
 from pagedllm.distributed.pipeline_parallel import PipelineParallelGroup, destroy_world, init_pipeline
+from pagedllm.kv_transfer.base import KVConnectorBase, KVConnectorRole
+from pagedllm.kv_transfer.factory import create_kv_connector
 from pagedllm.layers.forward_context import kv_cache_bytes_per_block
 from pagedllm.layers.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedllm.messages import ModelRunnerOutput
@@ -34,6 +36,7 @@ from pagedllm.spec_decode.draft_model_proposer import DraftModelProposer
 from pagedllm.structured_output.manager import GrammarOutput
 from pagedllm.tokenizer import get_tokenizer, tokenizer_source
 from pagedllm.worker.cpu_allocator import release_freed_memory
+from pagedllm.worker.kv_connector_step import layer_kv_caches, run_with_connector
 from pagedllm.worker.kv_scales import CALIBRATION_TEXT, calculate_kv_scales
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -69,6 +72,8 @@ class Worker:
         self.heap_was_frozen = False
         """Sleep mode: the heap was frozen (gc_heap.py) before sleep unfroze it; wake_up freezes it again."""
         self.step_spans: deque[tuple[float, float]] = deque(maxlen=STEP_SPANS_KEPT)
+        self.kv_connector: KVConnectorBase | None = None
+        """The KV connector's worker side (kv_transfer/), made once the KV cache exists; None without one."""
         """Bytes of the draft model's scratch KV cache (draft_model method), taken from the KV budget."""
 
     def init_device(self) -> None:
@@ -165,6 +170,14 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.model_runner.initialize_kv_cache(num_blocks)
+        if self.config.kv_transfer_config is not None and self.kv_connector is None:
+            ktc = self.config.kv_transfer_config
+            self.kv_connector = create_kv_connector(self.config, KVConnectorRole.WORKER,
+                                                    (ktc.kv_rank or 0, self.tp.rank, self.tp.size))
+            self.kv_connector.register_kv_caches(self._layer_kv_caches())
+
+    def _layer_kv_caches(self) -> dict:
+        return layer_kv_caches(self.model_runner.kv_caches, 0)  # no pipeline parallelism with a connector
 
     # ---- sleep mode (engine/sleep_mode.py) ------------------------------------------------------
     def sleep(self, level: int) -> None:
@@ -235,7 +248,14 @@ class Worker:
         prefault = runner.kv_prefault
         start = time.monotonic()
         with prefault.busy() if prefault is not None else contextlib.nullcontext():
-            output = runner.execute_model(scheduler_output, grammar)
+            if self.kv_connector is None:
+                output = runner.execute_model(scheduler_output, grammar)
+            else:
+                output, report = run_with_connector(self.kv_connector, self._layer_kv_caches(), scheduler_output,
+                                                    lambda: runner.execute_model(scheduler_output, grammar))
+                if not self.is_driver:  # every rank's report goes back (executor/kv_output_aggregator.py)
+                    return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], kv_connector_output=report)
+                output.kv_connector_output = report
         self.step_spans.append((start, time.monotonic()))
         return output if self.is_driver else None
 
@@ -248,6 +268,8 @@ class Worker:
         """Raises if this worker cannot run steps (nothing to check in-process today)."""
 
     def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         runner = self.model_runner
         if runner is not None:
             if runner.kv_prefault is not None:
