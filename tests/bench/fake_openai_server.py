@@ -66,6 +66,8 @@ async def _stream(request: web.Request, chat: bool) -> web.StreamResponse:
         ping = ": ping\n\n" if i == 0 else ""
         await response.write(f"{ping}data: {json.dumps({'choices': [choice]})}\n\n".encode())
     usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": num_tokens or 16}
+    if "CACHED" in prompt:  # vLLM with --enable-prompt-tokens-details
+        usage["prompt_tokens_details"] = {"cached_tokens": 1}
     choices = []
     if request.app[LLAMACPP] and not chat:
         choices = [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}]

@@ -100,6 +100,22 @@ def test_completions_request_is_timed_and_counted(fake_server):
     assert sent["headers"]["x-request-id"] == "rid-1"
 
 
+def test_cached_tokens_are_read_when_reported(fake_server):
+    """usage.prompt_tokens_details.cached_tokens (vLLM's --enable-prompt-tokens-details) is kept per request
+    (benchmarks/kv_offload.py counts prefix hits with it); None when the server does not report it."""
+    base_url, _ = fake_server
+    assert asyncio.run(_one(request_openai_completions, base_url, "/v1/completions")).cached_tokens is None
+
+    async def cached():
+        inp = RequestFuncInput(prompt="CACHED world", api_url=base_url + "/v1/completions", prompt_len=2,
+                               output_len=2, model="fake-model")
+        async with aiohttp.ClientSession() as session:
+            return await request_openai_completions(inp, session)
+
+    out = asyncio.run(cached())
+    assert out.success and out.cached_tokens == 1
+
+
 def test_usage_beside_a_final_choice_is_read(llamacpp_like_server):
     """llama.cpp ends a completions stream with a choice of empty text and `usage` in the same chunk: the counts
     come from that usage, and the chunk is no token (no extra inter-token latency)."""

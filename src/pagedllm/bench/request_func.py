@@ -53,6 +53,9 @@ class RequestFuncOutput:
     client_queue_time: float = 0.0
     # Times the request was sent again because the server closed the connection before taking it.
     retries: int = 0
+    # usage.prompt_tokens_details.cached_tokens (prompt tokens served from a cache: the server's prefix cache or a
+    # KV connector's tier); None when the server does not report it (vLLM: without --enable-prompt-tokens-details).
+    cached_tokens: int | None = None
 
 
 class SSEParser:
@@ -173,6 +176,8 @@ async def _stream(
                             output.output_tokens = usage.get("completion_tokens") or 0
                             if (prompt_tokens := usage.get("prompt_tokens")) is not None:
                                 output.prompt_len = prompt_tokens
+                            if (details := usage.get("prompt_tokens_details")) is not None:
+                                output.cached_tokens = details.get("cached_tokens")
                 output.generated_text = "".join(text_parts)
                 output.latency = last_token_time - start
                 output.success = first_token_seen
