@@ -16,6 +16,7 @@ class SchedulerIntrospection:
         deltas = [now - before for now, before in zip(totals, self._last_stats, strict=True)]
         self._last_stats = totals
         spec_stats, self._spec_stats = self._spec_stats, self._new_spec_stats()
+        ext_queries, ext_hits, connector_stats = self.kv_transfer.take_stats() if self.kv_transfer else (0, 0, None)
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -27,6 +28,9 @@ class SchedulerIntrospection:
             num_preemptions_delta=deltas[2],
             spec_decoding_stats=spec_stats,
             expert_routed_tokens_delta=self.routed_tokens.take(),
+            external_prefix_cache_queries_delta=ext_queries,
+            external_prefix_cache_hits_delta=ext_hits,
+            kv_connector_stats=connector_stats,
         )
 
     def _new_spec_stats(self) -> SpecDecodingStats | None:

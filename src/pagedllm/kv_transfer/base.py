@@ -115,5 +115,9 @@ class KVConnectorBase:
         """Blocks whose load failed since the last call (kv_load_failure_policy decides what happens)."""
         return set()
 
+    def get_kv_connector_stats(self) -> dict[str, float]:
+        """This rank's counters since the last call (kv_transfer/stats.py keys; summed over the ranks)."""
+        return {}
+
     def shutdown(self) -> None:
         """Stop threads, close sockets, detach shared memory."""

@@ -47,3 +47,5 @@ def create_kv_connector(config: EngineConfig, role: KVConnectorRole,
 
 
 KVConnectorFactory.register_connector("MultiConnector", "pagedllm.kv_transfer.multi_connector", "MultiConnector")
+KVConnectorFactory.register_connector("OffloadingConnector", "pagedllm.kv_transfer.offloading.connector",
+                                      "OffloadingConnector")

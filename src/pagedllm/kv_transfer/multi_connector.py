@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.config.kv_transfer import KVTransferConfig
 from pagedllm.kv_transfer.base import KVConnectorBase, KVConnectorRole
+from pagedllm.kv_transfer.stats import add_stats
 from pagedllm.messages import KVConnectorOutput
 
 if TYPE_CHECKING:
@@ -125,6 +126,12 @@ class MultiConnector(KVConnectorBase):
         for connector in self.connectors:
             errors |= connector.get_block_ids_with_load_errors()
         return errors
+
+    def get_kv_connector_stats(self) -> dict[str, float]:
+        stats: dict[str, float] = {}
+        for connector in self.connectors:
+            add_stats(stats, connector.get_kv_connector_stats())
+        return stats
 
     def shutdown(self) -> None:
         for connector in self.connectors:

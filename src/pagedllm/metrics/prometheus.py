@@ -18,6 +18,7 @@ import contextlib
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedllm import envs
+from pagedllm.kv_transfer.stats import CONNECTOR_COUNTERS, split_stat_key
 from pagedllm.messages import SchedulerStats, SpecDecodingStats
 from pagedllm.metrics.loggers import IterationStats
 
@@ -61,6 +62,8 @@ class PrometheusStatLogger:
         self.record_sleep_state()
         self.spec_decode: _SpecDecodeCounters | None = None  # made on the first step that reports speculation
         self.routed_tokens: Counter | None = None  # made on the first step that reports experts (a MoE model)
+        self.connector_counters: dict[str, Counter] = {}
+        """A KV connector's counters (kv_transfer/stats.py), each made on the first step that reports it."""
 
     def record_sleep_state(self, sleeping: bool = False, level: int = 0) -> None:
         """vLLM's vllm:engine_sleep_state, for every engine (sleep mode: engine/sleep_mode.py)."""
@@ -90,6 +93,22 @@ class PrometheusStatLogger:
         for expert, count in enumerate(counts):
             self.routed_tokens.labels(**labels, expert=str(expert)).inc(count)
 
+    def _record_connector_stats(self, stats: dict[str, float], engine: int) -> None:
+        """A KV connector's counters with vLLM's names (kv_transfer/stats.py): vllm:kv_offload_* by
+        transfer_type or tier; unknown keys are skipped."""
+        labels = self._labels(engine)
+        for key, value in stats.items():
+            name, label = split_stat_key(key)
+            if name not in CONNECTOR_COUNTERS or value <= 0:
+                continue
+            label_name, doc = CONNECTOR_COUNTERS[name]
+            counter = self.connector_counters.get(name)
+            if counter is None:
+                counter = self.connector_counters[name] = Counter(
+                    name, doc, [*self.label_names, *([label_name] if label_name else [])], registry=self.registry)
+            (counter.labels(**labels, **{label_name: label or ""}) if label_name else counter.labels(**labels)
+             ).inc(value)
+
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
                engine: int = 0) -> None:
         series = self.engines[engine]
@@ -106,6 +125,10 @@ class PrometheusStatLogger:
                 self._record_spec_decode(scheduler_stats.spec_decoding_stats, engine)
             if scheduler_stats.expert_routed_tokens_delta is not None:
                 self._record_routed_tokens(scheduler_stats.expert_routed_tokens_delta, engine)
+            if scheduler_stats.kv_connector_stats is not None:
+                series.external_prefix_cache_queries.inc(scheduler_stats.external_prefix_cache_queries_delta)
+                series.external_prefix_cache_hits.inc(scheduler_stats.external_prefix_cache_hits_delta)
+                self._record_connector_stats(scheduler_stats.kv_connector_stats, engine)
         if iteration_stats is None:
             return
         s = iteration_stats
@@ -181,6 +204,12 @@ class _Families:
         self.num_total_blocks = gauge("pagedllm:kv_cache_total_blocks", "KV-cache blocks in the pool.")
         self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.")
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.")
+        self.external_prefix_cache_queries = counter(
+            "vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance "
+            "cache sharing, in terms of number of queried tokens.")
+        self.external_prefix_cache_hits = counter(
+            "vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache "
+            "sharing, in terms of number of cached tokens.")
         self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
