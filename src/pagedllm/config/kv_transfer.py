@@ -94,9 +94,19 @@ def offloading_transfer_config(size_gib: float | None, backend: str,
                "kv_connector_extra_config": {"cpu_bytes_to_use": int(size_gib * GiB)}}
     if given is None:
         return KVTransferConfig(**offload)
+    if _made_from(given, offload):  # a copy of a config whose offload tier was made already (dataclasses.replace)
+        return given
     connectors = [offload, {k: v for k, v in vars(given).items() if k in ("kv_connector", "kv_role",
                                                                           "kv_connector_extra_config")}]
     return KVTransferConfig(kv_connector="MultiConnector", kv_role=given.kv_role, engine_id=given.engine_id,
                             kv_ip=given.kv_ip, kv_port=given.kv_port,
                             kv_load_failure_policy=given.kv_load_failure_policy,
                             kv_connector_extra_config={"connectors": connectors})
+
+
+def _made_from(given: KVTransferConfig, offload: dict[str, Any]) -> bool:
+    """`given` is what offloading_transfer_config made of `offload` (alone, or first in a MultiConnector)."""
+    if given.kv_connector == "OffloadingConnector":
+        return given.kv_connector_extra_config == offload["kv_connector_extra_config"]
+    connectors = given.kv_connector_extra_config.get("connectors") if given.kv_connector == "MultiConnector" else None
+    return bool(connectors) and connectors[0] == offload

@@ -37,8 +37,10 @@ class MultiConnector(KVConnectorBase):
         for spec in specs:
             sub = KVTransferConfig(**{**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
                                       "kv_connector_extra_config": {}, **spec})
+            # without --kv-offloading-size: it made this MultiConnector already, it must not wrap a sub-connector
+            cache_config = dataclasses.replace(config.cache_config, kv_offloading_size=None)
             self.connectors.append(KVConnectorFactory.create_connector(
-                dataclasses.replace(config, kv_transfer_config=sub), role, kv_rank))
+                dataclasses.replace(config, cache_config=cache_config, kv_transfer_config=sub), role, kv_rank))
         self._loader: dict[str, int] = {}
         """request id -> the connector that loads its external tokens."""
 
