@@ -98,7 +98,8 @@ class OffloadingWorker:
         saves = meta.get("save")
         if not saves or self.store is None:
             return
-        items = [(int(b), bytes(h)) for b, h in saves]
+        # not a block whose load failed this step: it holds no KV of its hash (recomputed, or its request failed)
+        items = [(int(b), bytes(h)) for b, h in saves if int(b) not in self._errors]
         if self._pool is None:
             self._save(items)
         else:
