@@ -161,3 +161,22 @@ def test_disk_tier_and_corrupted_files(make_llm, tiny_llama_dir, reference, tmp_
     assert _stats(llm).get("pagedllm:kv_offload_load_errors", 0) > 0
     _shutdown(llm)
     assert not os.path.exists(disk_dir)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_stores_each_ranks_heads(make_llm, tiny_llama_dir, reference):
+    """TP=2 (mp executor, one process per rank): each rank stores its own KV head under (hash, rank) in the one
+    region the scheduler looks up (a block counts only when both ranks have it); tokens as TP=1."""
+    prompts, ref = reference
+    llm = _make(make_llm, tiny_llama_dir, kv_transfer_config=_offload(), tensor_parallel_size=2)
+    try:
+        assert _tokens(llm, prompts)[0] == ref
+        store = llm.llm_engine.engine_core.kv_connector.scheduler.store
+        assert store.num_blocks()[0] == 2 * 4 * FULL  # every block, once per rank
+        assert store.geometry.slot_bytes == BLOCK_BYTES // 2  # one of the two KV heads
+        assert _tokens(llm, prompts)[0] == ref
+        stats = _stats(llm)
+        assert stats["external_hits"] >= 2 * 63
+        assert stats["vllm:kv_offload_total_bytes|GPU_to_CPU"] == 4 * FULL * BLOCK_BYTES  # both ranks' halves
+    finally:
+        _shutdown(llm)
