@@ -347,9 +347,9 @@ class EngineCore(SleepMode):
         self.structured_output_manager.shutdown()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.shutdown()
-        if self.kv_connector is not None:
-            self.kv_connector.shutdown()
         self.executor.shutdown()
+        if self.kv_connector is not None:  # after the workers: it may be the last user of what they share
+            self.kv_connector.shutdown()
 
     def _load_tokenizer(self):
         return get_tokenizer(tokenizer_source(self.config.model_config, self.resolved_model))

@@ -18,6 +18,7 @@ an in-process worker share one file descriptor: closing a second descriptor woul
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import mmap
@@ -77,6 +78,8 @@ class SharedRegion:
                 if region is None:
                     return None
                 _registry[path] = region
+            elif not check(memoryview(region.map)):
+                raise RegionGeometryError(_geometry_message(path))
             region.users += 1
             return region
 
@@ -115,10 +118,7 @@ class SharedRegion:
                     region = cls(path, fd, current)
                     if not check(memoryview(region.map)):
                         region._close_map()
-                        raise RegionGeometryError(
-                            f"the KV offload region {path} exists with another layout (another model, block size, "
-                            f"tensor-parallel size or size); give this server its own kv_connector_extra_config "
-                            f"shm_name")
+                        raise RegionGeometryError(_geometry_message(path))
             finally:
                 fcntl.lockf(fd, fcntl.LOCK_UN, 1, 0)
         except _NotCreated:
@@ -150,6 +150,46 @@ class SharedRegion:
 
 class _NotCreated(Exception):
     pass
+
+
+def _geometry_message(path: str) -> str:
+    return (f"the KV offload region {path} exists with another layout (another model, block size, tensor-parallel "
+            f"size or tier size); give this server its own kv_connector_extra_config shm_name")
+
+
+def reap_orphans(directory: str, prefix: str) -> list[str]:
+    """Unlink the regions named `prefix*` in `directory` that no live process uses (left by a process that was
+    killed before it could detach). Returns their paths."""
+    reaped = []
+    with contextlib.suppress(OSError):
+        names = [n for n in os.listdir(directory) if n.startswith(prefix)]
+        for name in names:
+            path = os.path.join(directory, name)
+            if path in _registry:
+                continue
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            if _release(fd, path, unlink_if_last=True):
+                reaped.append(path)
+    return reaped
+
+
+@atexit.register
+def _detach_all() -> None:
+    """At interpreter exit, every attachment this process still holds goes (an engine never shut down would
+    otherwise leave its region in /dev/shm)."""
+    for region in list(_registry.values()):
+        if region.pid == os.getpid():
+            region.users = 1
+            with contextlib.suppress(Exception):
+                region.detach()
 
 
 def _release(fd: int, path: str, unlink_if_last: bool) -> bool:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
 
+DEFAULT_PREFIX = "pagedllm-kv-"
+"""Default region names start with it (worker.py reaps orphans of that prefix)."""
 KEYS = ("cpu_bytes_to_use", "shm_name", "shm_dir", "disk_path", "disk_bytes_to_use", "async_save")
 
 
@@ -74,7 +76,7 @@ def default_region_name(config: EngineConfig, cpu_bytes: int, disk_path: str | N
              config.parallel_config.tensor_parallel_size, cpu_bytes, disk_path and os.path.abspath(disk_path),
              disk_bytes]
     digest = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
-    return f"pagedllm-kv-{digest}"
+    return f"{DEFAULT_PREFIX}{digest}"
 
 
 def _non_negative_int(extra: dict, key: str, default: int | None) -> int | None:

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedllm.kv_transfer.offloading.disk import _HEADER
+from pagedllm.kv_transfer.offloading.region import reap_orphans
+from pagedllm.kv_transfer.offloading.spec import DEFAULT_PREFIX
 from pagedllm.kv_transfer.offloading.store import BlockStore, StoreGeometry
 from pagedllm.kv_transfer.stats import add_stats, stat_key
 
@@ -75,6 +77,7 @@ class OffloadingWorker:
         layout = [(tuple(kv.shape[2:]), str(kv.dtype)) for kv in kv_caches.values()]
         digest = int.from_bytes(hashlib.sha256(repr(layout).encode()).digest()[:7], "little")
         geometry = StoreGeometry(slot_bytes, ram_slots, disk_slots, digest)
+        reap_orphans(self.spec.shm_dir, DEFAULT_PREFIX)  # regions of killed servers
         self.store = BlockStore.attach(self.spec.path, geometry, self.spec.disk_dir)
         ram = torch.frombuffer(self.store.data, dtype=torch.uint8).view(dtype)
         self.ram = ram.view(ram_slots * len(self.layers), 2, words)
@@ -98,7 +101,7 @@ class OffloadingWorker:
         saves = meta.get("save")
         if not saves or self.store is None:
             return
-        # not a block whose load failed this step: it holds no KV of its hash (recomputed, or its request failed)
+        # A block whose load failed this step holds garbage: never store it under its hash.
         items = [(int(b), bytes(h)) for b, h in saves if int(b) not in self._errors]
         if self._pool is None:
             self._save(items)
