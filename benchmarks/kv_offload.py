@@ -191,6 +191,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None, help="Default: `pagedllm serve`'s (SmolLM2-135M).")
     parser.add_argument("--variants", default="none,tier,dp", help=f"Comma-separated, of {', '.join(VARIANTS)}.")
     parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--first-run", type=int, default=0,
+                        help="The first run's number (the seed of its prompts): a later sitting continues a series.")
     parser.add_argument("--num-prefixes", type=int, default=64)
     parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--suffix-len", type=int, default=16)
@@ -211,7 +213,7 @@ def main() -> None:
           f"({args.pool_prefixes} requests of {request_blocks(args)} blocks)", flush=True)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="kv-offload-") as tmp:
-        for run in range(args.runs):
+        for run in range(args.first_run, args.first_run + args.runs):
             reference = None
             for variant in variants:
                 row = run_variant(variant, run, Path(tmp), args, reference)
