@@ -120,8 +120,8 @@ async def drive(url: str, requests: list, warmup: list[int], args: argparse.Name
 
 
 def counters(server: Server) -> dict[str, float]:
-    """The prefix-cache and connector counters of /metrics, summed over label sets (by name), and per engine for
-    the prefix-cache ones."""
+    """The prefix-cache and connector counters of /metrics, summed over label sets (by name), and by each value
+    of their engine, transfer_type and tier labels (`name[label=value]`)."""
     out: dict[str, float] = {}
     for sample, value in server.metrics().items():
         name = sample.split("{", 1)[0]
@@ -130,10 +130,11 @@ def counters(server: Server) -> dict[str, float]:
         if name.startswith("vllm:cache_config_info"):
             continue
         out[name] = out.get(name, 0.0) + value
-        if 'engine="' in sample:
-            engine = sample.split('engine="', 1)[1].split('"', 1)[0]
-            key = f"{name}[engine={engine}]"
-            out[key] = out.get(key, 0.0) + value
+        for label in ("engine", "transfer_type", "tier"):
+            if f'{label}="' in sample:
+                value_of_label = sample.split(f'{label}="', 1)[1].split('"', 1)[0]
+                key = f"{name}[{label}={value_of_label}]"
+                out[key] = out.get(key, 0.0) + value
     return out
 
 
