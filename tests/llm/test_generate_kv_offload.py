@@ -163,6 +163,19 @@ def test_disk_tier_and_corrupted_files(make_llm, tiny_llama_dir, reference, tmp_
     assert not os.path.exists(disk_dir)
 
 
+def test_sleep_mode_rebinds_the_new_pool(make_llm, tiny_llama_dir, reference):
+    """Sleep drops the pool, wake-up allocates another: the worker side copies into the new one (the prompts come
+    back from the tier, token-identical)."""
+    prompts, ref = reference
+    llm = _make(make_llm, tiny_llama_dir, kv_transfer_config=_offload(), enable_sleep_mode=True)
+    assert _tokens(llm, prompts[:2])[0] == ref[:2]
+    llm.sleep(2)
+    llm.wake_up()
+    again, cached = _tokens(llm, prompts[:2])
+    assert again == ref[:2] and cached == [63, 63] and _stats(llm)["external_hits"] == 2 * 63
+    _shutdown(llm)
+
+
 @pytest.mark.slow
 def test_tensor_parallel_2_stores_each_ranks_heads(make_llm, tiny_llama_dir, reference):
     """TP=2 (mp executor, one process per rank): each rank stores its own KV head under (hash, rank) in the one

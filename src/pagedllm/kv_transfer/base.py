@@ -83,7 +83,8 @@ class KVConnectorBase:
 
     # ---- worker side ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """This rank's KV tensors by layer name, once, after they are allocated."""
+        """This rank's KV tensors by layer name, after they are allocated; again with {} when sleep mode drops
+        them (let go of them) and with the new ones when it allocates them again."""
 
     def bind_connector_metadata(self, metadata: dict[str, Any] | None) -> None:
         self._connector_metadata = metadata

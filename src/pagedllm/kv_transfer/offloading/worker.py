@@ -69,6 +69,11 @@ class OffloadingWorker:
         self._stats_lock = threading.Lock()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """The pool's layers (again after sleep mode's wake-up: the same geometry); {}: sleep mode drops them."""
+        self._wait_saves()
+        self.layers, self.np_layers = [], None
+        if not kv_caches:
+            return
         self.layers = [_word_view(kv) for kv in kv_caches.values()]
         first = self.layers[0]
         words, dtype = first.shape[-1], first.dtype
@@ -83,8 +88,11 @@ class OffloadingWorker:
         layout = [(tuple(kv.shape[2:]), str(kv.dtype)) for kv in kv_caches.values()]
         digest = int.from_bytes(hashlib.sha256(repr(layout).encode()).digest()[:7], "little")
         geometry = StoreGeometry(slot_bytes, ram_slots, disk_slots, digest)
-        reap_orphans(self.spec.shm_dir, DEFAULT_PREFIX)  # regions of killed servers
-        self.store = BlockStore.attach(self.spec.path, geometry, self.spec.disk_dir)
+        if self.store is None:
+            reap_orphans(self.spec.shm_dir, DEFAULT_PREFIX)  # regions of killed servers
+            self.store = BlockStore.attach(self.spec.path, geometry, self.spec.disk_dir)
+        elif self.store.geometry != geometry:
+            raise ValueError("OffloadingConnector: the KV cache came back with another layout.")
         ram = torch.frombuffer(self.store.data, dtype=torch.uint8).view(dtype)
         self.ram = ram.view(ram_slots * len(self.layers), 2, words)
         if all(layer.device.type == "cpu" for layer in self.layers):
@@ -95,7 +103,10 @@ class OffloadingWorker:
     def start_load_kv(self, meta: dict[str, Any]) -> None:
         self._wait_saves()
         loads = meta.get("load")
-        if not loads or self.store is None:
+        if not loads:
+            return
+        if self.store is None or not self.layers:  # no pool (asleep): nothing loaded
+            self._errors.update(int(b) for b, _ in loads)
             return
         start = time.perf_counter()
         result = self.store.get([(int(b), bytes(h)) for b, h in loads], self.rank, self._copy_out, self._copy_bytes)
@@ -108,7 +119,7 @@ class OffloadingWorker:
 
     def wait_for_save(self, meta: dict[str, Any]) -> None:
         saves = meta.get("save")
-        if not saves or self.store is None:
+        if not saves or self.store is None or not self.layers:
             return
         # A block whose load failed this step holds garbage: never store it under its hash.
         items = [(int(b), bytes(h)) for b, h in saves if int(b) not in self._errors]
