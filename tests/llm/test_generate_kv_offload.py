@@ -88,6 +88,9 @@ def test_evicted_prefixes_load_from_the_tier_token_identical(make_llm, tiny_llam
     salted, cached = _tokens(llm, prompts[:2], salt="tenant-b")  # another salt: no block shared
     assert salted == ref[:2] and cached == [0, 0]
     assert _stats(llm)["external_hits"] == stats["external_hits"]
+    logprobs = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)  # every position computed
+    assert _tokens(llm, prompts[:1], logprobs)[1] == [0]
+    assert _stats(llm)["external_hits"] == stats["external_hits"]
     _shutdown(llm)
 
 
