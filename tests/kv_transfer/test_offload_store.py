@@ -8,6 +8,7 @@ import hashlib
 import multiprocessing
 import os
 import random
+import time
 import uuid
 
 import pytest
@@ -170,6 +171,53 @@ def test_region_shared_across_processes_and_unlinked_by_the_last_user(shm_path, 
     attach_only = BlockStore.attach(shm_path, None, None)
     assert attach_only.geometry == geometry
     attach_only.close()
+    store.close()
+
+
+def _content(i: int) -> bytes:
+    return hashlib.sha256(b"block %d" % i).digest() * (SLOT // 32)
+
+
+def _hammer(path: str, geometry: StoreGeometry, disk_dir: str, seed: int) -> None:
+    """Random puts and gets of 6 keys in a 2-slot RAM tier and 6-slot disk tier, alongside another process:
+    every block loaded must be its own key's bytes (a torn or reused slot must report a failure instead)."""
+    store = BlockStore.attach(path, geometry, disk_dir)
+    pool = _Pool(store)
+    pool.blocks = {i: _content(i) for i in range(6)}
+    rng = random.Random(seed)
+    copy_out = pool.copy_out
+
+    def slow_copy_out(slots, block_ids):  # a wider window for the other process to take the slot
+        time.sleep(0.001)
+        copy_out(slots, block_ids)
+
+    pool.copy_out = slow_copy_out
+    bad = 0
+    for _ in range(300):
+        ids = rng.sample(range(6), 2)
+        if rng.random() < 0.5:
+            pool.put(ids)
+        else:
+            result = pool.get(ids)
+            bad += sum(pool.blocks.get(i) != _content(i) for i in ids if i not in result.failed)
+            for i in ids:
+                pool.blocks[i] = _content(i)
+    store.close()
+    os._exit(1 if bad else 0)
+
+
+def test_two_processes_at_once_never_read_a_torn_block(shm_path, tmp_path):
+    geometry = _geometry(2, disk_slots=6)
+    store = BlockStore.attach(shm_path, geometry, str(tmp_path / "disk"))
+    ctx = multiprocessing.get_context("fork")
+    children = [ctx.Process(target=_hammer, args=(shm_path, geometry, str(tmp_path / "disk"), seed))
+                for seed in (1, 2)]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(60)
+    assert [child.exitcode for child in children] == [0, 0]
+    assert store.num_blocks()[0] <= 2
     store.close()
 
 

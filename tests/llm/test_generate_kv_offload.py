@@ -88,6 +88,9 @@ def test_evicted_prefixes_load_from_the_tier_token_identical(make_llm, tiny_llam
     salted, cached = _tokens(llm, prompts[:2], salt="tenant-b")  # another salt: no block shared
     assert salted == ref[:2] and cached == [0, 0]
     assert _stats(llm)["external_hits"] == stats["external_hits"]
+    logprobs = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)  # every position computed
+    assert _tokens(llm, prompts[:1], logprobs)[1] == [0]
+    assert _stats(llm)["external_hits"] == stats["external_hits"]
     _shutdown(llm)
 
 
@@ -161,6 +164,19 @@ def test_disk_tier_and_corrupted_files(make_llm, tiny_llama_dir, reference, tmp_
     assert _stats(llm).get("pagedllm:kv_offload_load_errors", 0) > 0
     _shutdown(llm)
     assert not os.path.exists(disk_dir)
+
+
+def test_sleep_mode_rebinds_the_new_pool(make_llm, tiny_llama_dir, reference):
+    """Sleep drops the pool, wake-up allocates another: the worker side copies into the new one (the prompts come
+    back from the tier, token-identical)."""
+    prompts, ref = reference
+    llm = _make(make_llm, tiny_llama_dir, kv_transfer_config=_offload(), enable_sleep_mode=True)
+    assert _tokens(llm, prompts[:2])[0] == ref[:2]
+    llm.sleep(2)
+    llm.wake_up()
+    again, cached = _tokens(llm, prompts[:2])
+    assert again == ref[:2] and cached == [63, 63] and _stats(llm)["external_hits"] == 2 * 63
+    _shutdown(llm)
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@ SchedulerOutput.kv_connector_metadata -> bind_connector_metadata), since the wor
 The worker side, per step (worker/kv_connector_step.py calls them, in this order):
     bind_connector_metadata(meta); start_load_kv(); wait_for_layer_load(layer) for each layer;
     <the forward>; save_kv_layer(layer, kv, attn_metadata) for each layer; wait_for_save();
-    get_finished(finished_req_ids); get_block_ids_with_load_errors(); clear_connector_metadata()
+    get_finished(finished_req_ids); get_block_ids_with_load_errors(); get_kv_connector_stats();
+    clear_connector_metadata()
 pagedllm's native decode step runs every layer in one call, so the per-layer hooks run before (loads) and after
 (saves) the whole forward rather than between layers: a connector must not rely on overlapping them with compute.
 Each rank's KV tensors are registered once (register_kv_caches): layer name "layers.{i}" (i: the model's layer
@@ -82,7 +83,8 @@ class KVConnectorBase:
 
     # ---- worker side ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """This rank's KV tensors by layer name, once, after they are allocated."""
+        """This rank's KV tensors by layer name, after they are allocated; again with {} when sleep mode drops
+        them (let go of them) and with the new ones when it allocates them again."""
 
     def bind_connector_metadata(self, metadata: dict[str, Any] | None) -> None:
         self._connector_metadata = metadata

@@ -135,6 +135,8 @@ class LoggingStatLogger:
         self.num_generation_tokens = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.external_queries = 0
+        self.external_hits = 0
         self.spec: SpecDecodingStats | None = None
         self.grammar_compiles = 0
         self.grammar_compile_seconds = 0.0
@@ -145,6 +147,8 @@ class LoggingStatLogger:
             self.scheduler_stats = scheduler_stats
             self.prefix_queries += scheduler_stats.prefix_cache_queries_delta
             self.prefix_hits += scheduler_stats.prefix_cache_hits_delta
+            self.external_queries += scheduler_stats.external_prefix_cache_queries_delta
+            self.external_hits += scheduler_stats.external_prefix_cache_hits_delta
             self.grammar_compiles += scheduler_stats.grammar_compiles_delta
             self.grammar_compile_seconds += scheduler_stats.grammar_compile_seconds_delta
             self.grammar_cache_hits += scheduler_stats.grammar_cache_hits_delta
@@ -164,14 +168,20 @@ class LoggingStatLogger:
             hit_rate = self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
             logger.info("%sAvg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                         "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
-                        "Prefix cache hit rate: %.1f%%%s", self.prefix,
+                        "Prefix cache hit rate: %.1f%%%s%s", self.prefix,
                         self.num_prompt_tokens / elapsed, self.num_generation_tokens / elapsed,
                         s.num_running_reqs, s.num_waiting_reqs, s.kv_cache_usage * 100, hit_rate * 100,
-                        self._grammar_part())
+                        self._external_part(), self._grammar_part())
         if self.spec is not None and self.spec.num_drafts:
             _log_spec_decode(self.spec, elapsed)
         self._was_active = active
         self._reset(now)
+
+    def _external_part(self) -> str:
+        """A KV connector (an offload tier): vLLM's external prefix cache hit rate over the interval."""
+        if not self.external_queries:
+            return ""
+        return f", External prefix cache hit rate: {100 * self.external_hits / self.external_queries:.1f}%"
 
     def _grammar_part(self) -> str:
         """Structured outputs in the interval: grammars compiled, their mean compile time, compile-cache hits."""

@@ -185,6 +185,8 @@ class Worker:
         process, its device and its tensor-parallel group stay. Levels 1 and 2 do the same here (see
         engine/sleep_mode.py)."""
         runner, self.model_runner, self.draft_model = self.model_runner, None, None
+        if self.kv_connector is not None:  # it lets go of the pool (its copies in flight end first)
+            self.kv_connector.register_kv_caches({})
         if runner is not None:
             if runner.kv_prefault is not None:
                 runner.kv_prefault.stop()
@@ -213,6 +215,8 @@ class Worker:
         if runner is not None and not self.kv_cache_asleep and not runner.kv_caches:
             runner.initialize_kv_cache(self.num_blocks)
             reloaded = True
+            if self.kv_connector is not None:  # the new pool
+                self.kv_connector.register_kv_caches(self._layer_kv_caches())
         if reloaded and runner is not None and runner.kv_caches and self.config.cache_config.kv_scales_calculated:
             self.calculate_kv_scales()
         if reloaded and self.heap_was_frozen:  # out of the collector's reach again, as at start-up (gc_heap.py)

@@ -33,10 +33,15 @@ class DiskFiles:
     def write(self, slot: int, key: bytes, data: memoryview) -> None:
         path = self.path(slot)
         tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(_HEADER.pack(MAGIC, key, zlib.crc32(data), len(data)))
-            f.write(data)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(_HEADER.pack(MAGIC, key, zlib.crc32(data), len(data)))
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError:  # disk full, directory removed: the block is not spilled
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     def read(self, slot: int, key: bytes, out: memoryview) -> bool:
         """Fill `out` (one slot's bytes) from the slot's file; False if it is missing or does not check out."""

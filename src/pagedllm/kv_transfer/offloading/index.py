@@ -113,15 +113,16 @@ class SlotIndex:
         return int(np.count_nonzero(self.state == READY))
 
     # ---- writes --------------------------------------------------------------------------------
-    def reserve(self, key: bytes) -> tuple[int, int, bytes | None] | None:
+    def reserve(self, key: bytes, victims: list[int] | None = None) -> tuple[int, int, bytes | None] | None:
         """A slot for `key`, WRITING, with its new version and the key it evicted (None: it was free or not
-        READY). None when the key is already here (touched) or every slot is being written."""
+        READY). None when the key is already here (touched) or every slot is being written. `victims`: slots
+        to take, in order (from `victims()`, under the same lock), instead of a search per key."""
         slot = self.find(key)
         if slot >= 0:
             self.touch(slot)
             return None
         now = time.time()
-        slot = self._victim(now)
+        slot = victims.pop(0) if victims else self._victim(now) if victims is None else -1
         if slot < 0:
             return None
         victim = self.keys[slot].tobytes() if self.state[slot] == READY else None
@@ -150,6 +151,18 @@ class SlotIndex:
         self._table_delete(slot)
         self.state[slot] = FREE
         self.stamp[slot] = -1
+
+    def victims(self, count: int) -> list[int]:
+        """Up to `count` slots to take, free ones first, then the least recently used, none a live writer holds
+        (one partial sort for a whole batch of reservations)."""
+        now = time.time()
+        stamp = np.where((self.state == WRITING) & (now - self.wtime <= STALE_WRITE_S), _INT64_MAX, self.stamp)
+        count = min(count, len(stamp))
+        if count <= 0:
+            return []
+        chosen = np.argpartition(stamp, count - 1)[:count] if count < len(stamp) else np.arange(len(stamp))
+        chosen = chosen[np.argsort(stamp[chosen], kind="stable")]
+        return [int(s) for s in chosen if stamp[s] != _INT64_MAX]
 
     def _victim(self, now: float) -> int:
         """A free slot, else the least recently used one that no live writer holds; -1 if none."""

@@ -66,7 +66,7 @@ class OffloadingScheduler:
         store = self._attach()
         start = num_computed_tokens // self.block_size
         hashes = request.block_hashes[start:]
-        if store is None or not hashes:
+        if store is None or not hashes or request.skip_reading_prefix_cache:  # prompt logprobs, MEAN/CLS pooling
             self._lookups.pop(request.request_id, None)
             return 0, False
         tiers = store.lookup(hashes, self.tp_size)

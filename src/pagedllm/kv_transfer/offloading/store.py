@@ -165,14 +165,24 @@ class BlockStore:
         reserved: list[tuple[int, int, int]] = []
         spills: list[tuple[int, int, int, bytes]] = []
         with self.region.lock():
+            missing = []
             for block_id, block_hash in items:
-                got = self.ram.reserve(make_key(block_hash, rank))
+                key = make_key(block_hash, rank)
+                slot = self.ram.find(key)
+                if slot >= 0:
+                    self.ram.touch(slot)  # present: most recently used, so not among the victims below
+                else:
+                    missing.append((block_id, key))
+            victims = self.ram.victims(len(missing))
+            disk_victims = self.disk.victims(len(missing)) if self.disk is not None and missing else None
+            for block_id, key in missing:
+                got = self.ram.reserve(key, victims)
                 if got is None:
                     continue
                 slot, version, victim = got
                 reserved.append((slot, version, block_id))
                 if victim is not None and self.disk is not None:
-                    spot = self.disk.reserve(victim)
+                    spot = self.disk.reserve(victim, disk_victims)
                     if spot is not None:
                         spills.append((slot, spot[0], spot[1], victim))
         result = PutResult()
