@@ -133,7 +133,9 @@ def test_a_tier_filled_far_past_its_size_evicts_and_corrupted_disk_files_are_rec
     assert status == 200 and tokens == expected, body
     assert server.metric("pagedllm:kv_offload_load_errors_total") > errors
     assert _disk_hits(server) > disk_hits
-    assert _tokens(server, prompt) == expected  # its fresh copy, from the RAM tier
+    # its fresh copy, from the RAM tier (the step of the failed load once saved that load's garbage under the
+    # prefix's hashes, and this request got it)
+    assert _tokens(server, prompt) == expected
     assert_server_intact(server, engine_pid)
     assert "Traceback" not in server.log()
     server.close()
