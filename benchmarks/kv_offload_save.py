@@ -59,7 +59,7 @@ def main() -> None:
     for llm in engines.values():  # warm-up: native kernels, allocator, the tier's pages
         _run(llm, [[rng.randrange(1000, 40000) for _ in range(args.prompt_len)] for _ in range(4)], params)
     print(f"load before: {_loadavg()}; {args.prompts} prompts x {args.prompt_len} tokens, {args.max_tokens} out, "
-          f"pool {2 * max_len // 16 + 1} blocks")
+          f"pool {2 * max_len // 16 + 1} blocks", flush=True)
     times: dict[str, dict[str, list[float]]] = {name: {"miss": [], "first": [], "reuse": []} for name in variants}
     for run in range(args.runs):
         order = list(variants) if run % 2 == 0 else list(reversed(variants))
@@ -70,6 +70,9 @@ def main() -> None:
             shared = [[rng.randrange(1000, 40000) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
             times[name]["first"].append(_run(engines[name], shared, params))
             times[name]["reuse"].append(_run(engines[name], shared, params))
+        print(f"run {run}: " + ", ".join(f"{name} miss {times[name]['miss'][-1]:.2f} reuse "
+                                         f"{times[name]['reuse'][-1]:.2f}" for name in variants)
+              + f" (load {_loadavg()})", flush=True)
     print(f"load after: {_loadavg()}")
     for kind in ("miss", "reuse"):
         base = statistics.median(times["off"][kind])
