@@ -98,6 +98,8 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     expert_routed_tokens_delta: list[int] | None = None
     """A mixture-of-experts model: tokens routed to each expert since the last snapshot, summed over its layers (a
     token counts once per layer and per expert it goes to); None for a dense model."""
+    kv_connector_stats_delta: dict[str, float] | None = None
+    """A KV connector's counters since the last snapshot (Prometheus counter name -> value); None without one."""
     total_ref_cnt: int | None = None
     """Sum of every block's ref_cnt (0 when nothing holds a block). Filled only by the debug `stats` utility:
     it walks the whole pool, too slow for every step."""
@@ -255,9 +257,12 @@ class KVConnectorOutput:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
+    kv_connector_stats: dict[str, float] = field(default_factory=dict)
+    """The connector's counters since the last report (metric name -> value), summed over the ranks."""
 
     def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids
+                    or self.kv_connector_stats)
 
 
 @dataclass

@@ -27,7 +27,16 @@ class SchedulerIntrospection:
             num_preemptions_delta=deltas[2],
             spec_decoding_stats=spec_stats,
             expert_routed_tokens_delta=self.routed_tokens.take(),
+            kv_connector_stats_delta=self._connector_stats_delta(),
         )
+
+    def _connector_stats_delta(self) -> dict[str, float] | None:
+        """The KV connector's counters (get_stats(), cumulative) since the last snapshot; None without one."""
+        if self.kv_transfer is None:
+            return None
+        stats = self.kv_transfer.connector.get_stats()
+        last, self._last_connector_stats = self._last_connector_stats, stats
+        return {name: value - last.get(name, 0) for name, value in stats.items()}
 
     def _new_spec_stats(self) -> SpecDecodingStats | None:
         return SpecDecodingStats.for_drafts(self.speculative_config and self.speculative_config.num_speculative_tokens)

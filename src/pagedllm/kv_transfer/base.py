@@ -115,5 +115,10 @@ class KVConnectorBase:
         """Blocks whose load failed since the last call (kv_load_failure_policy decides what happens)."""
         return set()
 
+    def get_kv_connector_stats(self) -> dict[str, float]:
+        """This rank's counters since the last call (metric name -> value; summed over the ranks, handed to the
+        scheduler side's update_connector_output)."""
+        return {}
+
     def shutdown(self) -> None:
         """Stop threads, close sockets, detach shared memory."""

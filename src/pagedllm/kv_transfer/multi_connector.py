@@ -126,6 +126,13 @@ class MultiConnector(KVConnectorBase):
             errors |= connector.get_block_ids_with_load_errors()
         return errors
 
+    def get_kv_connector_stats(self) -> dict[str, float]:
+        stats: dict[str, float] = {}
+        for connector in self.connectors:
+            for name, value in connector.get_kv_connector_stats().items():
+                stats[name] = stats.get(name, 0) + value
+        return stats
+
     def shutdown(self) -> None:
         for connector in self.connectors:
             connector.shutdown()

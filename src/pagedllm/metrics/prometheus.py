@@ -61,6 +61,7 @@ class PrometheusStatLogger:
         self.record_sleep_state()
         self.spec_decode: _SpecDecodeCounters | None = None  # made on the first step that reports speculation
         self.routed_tokens: Counter | None = None  # made on the first step that reports experts (a MoE model)
+        self.kv_connector_counters: dict[str, Counter] = {}  # by name, made when a KV connector first reports it
 
     def record_sleep_state(self, sleeping: bool = False, level: int = 0) -> None:
         """vLLM's vllm:engine_sleep_state, for every engine (sleep mode: engine/sleep_mode.py)."""
@@ -90,6 +91,17 @@ class PrometheusStatLogger:
         for expert, count in enumerate(counts):
             self.routed_tokens.labels(**labels, expert=str(expert)).inc(count)
 
+    def _record_kv_connector(self, deltas: dict[str, float], engine: int) -> None:
+        """A KV connector's counters, by the names it reports (kv_transfer/: e.g. the P/D connector's
+        pagedllm:kv_transfer_received_bytes and vLLM's vllm:nixl_num_failed_transfers)."""
+        for name, delta in deltas.items():
+            counter = self.kv_connector_counters.get(name)
+            if counter is None:
+                counter = self.kv_connector_counters[name] = Counter(
+                    name, f"KV connector counter {name}.", self.label_names, registry=self.registry)
+            if delta > 0:
+                counter.labels(**self._labels(engine)).inc(delta)
+
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
                engine: int = 0) -> None:
         series = self.engines[engine]
@@ -106,6 +118,8 @@ class PrometheusStatLogger:
                 self._record_spec_decode(scheduler_stats.spec_decoding_stats, engine)
             if scheduler_stats.expert_routed_tokens_delta is not None:
                 self._record_routed_tokens(scheduler_stats.expert_routed_tokens_delta, engine)
+            if scheduler_stats.kv_connector_stats_delta:
+                self._record_kv_connector(scheduler_stats.kv_connector_stats_delta, engine)
         if iteration_stats is None:
             return
         s = iteration_stats

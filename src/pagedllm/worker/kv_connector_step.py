@@ -34,7 +34,8 @@ def run_with_connector(connector: KVConnectorBase, kv_caches: dict[str, torch.Te
         connector.wait_for_save()
         sending, recving = connector.get_finished(so.finished_req_ids)
         report = KVConnectorOutput(finished_sending=sending or set(), finished_recving=recving or set(),
-                                   invalid_block_ids=connector.get_block_ids_with_load_errors())
+                                   invalid_block_ids=connector.get_block_ids_with_load_errors(),
+                                   kv_connector_stats=connector.get_kv_connector_stats())
     finally:
         connector.clear_connector_metadata()
     return output, report

@@ -201,7 +201,8 @@ class OpenAIServing:
                 if request_logger is not None:
                     request_logger.log_inputs(sub_id, text, token_ids, prompt_params)
                 stream = self.engine.add_request(sub_id, token_ids, prompt_params, text, output_kind,
-                                                 request.priority, request.cache_salt, lora_request=lora)
+                                                 request.priority, request.cache_salt, lora_request=lora,
+                                                 kv_transfer_params=request.kv_transfer_params)
                 if request_logger is not None and self.config.enable_log_outputs:
                     stream = request_logger.logging_outputs(stream, sub_id, params.n, output_kind == "delta")
                 streams.append(stream)
