@@ -86,7 +86,7 @@ class PDConnector(KVConnectorBase):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """A consumer request (do_remote_prefill) loads its whole prompt past the local hit, asynchronously."""
         params = request.kv_transfer_params
-        if self.is_consumer and params and params.get("do_remote_prefill"):
+        if self.is_consumer and params and params.get("do_remote_prefill") and _remote(params) is not None:
             count = len(request.prompt_token_ids) - num_computed_tokens
             if count > 0:
                 return count, True
@@ -99,20 +99,20 @@ class PDConnector(KVConnectorBase):
         if params.get("do_remote_decode") and self.is_producer:
             self._reqs_in_batch.add(request.request_id)
         elif params.get("do_remote_prefill") and self.is_consumer:
-            if all(params.get(k) is not None for k in REMOTE_FIELDS):
+            if _remote(params) is not None:
                 num_prompt = len(request.prompt_token_ids)
                 first = (num_prompt - num_external_tokens) // self.block_size  # the blocks past the local hit
                 local = list(block_ids[first:cdiv(num_prompt, self.block_size)]) if num_external_tokens else []
                 self._reqs_need_recv[request.request_id] = (request, local)
             else:
-                logger.warning("Request %s: kv_transfer_params without %s; its prompt is computed here.",
-                               request.request_id, ", ".join(k for k in REMOTE_FIELDS if params.get(k) is None))
+                logger.warning("Request %s: kv_transfer_params with do_remote_prefill but without valid %s; its "
+                               "prompt is computed here.", request.request_id, ", ".join(REMOTE_FIELDS))
             params["do_remote_prefill"] = False  # one transfer per request
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> dict[str, Any]:
         meta: dict[str, Any] = {}
         if self._reqs_need_recv:
-            meta["reqs_to_recv"] = {req_id: _recv_spec(request.kv_transfer_params, local)
+            meta["reqs_to_recv"] = {req_id: {**_remote(request.kv_transfer_params), "local_block_ids": local}
                                     for req_id, (request, local) in self._reqs_need_recv.items()}
         if self._reqs_in_batch:
             meta["reqs_in_batch"] = sorted(self._reqs_in_batch)
@@ -130,7 +130,7 @@ class PDConnector(KVConnectorBase):
             return False, None
         if params.get("do_remote_prefill") and self.is_consumer:
             # Ended before it was scheduled: tell the producer (no blocks read) so that it frees its blocks now.
-            if all(params.get(k) is not None for k in REMOTE_FIELDS):
+            if _remote(params) is not None:
                 self._reqs_need_recv[request.request_id] = (request, [])
             params["do_remote_prefill"] = False
             return False, None
@@ -176,9 +176,17 @@ class PDConnector(KVConnectorBase):
             self.worker.shutdown()
 
 
-def _recv_spec(params: dict[str, Any], local_block_ids: list[int]) -> dict[str, Any]:
-    """What a consumer's workers need to pull one request (msgpack-able)."""
-    return {"local_block_ids": local_block_ids, "remote_block_ids": list(params["remote_block_ids"]),
-            "remote_engine_id": str(params["remote_engine_id"]), "remote_request_id": str(params["remote_request_id"]),
-            "remote_host": str(params["remote_host"]), "remote_port": int(params["remote_port"]),
-            "tp_size": int(params.get("tp_size", 1))}
+def _remote(params: dict[str, Any]) -> dict[str, Any] | None:
+    """What a consumer's workers need to pull a request from a producer (msgpack-able), from the client's
+    kv_transfer_params; None when they are not a producer's answer (the prompt is then computed here)."""
+    try:
+        block_ids, port, tp_size = params["remote_block_ids"], params["remote_port"], params.get("tp_size", 1)
+        if not (isinstance(block_ids, list) and all(type(b) is int and b >= 0 for b in block_ids)
+                and type(port) is int and 0 < port < 65536 and type(tp_size) is int and tp_size >= 1):
+            return None
+        names = {k: params[k] for k in ("remote_engine_id", "remote_request_id", "remote_host")}
+        if not all(isinstance(v, str) and v for v in names.values()):
+            return None
+    except KeyError:
+        return None
+    return {**names, "remote_block_ids": block_ids, "remote_port": port, "tp_size": tp_size}
