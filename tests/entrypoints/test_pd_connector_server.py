@@ -3,11 +3,13 @@ vllm-router and vLLM's proxy drive them: the prompt to the producer with kv_tran
 true} and max_tokens 1, then to the consumer with the kv_transfer_params the producer answered.
 
 Server A (kv_both, kv_load_failure_policy recompute, 3 s abort timeout) and server B (kv_both, policy fail, registered
-under vLLM's name NixlConnector). A prompt moves from A to B: the decode is token-identical to a colocated run, the
-bytes moved are ceil(prompt / block_size) blocks (less B's own prefix-cache hit), and A frees its blocks once B has
-read them. Faults: a consumer that dies mid-read (A frees the blocks after its timeout), a producer that dies
-mid-payload (A recomputes), a request aborted while its pull is in flight (its blocks are freed when the pull ends),
-and the producer A killed mid-transfer (B fails the one request and stays healthy). Nothing leaks on either side.
+under vLLM's name NixlConnector, tensor-parallel size 2: each of its ranks pulls its KV head from A's one rank, and
+the scheduler counts a request loaded once both ranks have said so). A prompt moves from A to B: the decode is
+token-identical to a colocated run, the bytes moved are ceil(prompt / block_size) blocks (less B's own prefix-cache
+hit), and A frees its blocks once B has read them. Faults: a consumer that dies mid-read (A frees the blocks after
+its timeout), a producer that dies mid-payload (A recomputes), a request aborted while its pull is in flight (its
+blocks are freed when the pull ends), and the producer A killed mid-transfer (B fails the one request and stays
+healthy). Nothing leaks on either side.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def pair(tiny_llama_dir):
     a = RemoteServer(tiny_llama_dir, "--kv-transfer-config", _transfer_config("PagedLLMPDConnector", a_port,
                                                                               "recompute"), wait_ready=False)
     b = RemoteServer(tiny_llama_dir, "--kv-transfer-config", _transfer_config("NixlConnector", b_port, "fail"),
-                     "--enable-prompt-tokens-details", wait_ready=False)
+                     "--enable-prompt-tokens-details", "--tensor-parallel-size", "2", wait_ready=False)
     a.kv_port, b.kv_port = a_port, b_port
     try:
         a.wait_ready()
