@@ -61,7 +61,7 @@ def test_consumer_loads_past_its_local_hit_once():
     assert consumer.get_num_new_matched_tokens(request, 16) == (24, True)  # 40 tokens, one block cached here
     consumer.update_state_after_alloc(request, [11, 12, 13], 24)
     recv = consumer.build_connector_meta(None)["reqs_to_recv"]["r1"]
-    assert recv["local_block_ids"] == [12, 13] and recv["remote_block_ids"] == [4, 5, 6]
+    assert recv["local_block_ids"] == [12, 13] and recv["remote_block_ids"] == [5, 6]  # the same places
     assert request.kv_transfer_params["do_remote_prefill"] is False
     assert consumer.get_num_new_matched_tokens(request, 16) == (0, False)  # one transfer per request
 

@@ -76,7 +76,8 @@ class PDConnector(KVConnectorBase):
         if ktc.kv_connector == "NixlConnector":
             logger.info("NixlConnector: pagedllm speaks its kv_transfer_params protocol but moves the KV bytes over "
                         "a plain TCP socket (side channel %s:%d), not NIXL.", self.host, self.port)
-        self._reqs_need_recv: dict[str, tuple[Request, list[int]]] = {}
+        self._reqs_need_recv: dict[str, tuple[Request, list[int], int]] = {}
+        """Consumer requests to pull -> (request, local blocks to fill, index of the first in the block table)."""
         self._reqs_in_batch: set[str] = set()
         self._reqs_not_processed: set[str] = set()
         self._reqs_need_send: dict[str, float] = {}
@@ -103,7 +104,7 @@ class PDConnector(KVConnectorBase):
                 num_prompt = len(request.prompt_token_ids)
                 first = (num_prompt - num_external_tokens) // self.block_size  # the blocks past the local hit
                 local = list(block_ids[first:cdiv(num_prompt, self.block_size)]) if num_external_tokens else []
-                self._reqs_need_recv[request.request_id] = (request, local)
+                self._reqs_need_recv[request.request_id] = (request, local, first)
             else:
                 logger.warning("Request %s: kv_transfer_params with do_remote_prefill but without valid %s; its "
                                "prompt is computed here.", request.request_id, ", ".join(REMOTE_FIELDS))
@@ -112,8 +113,8 @@ class PDConnector(KVConnectorBase):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> dict[str, Any]:
         meta: dict[str, Any] = {}
         if self._reqs_need_recv:
-            meta["reqs_to_recv"] = {req_id: {**_remote(request.kv_transfer_params), "local_block_ids": local}
-                                    for req_id, (request, local) in self._reqs_need_recv.items()}
+            meta["reqs_to_recv"] = {req_id: _recv_spec(request.kv_transfer_params, local, first)
+                                    for req_id, (request, local, first) in self._reqs_need_recv.items()}
         if self._reqs_in_batch:
             meta["reqs_in_batch"] = sorted(self._reqs_in_batch)
         if self._reqs_not_processed:
@@ -131,7 +132,7 @@ class PDConnector(KVConnectorBase):
         if params.get("do_remote_prefill") and self.is_consumer:
             # Ended before it was scheduled: tell the producer (no blocks read) so that it frees its blocks now.
             if _remote(params) is not None:
-                self._reqs_need_recv[request.request_id] = (request, [])
+                self._reqs_need_recv[request.request_id] = (request, [], 0)
             params["do_remote_prefill"] = False
             return False, None
         if not (params.get("do_remote_decode") and self.is_producer):
@@ -174,6 +175,14 @@ class PDConnector(KVConnectorBase):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
+
+
+def _recv_spec(params: dict[str, Any], local: list[int], first: int) -> dict[str, Any]:
+    """A pull for the workers: the producer's blocks at the same places in the prompt as `local` (the blocks past
+    this instance's prefix-cache hit, from block `first` on); fewer than `local` if the producer's prompt was
+    shorter (the pull then fails and its blocks are recomputed)."""
+    spec = _remote(params)
+    return {**spec, "remote_block_ids": spec["remote_block_ids"][first:first + len(local)], "local_block_ids": local}
 
 
 def _remote(params: dict[str, Any]) -> dict[str, Any] | None:
