@@ -203,13 +203,19 @@ def test_abort_while_the_pull_is_in_flight_frees_after_the_pull(pair):
     engine = a.kv_cache()["engine_pid"]
     os.kill(engine, signal.SIGSTOP)  # A's side channel stalls: B's pull waits for its answer
     try:
-        with pytest.raises(httpx.ReadTimeout):
-            _complete(b, 8, timeout=1.5, kv_transfer_params=params)  # the client gives up: B aborts the request
+        def client_gives_up() -> None:  # B aborts the request when its client goes
+            with pytest.raises(httpx.ReadTimeout):
+                _complete(b, 8, timeout=4.0, kv_transfer_params=params)
+
+        client = threading.Thread(target=client_gives_up)
+        client.start()
+        _wait(lambda: not _all_free(b))  # admitted: its blocks are allocated and the pull started
+        client.join(30)
         _wait(lambda: b.kv_cache()["num_open_requests"] == 0)
-        assert not _all_free(b)  # the pull still writes into its blocks
+        assert not _all_free(b)  # aborted, but the pull may still write into its blocks
     finally:
         os.kill(engine, signal.SIGCONT)
-    _wait(lambda: _all_free(b) and _all_free(a))  # the pull ended: B frees them, and A once read
+    _wait(lambda: _all_free(b) and _all_free(a))  # the pull ended: B frees them, and A once read (or expired)
 
 
 def test_producer_killed_mid_transfer_fails_the_request_under_policy_fail(pair):
