@@ -52,9 +52,9 @@ class PDConnector(KVConnectorBase):
     def __init__(self, config: EngineConfig, role: KVConnectorRole, kv_rank: tuple[int, int, int] = (0, 0, 1)):
         super().__init__(config, role, kv_rank)
         ktc = self.kv_transfer_config
-        dp_size = config.parallel_config.data_parallel_size
-        self.engine_id = f"{ktc.engine_id}_dp{self.dp_rank}" if dp_size > 1 else str(ktc.engine_id)
-        """vLLM's: each data-parallel replica is its own engine."""
+        self.engine_id = f"{ktc.engine_id}_dp{self.dp_rank}" if self.dp_rank else str(ktc.engine_id)
+        """Each data-parallel replica is its own engine (vLLM's _dp suffix; replica 0 keeps the configured id: each
+        replica's engine core sees a data-parallel size of 1)."""
         self.block_size = config.cache_config.block_size
         self.is_producer, self.is_consumer = ktc.is_kv_producer, ktc.is_kv_consumer
         self.host = envs.VLLM_NIXL_SIDE_CHANNEL_HOST or ktc.kv_ip
