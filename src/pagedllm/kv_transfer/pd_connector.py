@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from pagedllm import envs
 from pagedllm.core.request import RequestStatus
 from pagedllm.kv_transfer.base import KVConnectorBase, KVConnectorRole
+from pagedllm.kv_transfer.pd_wire import PD_COUNTERS
 from pagedllm.math_utils import cdiv
 
 if TYPE_CHECKING:
@@ -150,7 +151,8 @@ class PDConnector(KVConnectorBase):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for name, value in (connector_output.kv_connector_stats or {}).items():
-            self._stats[name] += value
+            if name in PD_COUNTERS:  # its own only: under MultiConnector every connector sees every counter
+                self._stats[name] += value
 
     def get_stats(self) -> dict[str, float]:
         return dict(self._stats)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from pagedllm.kv_transfer.pd_wire import (
+    PD_COUNTERS,
     WIRE_VERSION,
     WireError,
     consumers_per_producer,
@@ -37,10 +38,7 @@ from pagedllm.kv_transfer.pd_wire import (
 
 logger = logging.getLogger(__name__)
 
-SENT_BYTES = "pagedllm:kv_transfer_sent_bytes"
-RECEIVED_BYTES = "pagedllm:kv_transfer_received_bytes"
-FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers"
-EXPIRED_SENDS = "pagedllm:kv_transfer_expired_sends"
+SENT_BYTES, RECEIVED_BYTES, FAILED_TRANSFERS, EXPIRED_SENDS = PD_COUNTERS
 """The counters the workers report (summed over the ranks; /metrics adds _total)."""
 
 
