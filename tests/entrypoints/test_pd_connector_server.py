@@ -71,8 +71,8 @@ def _complete(server: RemoteServer, max_tokens: int, timeout: float = 60.0, prom
                        timeout=timeout)
 
 
-def _prefill(server: RemoteServer, prompt: str = PROMPT) -> dict:
-    response = _complete(server, 1, prompt=prompt, kv_transfer_params={"do_remote_decode": True})
+def _prefill(server: RemoteServer, prompt: str = PROMPT, **fields) -> dict:
+    response = _complete(server, 1, prompt=prompt, kv_transfer_params={"do_remote_decode": True}, **fields)
     assert response.status_code == 200, response.text
     params = response.json()["kv_transfer_params"]
     assert params is not None, response.text
@@ -121,6 +121,12 @@ def test_decode_matches_colocated_and_moves_the_prompt_blocks(pair):
     response = _complete(b, 12, kv_transfer_params=_prefill(a))
     assert _tokens(response) == colocated
     assert b.metric(RECEIVED) - received == block_bytes
+
+    # A tenant's salt: B's unsalted blocks of this prompt are not its, so every block is pulled.
+    received = b.metric(RECEIVED)
+    response = _complete(b, 12, kv_transfer_params=_prefill(a, cache_salt="tenant"), cache_salt="tenant")
+    assert _tokens(response) == colocated
+    assert b.metric(RECEIVED) - received == moved
     _wait(lambda: _all_free(a) and _all_free(b))
 
 
