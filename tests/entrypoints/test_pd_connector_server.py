@@ -35,6 +35,9 @@ BLOCK_SIZE = 16
 SENT, RECEIVED = "pagedllm:kv_transfer_sent_bytes_total", "pagedllm:kv_transfer_received_bytes_total"
 FAILED, EXPIRED = "vllm:nixl_num_failed_transfers_total", "pagedllm:kv_transfer_expired_sends_total"
 ABORT_TIMEOUT_S = 3
+PROXY_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                        "remote_block_ids": None, "remote_host": None, "remote_port": None}
+"""What vLLM's P/D proxy example sends the producer."""
 
 
 def _transfer_config(connector: str, kv_port: int, policy: str) -> str:
@@ -72,7 +75,7 @@ def _complete(server: RemoteServer, max_tokens: int, timeout: float = 60.0, prom
 
 
 def _prefill(server: RemoteServer, prompt: str = PROMPT, **fields) -> dict:
-    response = _complete(server, 1, prompt=prompt, kv_transfer_params={"do_remote_decode": True}, **fields)
+    response = _complete(server, 1, prompt=prompt, kv_transfer_params=PROXY_PREFILL_PARAMS, **fields)
     assert response.status_code == 200, response.text
     params = response.json()["kv_transfer_params"]
     assert params is not None, response.text
