@@ -47,12 +47,24 @@ def _transfer_config(connector: str, kv_port: int, policy: str) -> str:
                                                      "side_channel_timeout": 20}})
 
 
+def _free_port_pair() -> int:
+    """A port whose next one is free too (B's two tensor-parallel ranks listen on port and port + 1)."""
+    for _ in range(50):
+        port = free_port()
+        try:
+            with socket.create_server(("127.0.0.1", port + 1)):
+                return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
 @pytest.fixture(scope="module")
 def pair(tiny_llama_dir):
     config = json.loads((tiny_llama_dir / "config.json").read_text())
     block_bytes = (config["num_hidden_layers"] * 2 * BLOCK_SIZE * config["num_key_value_heads"] * config["head_dim"]
                    * 4)  # K and V of every layer, float32
-    a_port, b_port = free_port(), free_port()
+    a_port, b_port = free_port(), _free_port_pair()
     a = RemoteServer(tiny_llama_dir, "--kv-transfer-config", _transfer_config("PagedLLMPDConnector", a_port,
                                                                               "recompute"), wait_ready=False)
     b = RemoteServer(tiny_llama_dir, "--kv-transfer-config", _transfer_config("NixlConnector", b_port, "fail"),
