@@ -162,15 +162,20 @@ def test_chat_completions_carry_kv_transfer_params(pair):
 
 
 def test_consumer_dying_mid_read_leaves_the_blocks_until_the_timeout(pair):
-    """A consumer reads part of the payload and dies (closes without its done): A counts a failed transfer, keeps
-    the blocks (another read could still come) and frees them after abort_request_timeout."""
+    """A read of blocks that are not the request's is refused. A consumer reads part of the payload and dies (closes
+    without its done): A counts a failed transfer, keeps the blocks (another read could still come) and frees them
+    after abort_request_timeout."""
     a, _, _ = pair
     failed, expired = a.metric(FAILED), a.metric(EXPIRED)
     params = _prefill(a)
+    read = {"op": "read", "version": WIRE_VERSION, "engine_id": params["remote_engine_id"],
+            "request_id": params["remote_request_id"], "heads": None, "consumer_tp_size": 1}
+    other_block = max(params["remote_block_ids"]) + 1
     with socket.create_connection((params["remote_host"], params["remote_port"]), timeout=10) as conn:
-        send_frame(conn, {"op": "read", "version": WIRE_VERSION, "engine_id": params["remote_engine_id"],
-                          "request_id": params["remote_request_id"], "block_ids": params["remote_block_ids"],
-                          "heads": None, "consumer_tp_size": 1})
+        send_frame(conn, {**read, "block_ids": [other_block]})  # another request's (or a free) block: refused
+        assert recv_frame(conn)["ok"] is False
+    with socket.create_connection((params["remote_host"], params["remote_port"]), timeout=10) as conn:
+        send_frame(conn, {**read, "block_ids": params["remote_block_ids"]})
         header = recv_frame(conn)
         assert header["ok"] and header["nbytes"] > 0
         recv_exact(conn, memoryview(bytearray(header["nbytes"] // 3)))

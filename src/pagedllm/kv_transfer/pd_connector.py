@@ -81,7 +81,8 @@ class PDConnector(KVConnectorBase):
         """Consumer requests to pull -> (request, local blocks to fill, index of the first in the block table)."""
         self._reqs_in_batch: set[str] = set()
         self._reqs_not_processed: set[str] = set()
-        self._reqs_need_send: dict[str, float] = {}
+        self._reqs_need_send: dict[str, tuple[float, list[int]]] = {}
+        """Finished producer requests -> (when their blocks are freed unread, time.monotonic(); their blocks)."""
         self._stats: dict[str, float] = defaultdict(float)
 
     # ---- scheduler side ------------------------------------------------------------------------
@@ -141,10 +142,10 @@ class PDConnector(KVConnectorBase):
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
             self._reqs_not_processed.add(request.request_id)  # aborted, or stopped by EOS: nothing to pull
             return False, None
-        self._reqs_need_send[request.request_id] = time.monotonic() + self.abort_timeout_s
+        remote_block_ids = list(block_ids[:cdiv(len(request.prompt_token_ids), self.block_size)])
+        self._reqs_need_send[request.request_id] = (time.monotonic() + self.abort_timeout_s, remote_block_ids)
         return True, {
-            "do_remote_prefill": True, "do_remote_decode": False,
-            "remote_block_ids": list(block_ids[:cdiv(len(request.prompt_token_ids), self.block_size)]),
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": remote_block_ids,
             "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
             "remote_host": self.host, "remote_port": self.port, "tp_size": self.tp_size,
         }
