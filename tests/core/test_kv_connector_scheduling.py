@@ -3,11 +3,12 @@ scheduler does with synchronous and asynchronous loads, delayed frees and failed
 
 from __future__ import annotations
 
+from tests.core.utils import create_requests, make_output
+
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.messages import FinishReason, KVConnectorOutput, ModelRunnerOutput
-from tests.core.utils import create_requests, make_output
 
 BLOCK = 16
 
