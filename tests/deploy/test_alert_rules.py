@@ -31,3 +31,8 @@ def test_every_alert_fires_and_stays_quiet_in_a_case():
 def test_unit_test_file_is_up_to_date():
     make = load_script("prometheus/make_alert_tests.py")
     assert TESTS.read_text() == make.render_file(), "run python deploy/prometheus/make_alert_tests.py"
+
+
+def test_prometheusrule_is_up_to_date():
+    make = load_script("prometheus/make_prometheusrule.py")
+    assert make.OUTPUT.read_text() == make.render(), "run python deploy/prometheus/make_prometheusrule.py"

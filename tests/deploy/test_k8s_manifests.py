@@ -143,6 +143,9 @@ def promql_in_deploy() -> dict[str, str]:
     for test in unit_tests["tests"]:
         for i, series in enumerate(test["input_series"]):
             found[f"unit test {test['name']} #{i}"] = series["series"]
+    for group in one("PrometheusRule")["spec"]["groups"]:
+        for rule in group["rules"]:
+            found[f"PrometheusRule {rule.get('alert') or rule.get('record')}"] = rule["expr"]
     for trigger in one("ScaledObject")["spec"]["triggers"]:
         found[f"ScaledObject trigger {trigger['name']}"] = trigger["metadata"]["query"]
     adapter = yaml.safe_load(one("ConfigMap")["data"]["config.yaml"])
@@ -188,6 +191,6 @@ def test_core_validation_catches_an_unknown_field():
                     reason='the CRD models are in the deploy extra (pip install -e ".[deploy]"), not in CI')
 def test_custom_resources_validate_against_their_crd_schemas():
     custom = [(path, doc) for path, doc in OBJECTS if validate.is_custom(doc)]
-    assert {doc["kind"] for _, doc in custom} == {"ScaledObject", "ServiceMonitor"}
+    assert {doc["kind"] for _, doc in custom} == {"ScaledObject", "ServiceMonitor", "PrometheusRule"}
     problems = {f"{path.name}: {doc['kind']}": validate.validate_custom(doc) for path, doc in custom}
     assert problems == {k: [] for k in problems}
