@@ -182,18 +182,20 @@ def engines_row() -> list:
     ]
 
 
+def label_variable(name: str, label: str, query: str) -> gd.QueryVariable:
+    """A multi-select of a label's values, "All" (any value, `.*`) selected by default."""
+    return (gd.QueryVariable(name).label(label).datasource(DATASOURCE).query(query).multi(True).include_all(True)
+            .all_value(".*").current(dm.VariableOption(selected=True, text=["All"], value=["$__all"]))
+            .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(dm.VariableSort.ALPHABETICAL_ASC))
+
+
 def variables() -> list:
     return [
         gd.DatasourceVariable("datasource").label("Data source").type("prometheus"),
-        gd.QueryVariable("job").label("Job").datasource(DATASOURCE)
-        .query("label_values(vllm:num_requests_running, job)").multi(True).include_all(True)
-        .all_value(".*").refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED),
-        gd.QueryVariable("model_name").label("Model").datasource(DATASOURCE)
-        .query('label_values(vllm:num_requests_running{job=~"$job"}, model_name)').multi(True).include_all(True)
-        .all_value(".*").refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED),
-        gd.QueryVariable("instance").label("Instance").datasource(DATASOURCE)
-        .query('label_values(vllm:num_requests_running{job=~"$job", model_name=~"$model_name"}, instance)').multi(True)
-        .include_all(True).all_value(".*").refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED),
+        label_variable("job", "Job", "label_values(vllm:num_requests_running, job)"),
+        label_variable("model_name", "Model", 'label_values(vllm:num_requests_running{job=~"$job"}, model_name)'),
+        label_variable("instance", "Instance",
+                       'label_values(vllm:num_requests_running{job=~"$job", model_name=~"$model_name"}, instance)'),
     ]
 
 
