@@ -32,11 +32,16 @@ def container() -> dict:
     return c
 
 
-def serve_args():
+def serve_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """`pagedllm` with its `serve` subcommand, and the serve subparser, as the CLI builds them."""
     from pagedllm.entrypoints.cli import serve
 
     parser = argparse.ArgumentParser(prog="pagedllm")
-    serve.add_parser(parser.add_subparsers(dest="subcommand"))
+    return parser, serve.add_parser(parser.add_subparsers(dest="subcommand"))
+
+
+def serve_args():
+    parser, _ = serve_parser()
     c = container()
     assert c["command"] == ["pagedllm", "serve"]
     try:
@@ -194,3 +199,23 @@ def test_custom_resources_validate_against_their_crd_schemas():
     assert {doc["kind"] for _, doc in custom} == {"ScaledObject", "ServiceMonitor", "PrometheusRule"}
     problems = {f"{path.name}: {doc['kind']}": validate.validate_custom(doc) for path, doc in custom}
     assert problems == {k: [] for k in problems}
+
+
+NOT_SERVE_FLAGS = {"--check", "--dry-run", "--validate", "--local", "--strict", "--previous", "--pid"}
+"""Flags of the other tools the texts name: the generators' --check, kubectl's, kubernetes-validate's, py-spy's."""
+
+
+def test_every_serve_flag_the_texts_name_exists():
+    """The runbooks (alerts.yaml), the dashboard's descriptions, the manifests' comments and deploy/README.md tell
+    operators which `pagedllm serve` flags to change: each must be one the server honours, spelt exactly (argparse
+    would take the Deployment's `--drain-timeout` as an abbreviation of a renamed `--drain-timeout-s`)."""
+    from pagedllm.config.arguments import VLLM_ONLY_PREFIX
+
+    _, subparser = serve_parser()
+    honoured = {s for action in subparser._actions if not action.dest.startswith(VLLM_ONLY_PREFIX)
+                for s in action.option_strings}
+    texts = [DEPLOY / "prometheus" / "alerts.yaml", DEPLOY / "grafana" / "pagedllm.json", DEPLOY / "README.md",
+             *sorted((DEPLOY / "k8s").rglob("*.yaml"))]
+    named = {flag for path in texts for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]+", path.read_text())}
+    assert {"--max-num-seqs", "--kv-cache-memory", "--drain-timeout"} <= named
+    assert named - NOT_SERVE_FLAGS - honoured == set()
