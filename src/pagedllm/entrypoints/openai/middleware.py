@@ -24,7 +24,9 @@ from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.request_caps import precheck_caps
 from pagedllm.entrypoints.openai.server_state import ServerState
 
-UNGUARDED_PATHS = {"/health", "/ping", "/metrics"}
+UNGUARDED_PATHS = {"/health", "/ping", "/metrics", "/", "/dashboard"}
+"""Need no API key: the probes, /metrics (unless --protect-metrics), and the live page's HTML, which holds no data
+(its /dashboard/data needs the key)."""
 
 API_KEY_SCOPE_KEY = "pagedllm.api_key"
 """Where the guard leaves the caller's (checked) API key in the ASGI scope, for --cache-salt-from-api-key."""
