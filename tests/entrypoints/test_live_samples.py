@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import time
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry
 
+from pagedllm.entrypoints.openai.live_page import STALL_S, engine_health
 from pagedllm.messages import SchedulerStats, SpecDecodingStats
 from pagedllm.metrics.live_samples import LiveSamples, histogram_quantile, parse_sample
 from pagedllm.metrics.prometheus import PrometheusStatLogger
@@ -71,8 +74,23 @@ def test_the_window_and_the_ring_are_bounded():
     logger = PrometheusStatLogger("m", registry=CollectorRegistry())
     clock = Clock()
     live = LiveSamples(logger.render, window_s=30.0, max_samples=50, clock=clock)
-    for _ in range(200):
+    for _ in range(80):
         live.sample()
         clock.t += 1.0
     assert len(live.ring) == 50
     assert live.figures()["window_s"] == pytest.approx(30.0)
+
+
+def test_engine_health_per_replica_with_its_tp_pp_ranks():
+    """live_page.engine_health: up, stalled (requests and no step for STALL_S), down (with the reason)."""
+    now = time.monotonic()
+    clients = [SimpleNamespace(is_dead=False, dead_reason=None, ready=SimpleNamespace(pid=10 + i)) for i in range(3)]
+    clients[2].is_dead, clients[2].dead_reason = True, "killed"
+    engine = SimpleNamespace(clients=clients, last_progress_time=[now, now - STALL_S - 1, now],
+                             scheduler_stats=[_stats(1, 0, 90), _stats(0, 2, 100), _stats(0, 0, 100)])
+    state = SimpleNamespace(engine=engine, parallel={"tensor_parallel_size": 2, "pipeline_parallel_size": 2})
+    replicas = engine_health(state, {"0": {"running": 1.0, "waiting": 0.0, "kv_usage": 0.1}})
+    assert [r["status"] for r in replicas] == ["up", "stalled", "down"]
+    assert replicas[2]["reason"] == "killed" and replicas[0]["running"] == 1.0 and replicas[1]["kv_usage"] == 0.0
+    assert [(r["pp_rank"], r["tp_rank"]) for r in replicas[0]["ranks"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert {r["status"] for r in replicas[2]["ranks"]} == {"down"}
