@@ -1,4 +1,4 @@
-"""metrics/live_samples.py, the live page's figures, from a real PrometheusStatLogger's render (no server)."""
+"""metrics/live_samples.py, the live page's figures, from a real PrometheusStatLogger's metrics (no server)."""
 
 from __future__ import annotations
 
@@ -39,10 +39,10 @@ def _stats(running: int, waiting: int, free: int, hits: int = 0, queries: int = 
                           prefix_cache_queries_delta=queries, spec_decoding_stats=spec)
 
 
-def test_figures_are_the_render_s_values_and_windowed_differences():
+def test_figures_are_the_metrics_values_and_windowed_differences():
     logger = PrometheusStatLogger("m", registry=CollectorRegistry(), num_engines=2)
     clock = Clock()
-    live = LiveSamples(logger.render, clock=clock)
+    live = LiveSamples(logger.collect, clock=clock)
     first = live.figures()
     assert first["window_s"] is None and first["now"] == {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
     assert first["window"]["ttft_seconds"]["p50"] is None and not first["window"]["spec_enabled"]
@@ -66,14 +66,16 @@ def test_figures_are_the_render_s_values_and_windowed_differences():
     assert fig["series"][1]["prefix_cache_hit_rate"] == pytest.approx(0.2)
     assert live.figures(since=fig["series"][1]["t"])["series"] == []  # only points newer than the page's newest
 
-    sample = parse_sample(logger.render().decode())  # counters summed over the engine label
+    sample = parse_sample(logger.collect())  # counters summed over the engine label
     assert sample.totals["prefix_hits"] == 40 and sample.totals["prefix_queries"] == 200
+    text = parse_sample(logger.render().decode())  # the /metrics body, parsed: the same figures
+    assert (text.totals, text.engines, text.buckets) == (sample.totals, sample.engines, sample.buckets)
 
 
 def test_the_window_and_the_ring_are_bounded():
     logger = PrometheusStatLogger("m", registry=CollectorRegistry())
     clock = Clock()
-    live = LiveSamples(logger.render, window_s=30.0, max_samples=50, clock=clock)
+    live = LiveSamples(logger.collect, window_s=30.0, max_samples=50, clock=clock)
     for _ in range(80):
         live.sample()
         clock.t += 1.0

@@ -1,7 +1,8 @@
 """The live page's figures (entrypoints/openai/live_page.py), read from the /metrics text itself.
 
-Each sample parses what `PrometheusStatLogger.render()` returns, the very body /metrics serves, so the page and a
-scrape agree (multiprocess mode included: the render merges every API server's values). Samples are taken only when
+Each sample reads the metric families `PrometheusStatLogger.collect()` returns, the very ones render() formats into
+the /metrics body, so the page and a scrape agree (multiprocess mode included: both merge every API server's
+values); it skips the text format and its parse. Samples are taken only when
 a viewer asks, at most one a second however many viewers there are, and kept in a bounded ring: nothing runs on the
 engine's hot path and nothing at all while nobody looks.
 
@@ -17,9 +18,10 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
@@ -47,11 +49,13 @@ class Sample:
     """histogram key -> upper bound -> cumulative count (summed over engines)."""
 
 
-def parse_sample(text: str, t: float | None = None) -> Sample:
+def parse_sample(source: str | Iterable[Metric], t: float | None = None) -> Sample:
+    """One sample from metric families, or from the text of a /metrics body."""
+    families = text_string_to_metric_families(source) if isinstance(source, str) else source
     by_name = {v: k for k, v in {**GAUGES, **COUNTERS}.items()}
     hist_by_name = {v: k for k, v in HISTOGRAMS.items()}
     sample = Sample(t=time.time() if t is None else t)
-    for family in text_string_to_metric_families(text):
+    for family in families:
         for s in family.samples:
             if s.name.endswith("_created"):
                 continue
@@ -98,11 +102,12 @@ def _ratio(num: float, den: float) -> float | None:
 
 
 class LiveSamples:
-    """The bounded ring of samples and the figures the page shows. `render` returns the /metrics body."""
+    """The bounded ring of samples and the figures the page shows. `collect` returns the metric families (those of
+    /metrics)."""
 
-    def __init__(self, render: Callable[[], bytes], window_s: float = 300.0, min_interval_s: float = 1.0,
+    def __init__(self, collect: Callable[[], Iterable[Metric]], window_s: float = 300.0, min_interval_s: float = 1.0,
                  max_samples: int = 600, clock: Callable[[], float] = time.time):
-        self.render = render
+        self.collect = collect
         self.window_s = window_s
         self.min_interval_s = min_interval_s
         self.ring: deque[Sample] = deque(maxlen=max_samples)
@@ -115,7 +120,7 @@ class LiveSamples:
             now = self.clock()
             if self.ring and now - self.ring[-1].t < self.min_interval_s:
                 return self.ring[-1]
-            sample = parse_sample(self.render().decode(), now)
+            sample = parse_sample(self.collect(), now)
             self.ring.append(sample)
             while self.ring and now - self.ring[0].t > self.window_s * 2:  # keep twice the window for the charts
                 self.ring.popleft()
@@ -151,15 +156,19 @@ class LiveSamples:
                                                 else 1 + delta["spec_accepted"] / delta["spec_drafts"]),
                 "spec_enabled": "spec_drafts" in newest.totals,
                 **{f"{key}_seconds": value for key, value in latency.items()}},
-            "series": [p for p in _series(ring) if p["t"] > since],
+            "series": _series(ring, since),
             "engine_gauges": newest.engines,
         }
 
 
-def _series(ring: list[Sample]) -> list[dict]:
-    """One point per sample for the charts: gauges as they were, rates between consecutive samples."""
+def _series(ring: list[Sample], since: float) -> list[dict]:
+    """One point per sample newer than `since` for the charts: gauges as they were, rates between consecutive
+    samples."""
+    first = len(ring)
+    while first > 0 and ring[first - 1].t > since:
+        first -= 1
     points = []
-    for prev, cur in zip([None, *ring[:-1]], ring, strict=True):
+    for prev, cur in zip([None, *ring[:-1]][first:], ring[first:], strict=True):
         point = {"t": cur.t, **{k: cur.totals.get(k, 0.0) for k in GAUGES}}
         if prev is not None and cur.t > prev.t:
             dt = cur.t - prev.t

@@ -14,8 +14,10 @@ them every step.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from pagedllm import envs
 from pagedllm.messages import SchedulerStats, SpecDecodingStats
@@ -161,13 +163,21 @@ class PrometheusStatLogger:
         self.admission_rejections.inc()
 
     def render(self) -> bytes:
+        """The /metrics body."""
+        return generate_latest(self._source())
+
+    def collect(self) -> Iterable[Metric]:
+        """The metric families render() formats, unformatted (the live page's figures: metrics/live_samples.py)."""
+        return self._source().collect()
+
+    def _source(self) -> CollectorRegistry:
         if _multiprocess_dir():
             from prometheus_client.multiprocess import MultiProcessCollector
 
             registry = CollectorRegistry()
             MultiProcessCollector(registry)
-            return generate_latest(registry)
-        return generate_latest(self.registry)
+            return registry
+        return self.registry
 
 
 def _multiprocess_dir() -> str | None:

@@ -1,7 +1,7 @@
 """The live page: GET / and GET /dashboard serve one static HTML file (live_page.html: plain HTML, JS and inline SVG,
 no build step, nothing fetched from elsewhere); it polls GET /dashboard/data every 2 s while it is visible.
 
-/dashboard/data is computed from the same registry render as /metrics (metrics/live_samples.py), so its figures
+/dashboard/data is computed from the metric families /metrics formats (metrics/live_samples.py), so its figures
 are what a scrape sees. With --api-key the page itself loads without the key (it holds no data), but
 /dashboard/data needs it like every other route: the page asks for the key, keeps it in the tab's sessionStorage and
 sends it as `Authorization: Bearer`. Every URL the page uses is relative to where it was loaded, so it works under
@@ -33,7 +33,7 @@ def page_html() -> bytes:
 def add_live_page_routes(app: FastAPI, state: ServerState) -> None:
     html = page_html()
     engine = state.engine
-    samples = LiveSamples(engine.prometheus.render)
+    samples = LiveSamples(engine.prometheus.collect)
 
     async def page():
         return HTMLResponse(html, headers={"Cache-Control": "no-cache"})
@@ -52,7 +52,7 @@ def add_live_page_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def engine_health(state: ServerState, gauges: dict[str, dict[str, float]]) -> list[dict]:
-    """Each data-parallel replica: up / stalled / down, its gauges from the render, and its TP x PP ranks (a rank
+    """Each data-parallel replica: up / stalled / down, its gauges from the metrics, and its TP x PP ranks (a rank
     shares its replica's health: a worker that dies takes its engine core down with it)."""
     engine = state.engine
     now = time.monotonic()
