@@ -96,3 +96,23 @@ def test_engine_health_per_replica_with_its_tp_pp_ranks():
     assert replicas[2]["reason"] == "killed" and replicas[0]["running"] == 1.0 and replicas[1]["kv_usage"] == 0.0
     assert [(r["pp_rank"], r["tp_rank"]) for r in replicas[0]["ranks"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert {r["status"] for r in replicas[2]["ranks"]} == {"down"}
+
+
+def test_guard_lets_the_page_and_its_data_through_a_drain_and_a_dead_engine_but_not_past_the_key():
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from pagedllm.entrypoints.openai.middleware import GuardMiddleware
+
+    ok = Route("/{path:path}", lambda request: PlainTextResponse("ok"))
+    config = SimpleNamespace(api_keys=["k"], protect_metrics=False, max_request_bytes=1 << 20)
+    state = SimpleNamespace(config=config, draining=True, engine=SimpleNamespace(is_dead=True, dead_reason="gone"))
+    client = TestClient(GuardMiddleware(Starlette(routes=[ok]), state))
+    key = {"Authorization": "Bearer k"}
+    for path in ("/", "/dashboard"):
+        assert client.get(path).status_code == 200
+    assert client.get("/dashboard/data").status_code == 401
+    assert client.get("/dashboard/data", headers=key).status_code == 200
+    assert client.get("/v1/models", headers=key).status_code == 503  # the API itself still refuses while draining

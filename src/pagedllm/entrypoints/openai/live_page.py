@@ -4,7 +4,9 @@ no build step, nothing fetched from elsewhere); it polls GET /dashboard/data eve
 /dashboard/data is computed from the metric families /metrics formats (metrics/live_samples.py), so its figures
 are what a scrape sees. With --api-key the page itself loads without the key (it holds no data), but
 /dashboard/data needs it like every other route: the page asks for the key, keeps it in the tab's sessionStorage and
-sends it as `Authorization: Bearer`. Every URL the page uses is relative to where it was loaded, so it works under
+sends it as `Authorization: Bearer`. Like /metrics, the page and its data still answer during a SIGTERM drain and
+with the engine dead (middleware.OBSERVING_PATHS), so the page shows "draining" or the dead engine and its reason
+instead of a 503. Every URL the page uses is relative to where it was loaded, so it works under
 --root-path and behind a prefix-stripping proxy.
 """
 
