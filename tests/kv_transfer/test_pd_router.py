@@ -35,6 +35,7 @@ _BESIDE = Path(sys.executable).with_name("vllm-router")
 ROUTER = str(_BESIDE) if _BESIDE.exists() else shutil.which("vllm-router")
 PROXY = Path(__file__).resolve().parents[2] / "benchmarks" / "disagg_proxy.py"
 RECEIVED = "pagedllm:kv_transfer_received_bytes_total"
+FAILED = "vllm:nixl_num_failed_transfers_total"
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed (the test extra)")]
 
@@ -161,3 +162,21 @@ def test_vllm_router_drives_the_pair(pair):
 
 def test_disagg_proxy_drives_the_pair(pair):
     _check(pair, proxy, "proxy")
+
+
+def test_vllm_router_n_and_batches(pair):
+    """n > 1 moves the prompt's KV once (child 0's; the other children start from it in the consumer's cache):
+    no failed pull, no block left held on the producer. A batch of prompts with kv_transfer_params is refused
+    with a 400 naming the field (one kv_transfer_params names one prompt's blocks), passed on by the router."""
+    producer, consumer = pair
+    prompt = "n two: paged attention stores the KV cache in fixed-size blocks, the fox jumps. " * 2
+    with vllm_router(producer, consumer) as client:
+        failed, received = consumer.metric(FAILED), consumer.metric(RECEIVED)
+        answer = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0.0, n=2)
+        assert consumer.metric(RECEIVED) > received
+        assert consumer.metric(FAILED) == failed
+        assert [c.text for c in answer.choices] == [_complete(producer.client(), prompt)] * 2
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=MODEL_NAME, prompt=[prompt, "a second prompt"], max_tokens=4)
+        assert "kv_transfer_params" in str(refused.value)
+    assert [server.held_blocks() for server in pair] == [0, 0]

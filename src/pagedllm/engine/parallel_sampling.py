@@ -21,7 +21,8 @@ def fan_out(input_processor: InputProcessor, output_processor: OutputProcessor, 
     """Validate a request (n > 1: each of its n children, seeded seed + i) and register it with the output
     processor; all or nothing. Returns the engine requests: send [0] now; with n > 1 the others wait in the
     parent's `pending` until child 0 has computed the prompt (ParentRequest). kv_transfer_params: for the KV
-    connector (each child gets its own copy: a connector may update it).
+    connector, child 0's alone: the prompt's KV moves once (a P/D producer keeps one child's blocks, the one its
+    answer names; a consumer pulls them once), and the other children start from child 0's prompt in the cache.
 
     Raises:
         InvalidRequestError: a bad prompt or parameter (nothing was registered).
@@ -38,7 +39,7 @@ def fan_out(input_processor: InputProcessor, output_processor: OutputProcessor, 
         return [request]
     parent = ParentRequest(request_id, params.n)
     requests = [input_processor.process(parent.child_id(index), prompt_token_ids, child, arrival_time, priority,
-                                        cache_salt, lora_request, kv_transfer_params)
+                                        cache_salt, lora_request, kv_transfer_params if index == 0 else None)
                 for index, child in enumerate(input_processor.child_params(params))]
     for index, request in enumerate(requests):
         output_processor.add_request(request, prompt, parent, index, output_kind)
