@@ -21,8 +21,7 @@ def fan_out(input_processor: InputProcessor, output_processor: OutputProcessor, 
     """Validate a request (n > 1: each of its n children, seeded seed + i) and register it with the output
     processor; all or nothing. Returns the engine requests: send [0] now; with n > 1 the others wait in the
     parent's `pending` until child 0 has computed the prompt (ParentRequest). kv_transfer_params: for the KV
-    connector, child 0's alone: the prompt's KV moves once (a P/D producer keeps one child's blocks, the one its
-    answer names; a consumer pulls them once), and the other children start from child 0's prompt in the cache.
+    connector, given to child 0 alone (it moves the prompt's KV once; the other children find it in the prefix cache).
 
     Raises:
         InvalidRequestError: a bad prompt or parameter (nothing was registered).

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from pagedllm import envs
 from pagedllm.core.request import RequestStatus
 from pagedllm.kv_transfer.base import KVConnectorBase, KVConnectorRole
+from pagedllm.kv_transfer.pd_wire import PD_COUNTERS
 from pagedllm.math_utils import cdiv
 
 if TYPE_CHECKING:
@@ -52,9 +53,9 @@ class PDConnector(KVConnectorBase):
     def __init__(self, config: EngineConfig, role: KVConnectorRole, kv_rank: tuple[int, int, int] = (0, 0, 1)):
         super().__init__(config, role, kv_rank)
         ktc = self.kv_transfer_config
-        dp_size = config.parallel_config.data_parallel_size
-        self.engine_id = f"{ktc.engine_id}_dp{self.dp_rank}" if dp_size > 1 else str(ktc.engine_id)
-        """vLLM's: each data-parallel replica is its own engine."""
+        self.engine_id = f"{ktc.engine_id}_dp{self.dp_rank}" if self.dp_rank else str(ktc.engine_id)
+        """Each data-parallel replica is its own engine (vLLM's _dp suffix; replica 0 keeps the configured id: each
+        replica's engine core sees a data-parallel size of 1)."""
         self.block_size = config.cache_config.block_size
         self.is_producer, self.is_consumer = ktc.is_kv_producer, ktc.is_kv_consumer
         self.host = envs.VLLM_NIXL_SIDE_CHANNEL_HOST or ktc.kv_ip
@@ -76,7 +77,8 @@ class PDConnector(KVConnectorBase):
         if ktc.kv_connector == "NixlConnector":
             logger.info("NixlConnector: pagedllm speaks its kv_transfer_params protocol but moves the KV bytes over "
                         "a plain TCP socket (side channel %s:%d), not NIXL.", self.host, self.port)
-        self._reqs_need_recv: dict[str, tuple[Request, list[int]]] = {}
+        self._reqs_need_recv: dict[str, tuple[Request, list[int], int]] = {}
+        """Consumer requests to pull -> (request, local blocks to fill, index of the first in the block table)."""
         self._reqs_in_batch: set[str] = set()
         self._reqs_not_processed: set[str] = set()
         self._reqs_need_send: dict[str, float] = {}
@@ -86,7 +88,7 @@ class PDConnector(KVConnectorBase):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """A consumer request (do_remote_prefill) loads its whole prompt past the local hit, asynchronously."""
         params = request.kv_transfer_params
-        if self.is_consumer and params and params.get("do_remote_prefill"):
+        if self.is_consumer and params and params.get("do_remote_prefill") and _remote(params) is not None:
             count = len(request.prompt_token_ids) - num_computed_tokens
             if count > 0:
                 return count, True
@@ -99,21 +101,21 @@ class PDConnector(KVConnectorBase):
         if params.get("do_remote_decode") and self.is_producer:
             self._reqs_in_batch.add(request.request_id)
         elif params.get("do_remote_prefill") and self.is_consumer:
-            if all(params.get(k) is not None for k in REMOTE_FIELDS):
+            if _remote(params) is not None:
                 num_prompt = len(request.prompt_token_ids)
                 first = (num_prompt - num_external_tokens) // self.block_size  # the blocks past the local hit
                 local = list(block_ids[first:cdiv(num_prompt, self.block_size)]) if num_external_tokens else []
-                self._reqs_need_recv[request.request_id] = (request, local)
+                self._reqs_need_recv[request.request_id] = (request, local, first)
             else:
-                logger.warning("Request %s: kv_transfer_params without %s; its prompt is computed here.",
-                               request.request_id, ", ".join(k for k in REMOTE_FIELDS if params.get(k) is None))
+                logger.warning("Request %s: kv_transfer_params with do_remote_prefill but without valid %s; its "
+                               "prompt is computed here.", request.request_id, ", ".join(REMOTE_FIELDS))
             params["do_remote_prefill"] = False  # one transfer per request
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> dict[str, Any]:
         meta: dict[str, Any] = {}
         if self._reqs_need_recv:
-            meta["reqs_to_recv"] = {req_id: _recv_spec(request.kv_transfer_params, local)
-                                    for req_id, (request, local) in self._reqs_need_recv.items()}
+            meta["reqs_to_recv"] = {req_id: _recv_spec(request.kv_transfer_params, local, first)
+                                    for req_id, (request, local, first) in self._reqs_need_recv.items()}
         if self._reqs_in_batch:
             meta["reqs_in_batch"] = sorted(self._reqs_in_batch)
         if self._reqs_not_processed:
@@ -130,8 +132,8 @@ class PDConnector(KVConnectorBase):
             return False, None
         if params.get("do_remote_prefill") and self.is_consumer:
             # Ended before it was scheduled: tell the producer (no blocks read) so that it frees its blocks now.
-            if all(params.get(k) is not None for k in REMOTE_FIELDS):
-                self._reqs_need_recv[request.request_id] = (request, [])
+            if _remote(params) is not None:
+                self._reqs_need_recv[request.request_id] = (request, [], 0)
             params["do_remote_prefill"] = False
             return False, None
         if not (params.get("do_remote_decode") and self.is_producer):
@@ -149,7 +151,8 @@ class PDConnector(KVConnectorBase):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for name, value in (connector_output.kv_connector_stats or {}).items():
-            self._stats[name] += value
+            if name in PD_COUNTERS:  # its own only: under MultiConnector every connector sees every counter
+                self._stats[name] += value
 
     def get_stats(self) -> dict[str, float]:
         return dict(self._stats)
@@ -176,9 +179,25 @@ class PDConnector(KVConnectorBase):
             self.worker.shutdown()
 
 
-def _recv_spec(params: dict[str, Any], local_block_ids: list[int]) -> dict[str, Any]:
-    """What a consumer's workers need to pull one request (msgpack-able)."""
-    return {"local_block_ids": local_block_ids, "remote_block_ids": list(params["remote_block_ids"]),
-            "remote_engine_id": str(params["remote_engine_id"]), "remote_request_id": str(params["remote_request_id"]),
-            "remote_host": str(params["remote_host"]), "remote_port": int(params["remote_port"]),
-            "tp_size": int(params.get("tp_size", 1))}
+def _recv_spec(params: dict[str, Any], local: list[int], first: int) -> dict[str, Any]:
+    """A pull for the workers: the producer's blocks at the same places in the prompt as `local` (the blocks past
+    this instance's prefix-cache hit, from block `first` on); fewer than `local` if the producer's prompt was
+    shorter (the pull then fails and its blocks are recomputed)."""
+    spec = _remote(params)
+    return {**spec, "remote_block_ids": spec["remote_block_ids"][first:first + len(local)], "local_block_ids": local}
+
+
+def _remote(params: dict[str, Any]) -> dict[str, Any] | None:
+    """What a consumer's workers need to pull a request from a producer (msgpack-able), from the client's
+    kv_transfer_params; None when they are not a producer's answer (the prompt is then computed here)."""
+    try:
+        block_ids, port, tp_size = params["remote_block_ids"], params["remote_port"], params.get("tp_size", 1)
+        if not (isinstance(block_ids, list) and all(type(b) is int and b >= 0 for b in block_ids)
+                and type(port) is int and 0 < port < 65536 and type(tp_size) is int and tp_size >= 1):
+            return None
+        names = {k: params[k] for k in ("remote_engine_id", "remote_request_id", "remote_host")}
+        if not all(isinstance(v, str) and v for v in names.values()):
+            return None
+    except KeyError:
+        return None
+    return {**names, "remote_block_ids": block_ids, "remote_port": port, "tp_size": tp_size}

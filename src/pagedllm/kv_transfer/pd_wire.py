@@ -25,6 +25,10 @@ from typing import Any
 import msgspec
 
 WIRE_VERSION = 1
+PD_COUNTERS = ("pagedllm:kv_transfer_sent_bytes", "pagedllm:kv_transfer_received_bytes",
+               "vllm:nixl_num_failed_transfers", "pagedllm:kv_transfer_expired_sends")
+"""The counters the workers report (bytes served, bytes pulled, failed transfers, sends freed unread after the abort
+timeout), summed over the ranks; /metrics shows them with _total."""
 MAX_FRAME_BYTES = 1 << 24
 _LENGTH = struct.Struct(">I")
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from pagedllm.kv_transfer.pd_wire import (
+    PD_COUNTERS,
     WIRE_VERSION,
     WireError,
     consumers_per_producer,
@@ -37,10 +38,7 @@ from pagedllm.kv_transfer.pd_wire import (
 
 logger = logging.getLogger(__name__)
 
-SENT_BYTES = "pagedllm:kv_transfer_sent_bytes"
-RECEIVED_BYTES = "pagedllm:kv_transfer_received_bytes"
-FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers"
-EXPIRED_SENDS = "pagedllm:kv_transfer_expired_sends"
+SENT_BYTES, RECEIVED_BYTES, FAILED_TRANSFERS, EXPIRED_SENDS = PD_COUNTERS
 """The counters the workers report (summed over the ranks; /metrics adds _total)."""
 
 
@@ -177,7 +175,7 @@ class PDWorker:
                                                                  self.tp_size) and req_id in self._to_process:
                     self._forget(req_id)
                     self._sent.add(req_id)
-        except (OSError, WireError, ValueError, TypeError, KeyError) as e:
+        except Exception as e:  # a bad or broken read must not take the side channel down
             logger.warning("KV side channel: a read of request %s failed: %s", req_id, e)
             with self._lock:
                 self._stats[FAILED_TRANSFERS] += 1
@@ -229,7 +227,7 @@ class PDWorker:
         failed: list[int] = []
         try:
             self._pull_blocks(spec, local)
-        except Exception as e:  # noqa: BLE001 - any failure is a failed load of these blocks
+        except Exception as e:  # any failure is a failed load of these blocks
             logger.warning("KV pull of request %s from %s:%s failed: %s", req_id, spec.get("remote_host"),
                            spec.get("remote_port"), e)
             failed = local
@@ -239,10 +237,9 @@ class PDWorker:
             self._recv_done[req_id] = failed
 
     def _pull_blocks(self, spec: dict[str, Any], local: list[int]) -> None:
-        remote = list(spec["remote_block_ids"])
-        if len(local) > len(remote):
-            raise ValueError(f"{len(local)} blocks to load but the producer has {len(remote)}.")
-        remote = remote[len(remote) - len(local):]  # the consumer's local prefix-cache hit is not read
+        remote = list(spec["remote_block_ids"])  # the same places in the prompt (past the local hit)
+        if len(local) != len(remote):
+            raise ValueError(f"{len(local)} blocks to load but the producer has {len(remote)} of them.")
         kv0 = self.kv_caches[0] if self.kv_caches else None
         local_heads = kv0.shape[3] if kv0 is not None else 1
         for producer_rank, heads in producer_reads(self.tp_rank, self.tp_size, local_heads, int(spec["tp_size"])):
