@@ -7,6 +7,8 @@ Two variants, each behind vllm-router (the same client path), measured interleav
 alternates run by run):
 - colocated: one `pagedllm serve` with OMP_NUM_THREADS=2, pinned to cores 0,1 (`taskset -c 0,1`), behind
   `vllm-router --worker-urls`;
+- colocated-passive (only when named in --variants): the same with OMP_WAIT_POLICY=PASSIVE (OpenMP threads sleep
+  at once instead of spinning: the README's advice for a machine crowded by other processes);
 - pd: a producer (`--kv-transfer-config {"kv_connector":"NixlConnector","kv_role":"kv_producer"}`,
   OMP_NUM_THREADS=1, `taskset -c 0`) and a consumer (kv_consumer, OMP_NUM_THREADS=1, `taskset -c 1`) behind
   `vllm-router --vllm-pd-disaggregation --prefill P --decode D`.
@@ -86,14 +88,15 @@ class Proc:
         self._out.close()
 
 
-def serve(logdir: Path, name: str, cores: str, threads: int, extra: list[str]) -> Proc:
+def serve(logdir: Path, name: str, cores: str, threads: int, extra: list[str],
+          env: dict[str, str] | None = None) -> Proc:
     port = free_port()
     argv = ["taskset", "-c", cores, sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve",
             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL, "--max-model-len", "8192",
             "--kv-cache-memory", "1GiB", "--disable-log-stats", "--uvicorn-log-level", "warning", *extra]
     return Proc(argv, logdir / f"{name}.log", port,
                 env={"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-                     "TOKENIZERS_PARALLELISM": "false"})
+                     "TOKENIZERS_PARALLELISM": "false", **(env or {})})
 
 
 def router(logdir: Path, name: str, args: list[str]) -> Proc:
@@ -200,9 +203,12 @@ def main() -> None:
     procs: list[Proc] = []
     urls: dict[str, str] = {}
     try:
-        if "colocated" in variants:
-            colocated = serve(logdir, "colocated", "0,1", 2, args.serve_args)
-            procs.append(colocated)
+        colocated = {}
+        for variant in ("colocated", "colocated-passive"):
+            if variant in variants:
+                env = {"OMP_WAIT_POLICY": "PASSIVE"} if variant.endswith("passive") else None
+                colocated[variant] = serve(logdir, variant, "0,1", 2, args.serve_args, env)
+                procs.append(colocated[variant])
         if "pd" in variants:
             producer = serve(logdir, "producer", "0", 1, ["--kv-transfer-config", kv_config("kv_producer"),
                                                           *args.serve_args])
@@ -211,9 +217,9 @@ def main() -> None:
             procs += [producer, consumer]
         for proc in procs:
             proc.wait_healthy()
-        if "colocated" in variants:
-            procs.append(router(logdir, "router-colocated", ["--worker-urls", colocated.url]))
-            urls["colocated"] = procs[-1].url
+        for variant, server in colocated.items():
+            procs.append(router(logdir, f"router-{variant}", ["--worker-urls", server.url]))
+            urls[variant] = procs[-1].url
         if "pd" in variants:
             procs.append(router(logdir, "router-pd", ["--vllm-pd-disaggregation", "--prefill", producer.url,
                                                       "--decode", consumer.url]))
