@@ -78,6 +78,14 @@ def test_consumer_computes_a_request_whose_params_are_not_a_producers_answer(bad
     assert consumer.build_connector_meta(None) == {}
 
 
+def test_allowed_remote_hosts_limits_where_a_consumer_connects():
+    consumer = _connector("kv_consumer", allowed_remote_hosts=["10.0.0.1"])
+    params = {"do_remote_prefill": True, "remote_block_ids": [1, 2, 3], "remote_engine_id": "e",
+              "remote_request_id": "p", "remote_port": 1}
+    assert consumer.get_num_new_matched_tokens(_request({**params, "remote_host": "10.0.0.1"}), 0) == (40, True)
+    assert consumer.get_num_new_matched_tokens(_request({**params, "remote_host": "169.254.169.254"}), 0) == (0, False)
+
+
 def test_a_consumer_request_ended_before_it_ran_still_tells_the_producer():
     consumer = _connector("kv_consumer")
     request = _request({"do_remote_prefill": True, "remote_block_ids": [1, 2, 3], "remote_engine_id": "e",

@@ -35,6 +35,9 @@ BLOCK_SIZE = 16
 SENT, RECEIVED = "pagedllm:kv_transfer_sent_bytes_total", "pagedllm:kv_transfer_received_bytes_total"
 FAILED, EXPIRED = "vllm:nixl_num_failed_transfers_total", "pagedllm:kv_transfer_expired_sends_total"
 ABORT_TIMEOUT_S = 3
+PROXY_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                        "remote_block_ids": None, "remote_host": None, "remote_port": None}
+"""What vLLM's P/D proxy example sends the producer."""
 
 
 def _transfer_config(connector: str, kv_port: int, policy: str) -> str:
@@ -44,12 +47,24 @@ def _transfer_config(connector: str, kv_port: int, policy: str) -> str:
                                                      "side_channel_timeout": 20}})
 
 
+def _free_port_pair() -> int:
+    """A port whose next one is free too (B's two tensor-parallel ranks listen on port and port + 1)."""
+    for _ in range(50):
+        port = free_port()
+        try:
+            with socket.create_server(("127.0.0.1", port + 1)):
+                return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
 @pytest.fixture(scope="module")
 def pair(tiny_llama_dir):
     config = json.loads((tiny_llama_dir / "config.json").read_text())
     block_bytes = (config["num_hidden_layers"] * 2 * BLOCK_SIZE * config["num_key_value_heads"] * config["head_dim"]
                    * 4)  # K and V of every layer, float32
-    a_port, b_port = free_port(), free_port()
+    a_port, b_port = free_port(), _free_port_pair()
     a = RemoteServer(tiny_llama_dir, "--kv-transfer-config", _transfer_config("PagedLLMPDConnector", a_port,
                                                                               "recompute"), wait_ready=False)
     b = RemoteServer(tiny_llama_dir, "--kv-transfer-config", _transfer_config("NixlConnector", b_port, "fail"),
@@ -71,8 +86,8 @@ def _complete(server: RemoteServer, max_tokens: int, timeout: float = 60.0, prom
                        timeout=timeout)
 
 
-def _prefill(server: RemoteServer, prompt: str = PROMPT) -> dict:
-    response = _complete(server, 1, prompt=prompt, kv_transfer_params={"do_remote_decode": True})
+def _prefill(server: RemoteServer, prompt: str = PROMPT, **fields) -> dict:
+    response = _complete(server, 1, prompt=prompt, kv_transfer_params=PROXY_PREFILL_PARAMS, **fields)
     assert response.status_code == 200, response.text
     params = response.json()["kv_transfer_params"]
     assert params is not None, response.text
@@ -121,6 +136,12 @@ def test_decode_matches_colocated_and_moves_the_prompt_blocks(pair):
     response = _complete(b, 12, kv_transfer_params=_prefill(a))
     assert _tokens(response) == colocated
     assert b.metric(RECEIVED) - received == block_bytes
+
+    # A tenant's salt: B's unsalted blocks of this prompt are not its, so every block is pulled.
+    received = b.metric(RECEIVED)
+    response = _complete(b, 12, kv_transfer_params=_prefill(a, cache_salt="tenant"), cache_salt="tenant")
+    assert _tokens(response) == colocated
+    assert b.metric(RECEIVED) - received == moved
     _wait(lambda: _all_free(a) and _all_free(b))
 
 
@@ -141,22 +162,26 @@ def test_chat_completions_carry_kv_transfer_params(pair):
 
 
 def test_consumer_dying_mid_read_leaves_the_blocks_until_the_timeout(pair):
-    """A consumer reads part of the payload and dies (closes without its done): A counts a failed transfer, keeps
-    the blocks (another read could still come) and frees them after abort_request_timeout."""
+    """A read of blocks that are not the request's is refused. A consumer reads part of the payload and dies (closes
+    without its done): A counts a failed transfer, keeps the blocks (another read could still come) and frees them
+    after abort_request_timeout."""
     a, _, _ = pair
     failed, expired = a.metric(FAILED), a.metric(EXPIRED)
     params = _prefill(a)
+    read = {"op": "read", "version": WIRE_VERSION, "engine_id": params["remote_engine_id"],
+            "request_id": params["remote_request_id"], "heads": None, "consumer_tp_size": 1}
+    other_block = max(params["remote_block_ids"]) + 1
     with socket.create_connection((params["remote_host"], params["remote_port"]), timeout=10) as conn:
-        send_frame(conn, {"op": "read", "version": WIRE_VERSION, "engine_id": params["remote_engine_id"],
-                          "request_id": params["remote_request_id"], "block_ids": params["remote_block_ids"],
-                          "heads": None, "consumer_tp_size": 1})
+        send_frame(conn, {**read, "block_ids": [other_block]})  # another request's (or a free) block: refused
+        assert recv_frame(conn)["ok"] is False
+    with socket.create_connection((params["remote_host"], params["remote_port"]), timeout=10) as conn:
+        send_frame(conn, {**read, "block_ids": params["remote_block_ids"]})
         header = recv_frame(conn)
         assert header["ok"] and header["nbytes"] > 0
         recv_exact(conn, memoryview(bytearray(header["nbytes"] // 3)))
     _wait(lambda: a.metric(FAILED) == failed + 1)
     assert not _all_free(a)
-    _wait(lambda: _all_free(a), timeout_s=ABORT_TIMEOUT_S + 10)
-    assert a.metric(EXPIRED) == expired + 1
+    _wait(lambda: _all_free(a) and a.metric(EXPIRED) == expired + 1, timeout_s=ABORT_TIMEOUT_S + 10)
 
 
 def _dying_producer(num_blocks_bytes: int) -> tuple[dict, threading.Thread]:

@@ -17,7 +17,9 @@ timeout.
 
 kv_connector_extra_config keys: "abort_request_timeout" (seconds a producer keeps unread blocks; default
 VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480), "side_channel_timeout" (seconds a side-channel connection may stall before the
-transfer counts as failed; default 30). The side channel listens on kv_ip:kv_port (VLLM_NIXL_SIDE_CHANNEL_HOST /
+transfer counts as failed; default 30), "allowed_remote_hosts" (a consumer pulls only from these hosts; default: any
+host the kv_transfer_params name, which lets a client that reaches the consumer directly make it connect anywhere).
+The side channel listens on kv_ip:kv_port (VLLM_NIXL_SIDE_CHANNEL_HOST /
 VLLM_NIXL_SIDE_CHANNEL_PORT override them, as vLLM's NixlConnector reads them), + data-parallel rank * tp size +
 tensor-parallel rank.
 """
@@ -65,6 +67,12 @@ class PDConnector(KVConnectorBase):
         self.abort_timeout_s = float(ktc.get_from_extra_config("abort_request_timeout",
                                                                envs.VLLM_NIXL_ABORT_REQUEST_TIMEOUT))
         timeout_s = float(ktc.get_from_extra_config("side_channel_timeout", DEFAULT_SIDE_CHANNEL_TIMEOUT_S))
+        hosts = ktc.get_from_extra_config("allowed_remote_hosts", None)
+        if hosts is not None and not (isinstance(hosts, list) and all(isinstance(h, str) for h in hosts)):
+            raise ValueError("--kv-transfer-config: allowed_remote_hosts must be a list of host names or addresses.")
+        self.allowed_remote_hosts = frozenset(hosts) if hosts is not None else None
+        """A consumer pulls only from these producers' hosts (None: from any host the client's kv_transfer_params
+        name, as vLLM's NixlConnector does: only for proxies that clients cannot bypass)."""
         if self.abort_timeout_s <= 0 or timeout_s <= 0:
             raise ValueError("--kv-transfer-config: abort_request_timeout and side_channel_timeout must be > 0.")
         self.worker = None
@@ -81,14 +89,15 @@ class PDConnector(KVConnectorBase):
         """Consumer requests to pull -> (request, local blocks to fill, index of the first in the block table)."""
         self._reqs_in_batch: set[str] = set()
         self._reqs_not_processed: set[str] = set()
-        self._reqs_need_send: dict[str, float] = {}
+        self._reqs_need_send: dict[str, tuple[float, list[int]]] = {}
+        """Finished producer requests -> (when their blocks are freed unread, time.monotonic(); their blocks)."""
         self._stats: dict[str, float] = defaultdict(float)
 
     # ---- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """A consumer request (do_remote_prefill) loads its whole prompt past the local hit, asynchronously."""
         params = request.kv_transfer_params
-        if self.is_consumer and params and params.get("do_remote_prefill") and _remote(params) is not None:
+        if self.is_consumer and params and params.get("do_remote_prefill") and self._remote(params) is not None:
             count = len(request.prompt_token_ids) - num_computed_tokens
             if count > 0:
                 return count, True
@@ -101,7 +110,7 @@ class PDConnector(KVConnectorBase):
         if params.get("do_remote_decode") and self.is_producer:
             self._reqs_in_batch.add(request.request_id)
         elif params.get("do_remote_prefill") and self.is_consumer:
-            if _remote(params) is not None:
+            if self._remote(params) is not None:
                 num_prompt = len(request.prompt_token_ids)
                 first = (num_prompt - num_external_tokens) // self.block_size  # the blocks past the local hit
                 local = list(block_ids[first:cdiv(num_prompt, self.block_size)]) if num_external_tokens else []
@@ -132,7 +141,7 @@ class PDConnector(KVConnectorBase):
             return False, None
         if params.get("do_remote_prefill") and self.is_consumer:
             # Ended before it was scheduled: tell the producer (no blocks read) so that it frees its blocks now.
-            if _remote(params) is not None:
+            if self._remote(params) is not None:
                 self._reqs_need_recv[request.request_id] = (request, [], 0)
             params["do_remote_prefill"] = False
             return False, None
@@ -141,13 +150,16 @@ class PDConnector(KVConnectorBase):
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
             self._reqs_not_processed.add(request.request_id)  # aborted, or stopped by EOS: nothing to pull
             return False, None
-        self._reqs_need_send[request.request_id] = time.monotonic() + self.abort_timeout_s
+        remote_block_ids = list(block_ids[:cdiv(len(request.prompt_token_ids), self.block_size)])
+        self._reqs_need_send[request.request_id] = (time.monotonic() + self.abort_timeout_s, remote_block_ids)
         return True, {
-            "do_remote_prefill": True, "do_remote_decode": False,
-            "remote_block_ids": list(block_ids[:cdiv(len(request.prompt_token_ids), self.block_size)]),
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": remote_block_ids,
             "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
             "remote_host": self.host, "remote_port": self.port, "tp_size": self.tp_size,
         }
+
+    def _remote(self, params: dict[str, Any]) -> dict[str, Any] | None:
+        return _remote(params, self.allowed_remote_hosts)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for name, value in (connector_output.kv_connector_stats or {}).items():
@@ -183,13 +195,14 @@ def _recv_spec(params: dict[str, Any], local: list[int], first: int) -> dict[str
     """A pull for the workers: the producer's blocks at the same places in the prompt as `local` (the blocks past
     this instance's prefix-cache hit, from block `first` on); fewer than `local` if the producer's prompt was
     shorter (the pull then fails and its blocks are recomputed)."""
-    spec = _remote(params)
+    spec = _remote(params, None)
     return {**spec, "remote_block_ids": spec["remote_block_ids"][first:first + len(local)], "local_block_ids": local}
 
 
-def _remote(params: dict[str, Any]) -> dict[str, Any] | None:
+def _remote(params: dict[str, Any], allowed_hosts: frozenset[str] | None) -> dict[str, Any] | None:
     """What a consumer's workers need to pull a request from a producer (msgpack-able), from the client's
-    kv_transfer_params; None when they are not a producer's answer (the prompt is then computed here)."""
+    kv_transfer_params; None when they are not a producer's answer, or name a host outside `allowed_hosts` (None:
+    any): the prompt is then computed here."""
     try:
         block_ids, port, tp_size = params["remote_block_ids"], params["remote_port"], params.get("tp_size", 1)
         if not (isinstance(block_ids, list) and all(type(b) is int and b >= 0 for b in block_ids)
@@ -197,6 +210,10 @@ def _remote(params: dict[str, Any]) -> dict[str, Any] | None:
             return None
         names = {k: params[k] for k in ("remote_engine_id", "remote_request_id", "remote_host")}
         if not all(isinstance(v, str) and v for v in names.values()):
+            return None
+        if allowed_hosts is not None and names["remote_host"] not in allowed_hosts:
+            logger.warning("kv_transfer_params name remote_host %r, not one of allowed_remote_hosts; the prompt is "
+                           "computed here.", names["remote_host"][:100])
             return None
     except KeyError:
         return None

@@ -1,8 +1,9 @@
 """PDWorker: the worker side of the P/D connector (kv_transfer/pd_connector.py), one per tensor-parallel rank.
 
 As a producer it serves its blocks on the side channel (a listening TCP socket and a thread per connection,
-kv_transfer/pd_wire.py has the format): a consumer reads the blocks of a request the scheduler named (reqs_in_batch:
-the request ran here; reqs_to_send: it finished and its blocks are kept), says it is done, and once every consumer
+kv_transfer/pd_wire.py has the format): a consumer reads blocks of a request the scheduler named (reqs_in_batch: the
+request ran here; reqs_to_send: it finished, its blocks are kept, and these are its blocks: a read that names any
+other block is refused, so a consumer never sees another request's KV), says it is done, and once every consumer
 rank that reads this rank has done so the request is reported in finished_sending (the scheduler then frees its
 blocks). A request nobody reads within the abort timeout is reported too (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
 
@@ -52,13 +53,16 @@ class PDWorker:
         self.timeout_s = timeout_s
         self.kv_caches: list[torch.Tensor] = []
         self._lock = threading.Lock()
+        self._sendable = threading.Condition(self._lock)
+        """Notified when the scheduler's plan names requests to send (a read may arrive just before it)."""
         self._stop = threading.Event()
         self._stats: dict[str, float] = defaultdict(float)
         # producer state (under _lock)
         self._to_process: set[str] = set()
         """Requests that ran here as producer requests: readable while they are in this set."""
-        self._to_send: dict[str, float] = {}
-        """Finished producer requests whose blocks are kept -> when they expire (time.monotonic())."""
+        self._to_send: dict[str, tuple[float, frozenset[int]]] = {}
+        """Finished producer requests whose blocks are kept -> (when they expire (time.monotonic()), their blocks:
+        a read names no other block)."""
         self._reads: dict[str, int] = defaultdict(int)
         """Consumer ranks done reading a request (it is sent once consumers_per_producer have)."""
         self._active: dict[str, int] = defaultdict(int)
@@ -103,9 +107,10 @@ class PDWorker:
             self._to_process.update(meta.get("reqs_in_batch", ()))
             for req_id in meta.get("reqs_not_processed", ()):
                 self._to_process.discard(req_id)
-            for req_id, expires in meta.get("reqs_to_send", {}).items():
+            for req_id, (expires, block_ids) in meta.get("reqs_to_send", {}).items():
                 if req_id in self._to_process:
-                    self._to_send[req_id] = expires
+                    self._to_send[req_id] = (expires, frozenset(block_ids))
+            self._sendable.notify_all()
         for req_id, spec in meta.get("reqs_to_recv", {}).items():
             self._pulls.submit(self._pull, req_id, spec)
 
@@ -113,7 +118,7 @@ class PDWorker:
         now = time.monotonic()
         with self._lock:
             sending, self._sent = self._sent, set()
-            for req_id, expires in list(self._to_send.items()):
+            for req_id, (expires, _) in list(self._to_send.items()):
                 if now >= expires and not self._active[req_id]:
                     logger.warning("Releasing the KV blocks of request %s: no consumer read them in time.", req_id)
                     self._forget(req_id)
@@ -172,7 +177,7 @@ class PDWorker:
                 self._stats[SENT_BYTES] += nbytes
                 self._reads[req_id] += 1
                 if self._reads[req_id] >= consumers_per_producer(int(message.get("consumer_tp_size", 1)),
-                                                                 self.tp_size) and req_id in self._to_process:
+                                                                 self.tp_size) and req_id in self._to_send:
                     self._forget(req_id)
                     self._sent.add(req_id)
         except Exception as e:  # a bad or broken read must not take the side channel down
@@ -193,17 +198,21 @@ class PDWorker:
         if message.get("engine_id") != self.engine_id:
             return None, f"this is engine {self.engine_id}, not {message.get('engine_id')!r}."
         req_id = message.get("request_id")
-        with self._lock:
-            if req_id not in self._to_process:
+        with self._sendable:  # the response can outrun the plan that names its blocks: wait for it a while
+            self._sendable.wait_for(lambda: req_id in self._to_send or req_id not in self._to_process,
+                                    timeout=self.timeout_s)
+            if req_id not in self._to_send:
                 return None, f"request {req_id!r} has no KV blocks here (finished, expired or never run)."
+            if not {b for b in message.get("block_ids") or () if isinstance(b, int)} <= self._to_send[req_id][1]:
+                return None, f"the read names blocks that are not request {req_id!r}'s."
             self._active[req_id] += 1
         return req_id, None
 
     def _send_blocks(self, conn: socket.socket, message: dict[str, Any]) -> int:
-        block_ids = [int(b) for b in message.get("block_ids") or ()]
+        block_ids = list(message.get("block_ids") or ())
         kv0 = self.kv_caches[0]
         _, num_blocks, block_size, local_heads, head_dim = kv0.shape
-        if any(not 0 <= b < num_blocks for b in block_ids):
+        if any(type(b) is not int or not 0 <= b < num_blocks for b in block_ids):
             raise ValueError(f"block ids out of range [0, {num_blocks}).")
         first, end = rank_heads(self.tp_rank, self.tp_size, local_heads)
         heads = message.get("heads")
