@@ -84,7 +84,7 @@ def main() -> None:
     for name, llm in engines.items():
         kv_transfer = llm.llm_engine.engine_core.scheduler.kv_transfer
         if kv_transfer is not None:
-            print(name, {k: round(v, 3) for k, v in kv_transfer.worker_stats.items()},
+            print(name, {k: round(v, 3) for k, v in kv_transfer.connector.get_stats().items()},
                   "external hits", kv_transfer.external_hits)
         llm.llm_engine.engine_core.shutdown()
 
