@@ -56,8 +56,10 @@ def main() -> None:
     variants = {"off": None, "async": "async", "sync": "sync"}
     engines = {name: _engine(tier, max_len) for name, tier in variants.items()}
     rng = random.Random(0)
-    for llm in engines.values():  # warm-up: native kernels, allocator, the tier's pages
-        _run(llm, [[rng.randrange(1000, 40000) for _ in range(args.prompt_len)] for _ in range(4)], params)
+    for llm in engines.values():  # warm-up: native kernels (prefill after a hit too), allocator, the tier's pages
+        warm = [[rng.randrange(1000, 40000) for _ in range(args.prompt_len)] for _ in range(4)]
+        _run(llm, warm, params)
+        _run(llm, warm, params)
     print(f"load before: {_loadavg()}; {args.prompts} prompts x {args.prompt_len} tokens, {args.max_tokens} out, "
           f"pool {2 * max_len // 16 + 1} blocks", flush=True)
     times: dict[str, dict[str, list[float]]] = {name: {"miss": [], "first": [], "reuse": []} for name in variants}
