@@ -56,10 +56,12 @@ def main() -> None:
     variants = {"off": None, "async": "async", "sync": "sync"}
     engines = {name: _engine(tier, max_len) for name, tier in variants.items()}
     rng = random.Random(0)
-    for llm in engines.values():  # warm-up: native kernels, allocator, the tier's pages
-        _run(llm, [[rng.randrange(1000, 40000) for _ in range(args.prompt_len)] for _ in range(4)], params)
+    for llm in engines.values():  # warm-up: native kernels (prefill after a hit too), allocator, the tier's pages
+        warm = [[rng.randrange(1000, 40000) for _ in range(args.prompt_len)] for _ in range(4)]
+        _run(llm, warm, params)
+        _run(llm, warm, params)
     print(f"load before: {_loadavg()}; {args.prompts} prompts x {args.prompt_len} tokens, {args.max_tokens} out, "
-          f"pool {2 * max_len // 16 + 1} blocks")
+          f"pool {2 * max_len // 16 + 1} blocks", flush=True)
     times: dict[str, dict[str, list[float]]] = {name: {"miss": [], "first": [], "reuse": []} for name in variants}
     for run in range(args.runs):
         order = list(variants) if run % 2 == 0 else list(reversed(variants))
@@ -70,6 +72,9 @@ def main() -> None:
             shared = [[rng.randrange(1000, 40000) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
             times[name]["first"].append(_run(engines[name], shared, params))
             times[name]["reuse"].append(_run(engines[name], shared, params))
+        print(f"run {run}: " + ", ".join(f"{name} miss {times[name]['miss'][-1]:.2f} reuse "
+                                         f"{times[name]['reuse'][-1]:.2f}" for name in variants)
+              + f" (load {_loadavg()})", flush=True)
     print(f"load after: {_loadavg()}")
     for kind in ("miss", "reuse"):
         base = statistics.median(times["off"][kind])
@@ -81,7 +86,7 @@ def main() -> None:
     for name, llm in engines.items():
         kv_transfer = llm.llm_engine.engine_core.scheduler.kv_transfer
         if kv_transfer is not None:
-            print(name, {k: round(v, 3) for k, v in kv_transfer.worker_stats.items()},
+            print(name, {k: round(v, 3) for k, v in kv_transfer.connector.get_stats().items()},
                   "external hits", kv_transfer.external_hits)
         llm.llm_engine.engine_core.shutdown()
 

@@ -32,3 +32,33 @@ if ! [ -f .venv/llamacpp-convert/convert_hf_to_gguf.py ]; then
   mv .venv/llamacpp-convert.part .venv/llamacpp-convert
   rm -rf "$sdist_dir"
 fi
+# promtool (tests/deploy/test_alert_rules.py) and prometheus (deploy/prometheus/prove.py): Debian's prometheus
+# package, once (~12 s: apt-get update 2 s + install 10 s; nothing when promtool is on PATH). Root only: elsewhere
+# it says how, and those tests skip (in CI, where CI is set, they fail instead). apt starts no service in a
+# container (policy-rc.d); on a systemd host the package's service is stopped and disabled again, so that setting up
+# pagedllm leaves no Prometheus listening on :9090.
+if ! command -v promtool >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq >/dev/null
+    apt_updated=1
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+      systemctl disable --now prometheus >/dev/null 2>&1 || true
+    fi
+  else
+    echo "promtool not found: run 'sudo apt-get install prometheus' for tests/deploy (they skip without it)"
+  fi
+fi
+# chromium (tests/entrypoints/test_live_page.py, scripts/live_page_screenshot.py): Debian's chromium package, driven
+# by Playwright (the test extra) with executable_path=/usr/bin/chromium; Playwright's own browser download is never
+# used. Once (~64 s measured on the loaded 2-core machine: apt-get update 8 s + install 56 s; nothing when
+# /usr/bin/chromium exists). Root only: elsewhere it says how, and the live page's browser test skips (in CI, where
+# CI is set, it fails instead).
+if ! [ -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    [ -n "${apt_updated:-}" ] || apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+  else
+    echo "chromium not found: run 'sudo apt-get install chromium' for tests/entrypoints/test_live_page.py"
+  fi
+fi

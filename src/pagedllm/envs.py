@@ -6,7 +6,8 @@ environment on to a child process (`{**os.environ, ...}`) is not a read.
 
 vLLM's variables that pagedllm honours: VLLM_API_KEY, VLLM_LOGGING_LEVEL, VLLM_CONFIGURE_LOGGING,
 VLLM_SERVER_DEV_MODE, VLLM_ENGINE_READY_TIMEOUT_S, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES,
-VLLM_ALLOW_RUNTIME_LORA_UPDATING (same names and meanings).
+VLLM_ALLOW_RUNTIME_LORA_UPDATING, VLLM_NIXL_SIDE_CHANNEL_HOST, VLLM_NIXL_SIDE_CHANNEL_PORT,
+VLLM_NIXL_ABORT_REQUEST_TIMEOUT (same names and meanings).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ if TYPE_CHECKING:  # for type checkers: the attributes module __getattr__ serves
     VLLM_ALLOW_RUNTIME_LORA_UPDATING: bool
     VLLM_ENGINE_READY_TIMEOUT_S: float | None
     VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES: bool
+    VLLM_NIXL_SIDE_CHANNEL_HOST: str | None
+    VLLM_NIXL_SIDE_CHANNEL_PORT: int | None
+    VLLM_NIXL_ABORT_REQUEST_TIMEOUT: float
     RAY_ADDRESS: str | None
     OMP_NUM_THREADS: int | None
     OPENAI_API_KEY: str | None
@@ -91,6 +95,15 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
                                     "default when set (vLLM's default 600 is pagedllm's too)."),
     "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": (_switch("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", True),
                                             "0: KV events carry whole block digests; else 64-bit integers."),
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": (_str("VLLM_NIXL_SIDE_CHANNEL_HOST"),
+                                    "The P/D connector's (NixlConnector's) side-channel address, instead of "
+                                    "--kv-transfer-config kv_ip."),
+    "VLLM_NIXL_SIDE_CHANNEL_PORT": (_number("VLLM_NIXL_SIDE_CHANNEL_PORT", int),
+                                    "The P/D connector's side-channel port, instead of --kv-transfer-config "
+                                    "kv_port (each data-parallel rank listens on port + rank * tp size)."),
+    "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": (lambda: _number("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", float)() or 480.0,
+                                        "Seconds a P/D producer keeps a finished request's KV blocks for a "
+                                        "consumer that has not read them (default 480), then frees them."),
     # other tools'
     "RAY_ADDRESS": (_str("RAY_ADDRESS"), "The Ray cluster the ray backend joins when --ray-address is not given."),
     "OMP_NUM_THREADS": (lambda: _number("OMP_NUM_THREADS", int)() or None,

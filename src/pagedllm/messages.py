@@ -102,8 +102,9 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     """A KV connector: prompt tokens asked of it (past the local prefix hit) since the last snapshot."""
     external_prefix_cache_hits_delta: int = 0
     """Of those, tokens it supplied."""
-    kv_connector_stats: dict[str, float] | None = None
-    """A KV connector's counters since the last snapshot (kv_transfer/stats.py keys); None without one."""
+    kv_connector_stats_delta: dict[str, float] | None = None
+    """A KV connector's counters since the last snapshot (Prometheus counter name, or "name|label value" for a
+    family of kv_transfer/stats.py, -> value); None without one."""
     total_ref_cnt: int | None = None
     """Sum of every block's ref_cnt (0 when nothing holds a block). Filled only by the debug `stats` utility:
     it walks the whole pool, too slow for every step."""
@@ -262,10 +263,12 @@ class KVConnectorOutput:
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
     kv_connector_stats: dict[str, float] = field(default_factory=dict)
-    """The connectors' counters since the last report (kv_transfer/stats.py keys), summed over the ranks."""
+    """The connector's counters since the last report (metric name, or "name|label value" for a family of
+    kv_transfer/stats.py, -> value), summed over the ranks."""
 
     def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids
+                    or self.kv_connector_stats)
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -43,6 +44,8 @@ class RequestOutput:
     """arrival_time, first_scheduled_time, first_token_time, last_token_time (wall-clock seconds)."""
     error: str | None = None
     """Set when the engine failed this request (finish_reason "error"): a message safe to show."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's: what the KV connector returned when the request finished (a P/D producer: where to pull from)."""
 
 
 @dataclass

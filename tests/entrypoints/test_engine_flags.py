@@ -40,6 +40,7 @@ def test_kv_cache_memory_bytes_sizes_the_pool():
     assert _configs("--kv-cache-memory-bytes", "1G")[0].cache_config.kv_cache_memory == 1 << 30
     assert _configs("--kv-cache-memory-bytes", "2.5g")[0].cache_config.kv_cache_memory == 2_500_000_000
     assert _configs("--kv-cache-memory-bytes", "123456")[0].cache_config.kv_cache_memory == 123456
+    assert _configs("--kv-cache-memory-bytes", "512Mi")[0].cache_config.kv_cache_memory == 512 << 20  # the help's form
     assert _configs("--kv-cache-memory", "1GiB", "--kv-cache-memory-bytes", "1G")[0].cache_config.kv_cache_memory \
         == 1 << 30
     with pytest.raises(ValueError, match="--kv-cache-memory-bytes 1073741824 and --kv-cache-memory 2147483648"):

@@ -254,6 +254,15 @@ def _request_id(api, ep):
     assert "walk-request" in api.ok(ep, request_id="walk-request")["id"]
 
 
+def _kv_transfer_params(api, ep):
+    """Honoured by a server with a KV connector (tests/entrypoints/test_pd_connector_server.py: a producer answers
+    {"do_remote_decode": true} with where its blocks are, a consumer pulls them). This server has none: as vLLM,
+    it ignores the field, and the response's kv_transfer_params is null."""
+    response = api.ok(ep, kv_transfer_params={"do_remote_decode": True})
+    assert response["kv_transfer_params"] is None
+    assert response["choices"] == api.ok(ep)["choices"]
+
+
 def _return_token_ids(api, ep):
     response = api.ok(ep, return_token_ids=True)
     assert len(token_ids(response)) == response["usage"]["completion_tokens"]
@@ -469,6 +478,7 @@ SHARED: dict[str, Entry] = {
     "priority": refused("priority", priority=1),  # this server schedules fcfs (vLLM's check)
     "cache_salt": honoured(_cache_salt),
     "request_id": honoured(_request_id),
+    "kv_transfer_params": honoured(_kv_transfer_params),
     "return_token_ids": honoured(_return_token_ids),
     "return_tokens_as_token_ids": honoured(_return_tokens_as_token_ids),
     "add_special_tokens": honoured(_add_special_tokens),

@@ -227,7 +227,7 @@ def test_attach_only_finds_nothing_and_orphans_are_reaped(shm_path):
     name = f"pagedllm-test-orphan-{uuid.uuid4().hex}"
     with open(f"/dev/shm/{name}", "wb") as f:
         f.write(b"left by a killed server")
-    assert reap_orphans("/dev/shm", name) == [f"/dev/shm/{name}"]
+    assert reap_orphans("/dev/shm", "pagedllm-none-", name) == [f"/dev/shm/{name}"]
 
 
 def test_another_geometry_is_refused(shm_path):

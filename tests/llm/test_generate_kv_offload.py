@@ -52,7 +52,7 @@ def _region(llm) -> str:
 
 def _stats(llm) -> dict[str, float]:
     kv_transfer = llm.llm_engine.engine_core.scheduler.kv_transfer
-    return {**kv_transfer.worker_stats, **kv_transfer.connector.get_stats(),
+    return {**kv_transfer.connector.get_stats(),
             "external_hits": kv_transfer.external_hits, "external_queries": kv_transfer.external_queries}
 
 

@@ -138,7 +138,10 @@ ROUTES = [("GET", "/v1/models"), ("GET", "//v1/models"), ("GET", "/v1/../v1/mode
           ("POST", "/v1/./completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
           ("POST", "/detokenize"), ("GET", "/version"), ("GET", "/metrics"), ("GET", "/metrics/"),
           ("GET", "//metrics"), ("GET", "/debug/kv_cache"), ("GET", "/health/"), ("GET", "//health"),
-          ("GET", "/health/../v1/models"), ("GET", "/nope"), ("GET", "/openapi.json"), ("GET", "/docs")]
+          ("GET", "/health/../v1/models"), ("GET", "/nope"), ("GET", "/openapi.json"), ("GET", "/docs"),
+          # the live page's HTML (/ and /dashboard) is open, its figures are not, however the path is spelt
+          ("GET", "/dashboard/data"), ("GET", "//dashboard/data"), ("GET", "/dashboard/data/"),
+          ("GET", "/dashboard//data"), ("GET", "/dashboard/../dashboard/data"), ("GET", "/%64ashboard/data")]
 HOSTS = ["127.0.0.1", "localhost", "evil.example", "127.0.0.1:1", "", "[::1]", "localhost/health"]
 BAD_AUTH = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {KEYS[0]}x"},
             {"Authorization": KEYS[0]}, {"Authorization": f"Basic {KEYS[0]}"}, {"Authorization": "Bearer "}]

@@ -174,8 +174,8 @@ def parse_bytes(text: str) -> int:
 
 def human_readable_int(text: str) -> int:
     """vLLM's human-readable integers: `25.6k` = 25,600 (k, m, g, t: powers of 1000), `1K` = 1,024 (K, M, G, T:
-    powers of 1024, no decimals), or a plain integer."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text.strip())
+    powers of 1024, no decimals; `1Gi` too, as the --kv-cache-memory-bytes help writes it), or a plain integer."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text.strip()) or re.fullmatch(r"(\d+)([KMGT])i", text.strip())
     if match:
         number, suffix = match.groups()
         if suffix.islower():

@@ -79,23 +79,14 @@ class KVTransferScheduling:
         self.external_hits = 0
         """Tokens asked of the connector (prompt tokens past the local hit) and tokens it supplied (vLLM's
         external prefix cache counters)."""
-        self.worker_stats: dict[str, float] = {}
-        """The workers' counters (KVConnectorOutput.kv_connector_stats), summed since start."""
         self._last_counts: tuple[int, int] = (0, 0)
-        self._last_stats: dict[str, float] = {}
 
-    def take_stats(self) -> tuple[int, int, dict[str, float]]:
-        """(external queries, external hits, connector counters) since the last call, for SchedulerStats."""
+    def take_external_counts(self) -> tuple[int, int]:
+        """(external prefix cache queries, hits) since the last call, for SchedulerStats."""
         counts = (self.external_queries, self.external_hits)
         queries, hits = (now - before for now, before in zip(counts, self._last_counts, strict=True))
         self._last_counts = counts
-        totals = dict(self.worker_stats)
-        for key, value in self.connector.get_stats().items():
-            totals[key] = totals.get(key, 0) + value
-        deltas = {key: value - self._last_stats.get(key, 0) for key, value in totals.items()
-                  if value != self._last_stats.get(key, 0)}
-        self._last_stats = totals
-        return queries, hits, deltas
+        return queries, hits
 
     @property
     def pending(self) -> bool:
@@ -188,8 +179,6 @@ class KVTransferScheduling:
                 self.failed_blocks.pop(req_id, None)
                 del self.delayed_free[req_id]
                 kv.free(request)
-        for key, value in kv_output.kv_connector_stats.items():
-            self.worker_stats[key] = self.worker_stats.get(key, 0) + value
         self.connector.update_connector_output(kv_output)
         return outputs
 

@@ -99,6 +99,7 @@ class Scheduler(SchedulerIntrospection):
         self.num_steps = 0
         """schedule() calls so far: the next SchedulerOutput's step_id."""
         self._last_stats = (0, 0, 0)  # (queries, hits, preemptions) at the last make_stats()
+        self._last_connector_stats: dict[str, float] = {}  # the KV connector's get_stats() then
         self.speculative_config = speculative_config
         self.verify_cost = VerifyCost(speculative_config) if speculative_config else None
         self._spec_stats = self._new_spec_stats()

@@ -16,7 +16,7 @@ class SchedulerIntrospection:
         deltas = [now - before for now, before in zip(totals, self._last_stats, strict=True)]
         self._last_stats = totals
         spec_stats, self._spec_stats = self._spec_stats, self._new_spec_stats()
-        ext_queries, ext_hits, connector_stats = self.kv_transfer.take_stats() if self.kv_transfer else (0, 0, None)
+        ext_queries, ext_hits = self.kv_transfer.take_external_counts() if self.kv_transfer else (0, 0)
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -30,8 +30,16 @@ class SchedulerIntrospection:
             expert_routed_tokens_delta=self.routed_tokens.take(),
             external_prefix_cache_queries_delta=ext_queries,
             external_prefix_cache_hits_delta=ext_hits,
-            kv_connector_stats=connector_stats,
+            kv_connector_stats_delta=self._connector_stats_delta(),
         )
+
+    def _connector_stats_delta(self) -> dict[str, float] | None:
+        """The KV connector's counters (get_stats(), cumulative) since the last snapshot; None without one."""
+        if self.kv_transfer is None:
+            return None
+        stats = self.kv_transfer.connector.get_stats()
+        last, self._last_connector_stats = self._last_connector_stats, stats
+        return {name: value - last.get(name, 0) for name, value in stats.items()}
 
     def _new_spec_stats(self) -> SpecDecodingStats | None:
         return SpecDecodingStats.for_drafts(self.speculative_config and self.speculative_config.num_speculative_tokens)

@@ -173,10 +173,12 @@ class AsyncLLM(UtilityCalls):
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, output_kind: OutputKind = "delta", priority: int = 0,
                     cache_salt: str | None = None, pooling_params: PoolingParams | None = None,
-                    lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                    lora_request: LoRARequest | None = None,
+                    kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Validate and send one request (n > 1: its first child); returns its output stream. With pooling_params
         (a pooling server), an embedding request: `params` is unused and the stream yields one
-        EmbeddingRequestOutput. lora_request: the adapter it runs with (None: the base model).
+        EmbeddingRequestOutput. lora_request: the adapter it runs with (None: the base model). kv_transfer_params:
+        vLLM's, for the KV connector (disaggregated prefill/decode).
 
         Raises:
             InvalidRequestError: bad prompt or parameters. EngineDeadError: the engine is gone.
@@ -187,7 +189,8 @@ class AsyncLLM(UtilityCalls):
             raise InvalidRequestError(f"request_id {request_id!r} is already in use.", param="request_id")
         arrival_time = time.time()
         requests = fan_out(self.input_processor, self.output_processor, request_id, prompt_token_ids, params, prompt,
-                           output_kind, arrival_time, priority, cache_salt, pooling_params, lora_request)
+                           output_kind, arrival_time, priority, cache_salt, pooling_params, lora_request,
+                           kv_transfer_params)
         first = requests[0]  # the prompt exactly as the engine will hash it
         replica = self.router.route([r.request_id for r in requests], first.prompt_token_ids, first.cache_salt)
         if self.router.num_unfinished(replica) == len(requests):  # it was idle: the watchdog counts from now

@@ -76,8 +76,10 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 arrival_time: float | None = None, priority: int = 0,
-                cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> EngineCoreRequest:
-        """Validate and build the engine request.
+                cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+                kv_transfer_params: dict | None = None) -> EngineCoreRequest:
+        """Validate and build the engine request. kv_transfer_params: vLLM's, for the KV connector (copied; without
+        one the engine ignores it, as vLLM does).
 
         Raises:
             InvalidRequestError: the prompt or a parameter is out of range (HTTP 400).
@@ -139,6 +141,7 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
             lora_request=lora_request,
+            kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params is not None else None,
         )
 
     def check_lora(self, lora: LoRARequest) -> None:

@@ -48,6 +48,7 @@ class ParentRequest:
     num_finished: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     """Child 0's (the only child that computes them)."""
+    kv_transfer_params: dict | None = None
 
     def child_id(self, index: int) -> str:
         return f"{index}_{self.request_id}"
@@ -79,6 +80,8 @@ class RequestState:
     is_pooling: bool = False
     """A pooling request: its one output is an EmbeddingRequestOutput with `pooled`."""
     pooled: list[float] | None = None
+    kv_transfer_params: dict | None = None
+    """The KV connector's, sent with the request's finish."""
 
 
 @dataclass
@@ -232,6 +235,8 @@ class OutputProcessor:
                 state.finish_reason, state.stop_reason = "stop", stop_str
         if out.pooled is not None:
             state.pooled = out.pooled
+        if out.kv_transfer_params is not None:
+            state.kv_transfer_params = out.kv_transfer_params
         if out.finish_reason is not None and state.finish_reason is None:
             state.finish_reason = str(out.finish_reason)
             state.stop_reason = out.stop_reason
@@ -274,6 +279,7 @@ class OutputProcessor:
         request_id = state.request_id
         outputs = [completion]
         prompt_logprobs = state.prompt_logprobs
+        kv_transfer_params = state.kv_transfer_params
         if parent is not None:
             request_id = parent.request_id
             if state.index == 0:
@@ -281,6 +287,9 @@ class OutputProcessor:
             prompt_logprobs = parent.prompt_logprobs
             parent.outputs[state.index] = completion
             parent.num_finished += finished
+            if kv_transfer_params is not None:  # n > 1: the first child's that has any (vLLM: one per request)
+                parent.kv_transfer_params = parent.kv_transfer_params or kv_transfer_params
+            kv_transfer_params = parent.kv_transfer_params
             finished = parent.num_finished == parent.n
             if state.output_kind == "final_only" and not finished:
                 return None
@@ -292,4 +301,5 @@ class OutputProcessor:
                 metrics[name] = getattr(state, name)
         return RequestOutput(request_id=request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
                              outputs=outputs, finished=finished, prompt_logprobs=prompt_logprobs,
-                             num_cached_tokens=state.num_cached_tokens, metrics=metrics, error=state.error)
+                             num_cached_tokens=state.num_cached_tokens, metrics=metrics, error=state.error,
+                             kv_transfer_params=kv_transfer_params if finished else None)

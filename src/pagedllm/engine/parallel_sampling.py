@@ -16,10 +16,12 @@ def fan_out(input_processor: InputProcessor, output_processor: OutputProcessor, 
             prompt_token_ids: list[int], params: SamplingParams, prompt: str | None, output_kind: OutputKind,
             arrival_time: float | None = None, priority: int = 0,
             cache_salt: str | None = None, pooling_params: PoolingParams | None = None,
-            lora_request: LoRARequest | None = None) -> list[EngineCoreRequest]:
+            lora_request: LoRARequest | None = None,
+            kv_transfer_params: dict | None = None) -> list[EngineCoreRequest]:
     """Validate a request (n > 1: each of its n children, seeded seed + i) and register it with the output
     processor; all or nothing. Returns the engine requests: send [0] now; with n > 1 the others wait in the
-    parent's `pending` until child 0 has computed the prompt (ParentRequest).
+    parent's `pending` until child 0 has computed the prompt (ParentRequest). kv_transfer_params: for the KV
+    connector, given to child 0 alone (it moves the prompt's KV once; the other children find it in the prefix cache).
 
     Raises:
         InvalidRequestError: a bad prompt or parameter (nothing was registered).
@@ -31,12 +33,12 @@ def fan_out(input_processor: InputProcessor, output_processor: OutputProcessor, 
         return [request]
     if params.n == 1:
         request = input_processor.process(request_id, prompt_token_ids, params, arrival_time, priority, cache_salt,
-                                          lora_request)
+                                          lora_request, kv_transfer_params)
         output_processor.add_request(request, prompt, None, 0, output_kind)
         return [request]
     parent = ParentRequest(request_id, params.n)
     requests = [input_processor.process(parent.child_id(index), prompt_token_ids, child, arrival_time, priority,
-                                        cache_salt, lora_request)
+                                        cache_salt, lora_request, kv_transfer_params if index == 0 else None)
                 for index, child in enumerate(input_processor.child_params(params))]
     for index, request in enumerate(requests):
         output_processor.add_request(request, prompt, parent, index, output_kind)

@@ -23,8 +23,8 @@ class KVOutputAggregator:
             self._count(output.finished_sending, self._sending, result.finished_sending)
             self._count(output.finished_recving, self._recving, result.finished_recving)
             result.invalid_block_ids |= output.invalid_block_ids
-            for key, value in output.kv_connector_stats.items():
-                result.kv_connector_stats[key] = result.kv_connector_stats.get(key, 0) + value
+            for name, value in output.kv_connector_stats.items():
+                result.kv_connector_stats[name] = result.kv_connector_stats.get(name, 0) + value
         return result
 
     def _count(self, req_ids: set[str], remaining: dict[str, int], done: set[str]) -> None:

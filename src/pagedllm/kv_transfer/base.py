@@ -118,7 +118,9 @@ class KVConnectorBase:
         return set()
 
     def get_kv_connector_stats(self) -> dict[str, float]:
-        """This rank's counters since the last call (kv_transfer/stats.py keys; summed over the ranks)."""
+        """This rank's counters since the last call (metric name, or "name|label value" for a family of
+        kv_transfer/stats.py, -> value; summed over the ranks, handed to the scheduler side's
+        update_connector_output)."""
         return {}
 
     def shutdown(self) -> None:

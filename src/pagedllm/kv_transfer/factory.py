@@ -47,5 +47,7 @@ def create_kv_connector(config: EngineConfig, role: KVConnectorRole,
 
 
 KVConnectorFactory.register_connector("MultiConnector", "pagedllm.kv_transfer.multi_connector", "MultiConnector")
+KVConnectorFactory.register_connector("PagedLLMPDConnector", "pagedllm.kv_transfer.pd_connector", "PDConnector")
+KVConnectorFactory.register_connector("NixlConnector", "pagedllm.kv_transfer.pd_connector", "PDConnector")
 KVConnectorFactory.register_connector("OffloadingConnector", "pagedllm.kv_transfer.offloading.connector",
                                       "OffloadingConnector")

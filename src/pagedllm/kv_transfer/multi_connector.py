@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.config.kv_transfer import KVTransferConfig
 from pagedllm.kv_transfer.base import KVConnectorBase, KVConnectorRole
-from pagedllm.kv_transfer.stats import add_stats
 from pagedllm.messages import KVConnectorOutput
 
 if TYPE_CHECKING:
@@ -132,7 +131,8 @@ class MultiConnector(KVConnectorBase):
     def get_kv_connector_stats(self) -> dict[str, float]:
         stats: dict[str, float] = {}
         for connector in self.connectors:
-            add_stats(stats, connector.get_kv_connector_stats())
+            for name, value in connector.get_kv_connector_stats().items():
+                stats[name] = stats.get(name, 0) + value
         return stats
 
     def shutdown(self) -> None:

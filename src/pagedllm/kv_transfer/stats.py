@@ -3,7 +3,8 @@
 A connector reports counters as a flat dict (msgpack-able, summed over ranks and steps): key `name` or
 `name|label value`, for a family below whose one label takes that value. The scheduler side's counters come from
 KVConnectorBase.get_stats (cumulative), the workers' from get_kv_connector_stats (since the last call, summed by
-KVOutputAggregator and accumulated by core/kv_connector.py); metrics/prometheus.py turns them into counters.
+KVOutputAggregator and handed to the scheduler side's update_connector_output, which adds its own to get_stats);
+metrics/prometheus.py turns them into counters. Names without a label (the P/D connector's) need no entry.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ CONNECTOR_COUNTERS: dict[str, tuple[str | None, str]] = {
                                               "kv_load_failure_policy says."),
 }
 """name -> (its one label's name or None, documentation)."""
+OFFLOAD_COUNTERS = frozenset(name for name in CONNECTOR_COUNTERS if "kv_offload" in name)
+"""The OffloadingConnector's (it takes only these from the workers' reports: under MultiConnector every
+connector sees every counter)."""
 
 
 def stat_key(name: str, label: str | None = None) -> str:

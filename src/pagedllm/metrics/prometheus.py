@@ -14,8 +14,10 @@ them every step.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from pagedllm import envs
 from pagedllm.kv_transfer.stats import CONNECTOR_COUNTERS, split_stat_key
@@ -62,8 +64,7 @@ class PrometheusStatLogger:
         self.record_sleep_state()
         self.spec_decode: _SpecDecodeCounters | None = None  # made on the first step that reports speculation
         self.routed_tokens: Counter | None = None  # made on the first step that reports experts (a MoE model)
-        self.connector_counters: dict[str, Counter] = {}
-        """A KV connector's counters (kv_transfer/stats.py), each made on the first step that reports it."""
+        self.kv_connector_counters: dict[str, Counter] = {}  # by name, made when a KV connector first reports it
 
     def record_sleep_state(self, sleeping: bool = False, level: int = 0) -> None:
         """vLLM's vllm:engine_sleep_state, for every engine (sleep mode: engine/sleep_mode.py)."""
@@ -93,21 +94,25 @@ class PrometheusStatLogger:
         for expert, count in enumerate(counts):
             self.routed_tokens.labels(**labels, expert=str(expert)).inc(count)
 
-    def _record_connector_stats(self, stats: dict[str, float], engine: int) -> None:
-        """A KV connector's counters with vLLM's names (kv_transfer/stats.py): vllm:kv_offload_* by
-        transfer_type or tier; unknown keys are skipped."""
+    def _record_kv_connector(self, deltas: dict[str, float], engine: int) -> None:
+        """A KV connector's counters, by the names it reports (kv_transfer/: e.g. the P/D connector's
+        pagedllm:kv_transfer_received_bytes and vLLM's vllm:nixl_num_failed_transfers). A key "name|value" is
+        a family of kv_transfer/stats.py with one more label (the offload tier's vllm:kv_offload_* by
+        transfer_type or tier), made with its label name and documentation; an unknown name with a label is
+        skipped."""
         labels = self._labels(engine)
-        for key, value in stats.items():
+        for key, delta in deltas.items():
             name, label = split_stat_key(key)
-            if name not in CONNECTOR_COUNTERS or value <= 0:
+            label_name, doc = CONNECTOR_COUNTERS.get(name, (None, f"KV connector counter {name}."))
+            if (label is None) != (label_name is None):
                 continue
-            label_name, doc = CONNECTOR_COUNTERS[name]
-            counter = self.connector_counters.get(name)
+            counter = self.kv_connector_counters.get(name)
             if counter is None:
-                counter = self.connector_counters[name] = Counter(
+                counter = self.kv_connector_counters[name] = Counter(
                     name, doc, [*self.label_names, *([label_name] if label_name else [])], registry=self.registry)
-            (counter.labels(**labels, **{label_name: label or ""}) if label_name else counter.labels(**labels)
-             ).inc(value)
+            if delta > 0:
+                (counter.labels(**labels, **{label_name: label}) if label_name else counter.labels(**labels)
+                 ).inc(delta)
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
                engine: int = 0) -> None:
@@ -125,10 +130,10 @@ class PrometheusStatLogger:
                 self._record_spec_decode(scheduler_stats.spec_decoding_stats, engine)
             if scheduler_stats.expert_routed_tokens_delta is not None:
                 self._record_routed_tokens(scheduler_stats.expert_routed_tokens_delta, engine)
-            if scheduler_stats.kv_connector_stats is not None:
+            if scheduler_stats.kv_connector_stats_delta is not None:
                 series.external_prefix_cache_queries.inc(scheduler_stats.external_prefix_cache_queries_delta)
                 series.external_prefix_cache_hits.inc(scheduler_stats.external_prefix_cache_hits_delta)
-                self._record_connector_stats(scheduler_stats.kv_connector_stats, engine)
+                self._record_kv_connector(scheduler_stats.kv_connector_stats_delta, engine)
         if iteration_stats is None:
             return
         s = iteration_stats
@@ -170,13 +175,21 @@ class PrometheusStatLogger:
         self.admission_rejections.inc()
 
     def render(self) -> bytes:
+        """The /metrics body."""
+        return generate_latest(self._source())
+
+    def collect(self) -> Iterable[Metric]:
+        """The metric families render() formats, unformatted (the live page's figures: metrics/live_samples.py)."""
+        return self._source().collect()
+
+    def _source(self) -> CollectorRegistry:
         if _multiprocess_dir():
             from prometheus_client.multiprocess import MultiProcessCollector
 
             registry = CollectorRegistry()
             MultiProcessCollector(registry)
-            return generate_latest(registry)
-        return generate_latest(self.registry)
+            return registry
+        return self.registry
 
 
 def _multiprocess_dir() -> str | None:

@@ -3,12 +3,13 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses and GET /v1/responses/{id} (or, on a
 pooling server, POST /v1/embeddings instead of those, as vLLM registers one kind),
 GET /v1/models, GET (and HEAD) /health, GET /version, GET /load (server_load.py), POST /tokenize, POST /detokenize,
-GET /metrics, GET /openapi.json, GET /docs and GET /redoc (the OpenAPI document and its Swagger and ReDoc pages, as
+GET /metrics, the live page (GET / and GET /dashboard, its figures at GET /dashboard/data: live_page.py),
+GET /openapi.json, GET /docs and GET /redoc (the OpenAPI document and its Swagger and ReDoc pages, as
 vLLM serves them, unless --disable-fastapi-docs), GET /debug/kv_cache with --enable-debug-routes, and vLLM's
 development routes (/reset_prefix_cache, /sleep, /wake_up, /is_sleeping: dev_routes.py) with --enable-debug-routes
-or VLLM_SERVER_DEV_MODE=1. CORS and X-Request-Id headers: middleware.py. With --api-key every route but /health
-(and /metrics unless --protect-metrics) needs the key, the OpenAPI document included (middleware.py). run.py serves
-the app; draining.py handles SIGTERM.
+or VLLM_SERVER_DEV_MODE=1. CORS and X-Request-Id headers: middleware.py. With --api-key every route but /health,
+the live page's HTML (not its data) and /metrics (unless --protect-metrics) needs the key, the OpenAPI document
+included (middleware.py). run.py serves the app; draining.py handles SIGTERM.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
 from pagedllm.entrypoints.openai.dev_routes import add_dev_routes, dev_mode
 from pagedllm.entrypoints.openai.embedding_protocol import EmbeddingRequest, EmbeddingResponse
+from pagedllm.entrypoints.openai.live_page import add_live_page_routes
 from pagedllm.entrypoints.openai.lora_routes import add_lora_routes
 from pagedllm.entrypoints.openai.middleware import (
     API_KEY_SCOPE_KEY,
@@ -88,6 +90,7 @@ def build_app(state: ServerState) -> FastAPI:
         _add_generation_routes(app, state, completions, chat, responses)
     _add_info_routes(app, state)
     _add_token_routes(app, state, tokenization)
+    add_live_page_routes(app, state)
     if runtime_lora_updating():
         add_lora_routes(app, state.models)
     if state.config.enable_debug_routes:

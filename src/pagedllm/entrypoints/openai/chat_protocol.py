@@ -94,6 +94,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's: what the KV connector returned when the request finished (protocol.py's CompletionResponse)."""
 
 
 class ChatCompletionStreamChoice(OpenAIBaseModel):

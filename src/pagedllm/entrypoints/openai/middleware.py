@@ -24,7 +24,11 @@ from pagedllm.entrypoints.openai import errors
 from pagedllm.entrypoints.openai.request_caps import precheck_caps
 from pagedllm.entrypoints.openai.server_state import ServerState
 
-UNGUARDED_PATHS = {"/health", "/ping", "/metrics"}
+UNGUARDED_PATHS = {"/health", "/ping", "/metrics", "/", "/dashboard"}
+"""Need no API key: the probes, /metrics (unless --protect-metrics), and the live page's HTML, which holds no data
+(its /dashboard/data needs the key)."""
+OBSERVING_PATHS = {"/metrics", "/", "/dashboard", "/dashboard/data"}
+"""Answered during a drain and with the engine dead (the key still checked): what shows the operator why."""
 
 API_KEY_SCOPE_KEY = "pagedllm.api_key"
 """Where the guard leaves the caller's (checked) API key in the ASGI scope, for --cache-salt-from-api-key."""
@@ -90,7 +94,7 @@ class GuardMiddleware:
             if matched is None:
                 return errors.unauthorized()
             scope[API_KEY_SCOPE_KEY] = matched
-        if path == "/metrics":
+        if path in OBSERVING_PATHS:
             return None
         if self.state.draining:
             return errors.unavailable("The server is shutting down.", "shutting_down", retry_after_s=5)

@@ -145,6 +145,10 @@ class SamplingFields(StructuredOutputFields):
     add_special_tokens: bool | None = None
     prompt_logprobs: Int | None = range_field(0, 20, description="Top-N logprobs of every prompt token (vLLM's); "
                                                             "not with stream=true.")
+    kv_transfer_params: dict[str, Any] | None = Field(
+        None, description="vLLM's KV transfer parameters for disaggregated prefill/decode (a JSON object passed to "
+        "the server's KV connector, e.g. {\"do_remote_decode\": true} to a producer, or a producer's answer to a "
+        "consumer); ignored without --kv-transfer-config, as in vLLM.")
 
     @field_validator("n", mode="after")
     @classmethod
@@ -217,6 +221,9 @@ class CompletionResponse(OpenAIBaseModel):
     choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's: what the KV connector returned when the request finished (a P/D producer: where the consumer
+    pulls the prompt's KV from); null without one."""
 
 
 class CompletionStreamResponse(OpenAIBaseModel):

@@ -213,7 +213,10 @@ async def run_server(engine_config: EngineConfig, sc: ServerConfig, shared: Shar
         logger.error("%s", e)
         engine.shutdown()
         return 1
-    state = ServerState(engine, sc, names, models=models,
+    pc = engine_config.parallel_config
+    parallel = {"data_parallel_size": pc.data_parallel_size, "tensor_parallel_size": pc.tensor_parallel_size,
+                "pipeline_parallel_size": pc.pipeline_parallel_size}
+    state = ServerState(engine, sc, names, models=models, parallel=parallel,
                         salt_secret=os.urandom(32) if shared is None else shared.salt_secret)
     return await _serve_app(state, fd_limit, shared)
 

@@ -23,6 +23,8 @@ class ServerState:
     """--cache-salt-from-api-key's HMAC key: random per server, the same in every API server of one (a tenant's
     requests share prefix-cache blocks whichever API server takes them)."""
     started: float = field(default_factory=time.time)
+    parallel: dict[str, int] = field(default_factory=dict)
+    """The engine's data/tensor/pipeline-parallel sizes (ParallelConfig's names), for the live page."""
     models: ServingModels | None = None
     """The base model's names and the LoRA adapters (None: the served names alone, no adapters)."""
 

@@ -186,6 +186,12 @@ class OpenAIServing:
         same request_id both run and neither can tell that the other exists."""
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         params = per_prompt[0]
+        transfer = request.kv_transfer_params or {}
+        if len(prompts) > 1 and (transfer.get("do_remote_decode") or transfer.get("do_remote_prefill")):
+            # one kv_transfer_params names one prompt's blocks: a batch would share them (a consumer's second
+            # prompt decoding from the first one's KV) or leave all but one prompt's blocks held on a producer
+            raise errors.bad_request(f"kv_transfer_params takes one prompt, not a batch of {len(prompts)}.",
+                                     param="kv_transfer_params")
         if not 1 <= params.n <= self.config.max_n:
             raise n_above_cap(params.n, self.config)
         engine_id = f"{request_id}-{random_uuid()[:8]}"
@@ -201,7 +207,8 @@ class OpenAIServing:
                 if request_logger is not None:
                     request_logger.log_inputs(sub_id, text, token_ids, prompt_params)
                 stream = self.engine.add_request(sub_id, token_ids, prompt_params, text, output_kind,
-                                                 request.priority, request.cache_salt, lora_request=lora)
+                                                 request.priority, request.cache_salt, lora_request=lora,
+                                                 kv_transfer_params=request.kv_transfer_params)
                 if request_logger is not None and self.config.enable_log_outputs:
                     stream = request_logger.logging_outputs(stream, sub_id, params.n, output_kind == "delta")
                 streams.append(stream)

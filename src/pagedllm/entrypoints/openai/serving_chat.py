@@ -98,7 +98,8 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id, model=self.response_model(request), choices=choices,
             usage=self.usage(len(token_ids), num_completion, final.num_cached_tokens),
             prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs, request.prompt_logprobs or 0),
-            prompt_token_ids=list(token_ids) if request.return_token_ids else None)
+            prompt_token_ids=list(token_ids) if request.return_token_ids else None,
+            kv_transfer_params=final.kv_transfer_params)
 
     def _check_top_logprobs(self, request: ChatCompletionRequest) -> None:
         if request.top_logprobs is not None and not request.logprobs:

@@ -118,7 +118,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(self._choice(request, prompt_index * request.n + output.index, prompt, final,
                                             output, echo=bool(request.echo)))
         return CompletionResponse(id=request_id, model=self.response_model(request), choices=choices,
-                                  usage=self.usage(num_prompt, num_completion, num_cached))
+                                  usage=self.usage(num_prompt, num_completion, num_cached),
+                                  kv_transfer_params=finals[0].kv_transfer_params)  # vLLM's: the first prompt's
 
     def _choice(self, request: CompletionRequest, index: int, prompt: Prompt, final: RequestOutput,
                 output: CompletionOutput, echo: bool) -> CompletionResponseChoice:

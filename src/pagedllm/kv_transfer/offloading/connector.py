@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from pagedllm.kv_transfer.offloading.spec import OffloadSpec
+from pagedllm.kv_transfer.stats import OFFLOAD_COUNTERS, split_stat_key
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
     from pagedllm.core.request import Request
     from pagedllm.core.scheduler_output import SchedulerOutput
+    from pagedllm.messages import KVConnectorOutput
 
 
 class OffloadingConnector(KVConnectorBase):
@@ -71,6 +73,11 @@ class OffloadingConnector(KVConnectorBase):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.scheduler.request_finished(request)
         return False, None  # the save of a request's last blocks ends before the next step writes the pool
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for key, value in connector_output.kv_connector_stats.items():  # its own only (MultiConnector)
+            if split_stat_key(key)[0] in OFFLOAD_COUNTERS:
+                self.scheduler.counters[key] = self.scheduler.counters.get(key, 0) + value
 
     def get_stats(self) -> dict[str, float]:
         return dict(self.scheduler.counters)

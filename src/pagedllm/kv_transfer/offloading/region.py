@@ -157,12 +157,12 @@ def _geometry_message(path: str) -> str:
             f"size or tier size); give this server its own kv_connector_extra_config shm_name")
 
 
-def reap_orphans(directory: str, prefix: str) -> list[str]:
-    """Unlink the regions named `prefix*` in `directory` that no live process uses (left by a process that was
-    killed before it could detach). Returns their paths."""
+def reap_orphans(directory: str, prefix: str, name: str | None = None) -> list[str]:
+    """Unlink the regions named `prefix*` (and `name`) in `directory` that no live process uses (left by a process
+    that was killed before it could detach). Returns their paths."""
     reaped = []
     with contextlib.suppress(OSError):
-        names = [n for n in os.listdir(directory) if n.startswith(prefix)]
+        names = [n for n in os.listdir(directory) if n.startswith(prefix) or n == name]
         for name in names:
             path = os.path.join(directory, name)
             if path in _registry:

@@ -89,7 +89,7 @@ class OffloadingWorker:
         digest = int.from_bytes(hashlib.sha256(repr(layout).encode()).digest()[:7], "little")
         geometry = StoreGeometry(slot_bytes, ram_slots, disk_slots, digest)
         if self.store is None:
-            reap_orphans(self.spec.shm_dir, DEFAULT_PREFIX)  # regions of killed servers
+            reap_orphans(self.spec.shm_dir, DEFAULT_PREFIX, self.spec.shm_name)  # left by killed processes
             self.store = BlockStore.attach(self.spec.path, geometry, self.spec.disk_dir)
         elif self.store.geometry != geometry:
             raise ValueError("OffloadingConnector: the KV cache came back with another layout.")
