@@ -259,6 +259,13 @@ def prove(model: str | None = None, serve_flags: list[str] | None = None, num_pr
         prom_url = f"http://127.0.0.1:{prom_port}"
         report.timings["prometheus ready (s)"] = wait_ready(f"{prom_url}/-/ready", prom, 60, "prometheus")
         report.timings["server healthy (s)"] = wait_ready(f"{base_url}/health", server, server_timeout, "server")
+        # The load must start after Prometheus has scraped the idle server (else a rate over the load has one
+        # sample and no value): wait for its first successful scrape, then one more interval.
+        deadline = time.monotonic() + 60
+        while not Prometheus(f"http://127.0.0.1:{prom_port}").query(f'up{{job="{JOB}"}} == 1'):
+            if time.monotonic() > deadline:
+                raise RuntimeError("Prometheus never scraped the server")
+            time.sleep(scrape_s / 2)
         time.sleep(2 * scrape_s)
         load_start = time.time()
         run_load(base_url, num_prompts, concurrency, output_len, server_log, list(bench_flags))
