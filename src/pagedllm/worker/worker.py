@@ -65,6 +65,7 @@ class Worker:
         self.model_runner: ModelRunner | None = None
         self.draft_model: torch.nn.Module | None = None
         self.draft_scratch_bytes = 0
+        """Bytes of the draft model's scratch KV cache (draft_model method), taken from the KV budget."""
         self.num_blocks = 0
         """The KV pool's size in blocks (set by initialize_kv_cache; wake_up allocates the same again)."""
         self.kv_cache_asleep = False
@@ -74,7 +75,8 @@ class Worker:
         self.step_spans: deque[tuple[float, float]] = deque(maxlen=STEP_SPANS_KEPT)
         self.kv_connector: KVConnectorBase | None = None
         """The KV connector's worker side (kv_transfer/), made once the KV cache exists; None without one."""
-        """Bytes of the draft model's scratch KV cache (draft_model method), taken from the KV budget."""
+        self.kv_by_layer: dict = {}
+        """The pool's tensors by connector layer name (kv_connector_step.layer_kv_caches), set with the pool."""
 
     def init_device(self) -> None:
         """Resolve the device and dtype; join the tensor-parallel group or the pipeline (all ranks at once)."""
@@ -174,10 +176,11 @@ class Worker:
             ktc = self.config.kv_transfer_config
             self.kv_connector = create_kv_connector(self.config, KVConnectorRole.WORKER,
                                                     (ktc.kv_rank or 0, self.tp.rank, self.tp.size))
-            self.kv_connector.register_kv_caches(self._layer_kv_caches())
+            self._register_pool()
 
-    def _layer_kv_caches(self) -> dict:
-        return layer_kv_caches(self.model_runner.kv_caches, 0)  # no pipeline parallelism with a connector
+    def _register_pool(self) -> None:
+        self.kv_by_layer = layer_kv_caches(self.model_runner.kv_caches, 0)  # no pipeline parallelism here
+        self.kv_connector.register_kv_caches(self.kv_by_layer)
 
     # ---- sleep mode (engine/sleep_mode.py) ------------------------------------------------------
     def sleep(self, level: int) -> None:
@@ -186,6 +189,7 @@ class Worker:
         engine/sleep_mode.py)."""
         runner, self.model_runner, self.draft_model = self.model_runner, None, None
         if self.kv_connector is not None:  # it lets go of the pool (its copies in flight end first)
+            self.kv_by_layer = {}
             self.kv_connector.register_kv_caches({})
         if runner is not None:
             if runner.kv_prefault is not None:
@@ -216,7 +220,7 @@ class Worker:
             runner.initialize_kv_cache(self.num_blocks)
             reloaded = True
             if self.kv_connector is not None:  # the new pool
-                self.kv_connector.register_kv_caches(self._layer_kv_caches())
+                self._register_pool()
         if reloaded and runner is not None and runner.kv_caches and self.config.cache_config.kv_scales_calculated:
             self.calculate_kv_scales()
         if reloaded and self.heap_was_frozen:  # out of the collector's reach again, as at start-up (gc_heap.py)
@@ -251,16 +255,18 @@ class Worker:
         runner = self.model_runner
         prefault = runner.kv_prefault
         start = time.monotonic()
+        report = None
         with prefault.busy() if prefault is not None else contextlib.nullcontext():
             if self.kv_connector is None:
                 output = runner.execute_model(scheduler_output, grammar)
             else:
-                output, report = run_with_connector(self.kv_connector, self._layer_kv_caches(), scheduler_output,
+                output, report = run_with_connector(self.kv_connector, self.kv_by_layer, scheduler_output,
                                                     lambda: runner.execute_model(scheduler_output, grammar))
-                if not self.is_driver:  # every rank's report goes back (executor/kv_output_aggregator.py)
-                    return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], kv_connector_output=report)
-                output.kv_connector_output = report
         self.step_spans.append((start, time.monotonic()))
+        if report is not None:
+            if not self.is_driver:  # every rank's report goes back (executor/kv_output_aggregator.py)
+                return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], kv_connector_output=report)
+            output.kv_connector_output = report
         return output if self.is_driver else None
 
     def get_step_spans(self) -> list[tuple[float, float]]:
