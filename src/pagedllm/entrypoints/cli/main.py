@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "bench": "pagedllm.entrypoints.cli.bench",
     "chat": "pagedllm.entrypoints.cli.chat",
     "complete": "pagedllm.entrypoints.cli.complete",
+    "plan": "pagedllm.entrypoints.cli.plan",
 }
 
 
