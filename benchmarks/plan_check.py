@@ -37,7 +37,7 @@ def loadavg() -> str:
 
 def start_server(port: int, replicas: int, extra: list[str]) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": str(replicas), "PAGEDLLM_DP_ROUTER": "round_robin"}
-    cmd = [*CLI, "serve", "--port", str(port), "--data-parallel-size", str(replicas), "--max-model-len", "1024",
+    cmd = [*CLI, "serve", "--port", str(port), "--data-parallel-size", str(replicas), "--max-model-len", "256",
            *extra]
     print("$", " ".join(cmd[2:]), f"(OMP_NUM_THREADS={replicas})", flush=True)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -77,7 +77,8 @@ def run_plan(args, sweep: list[Path], users: float, out: Path) -> dict:
     cmd = [*CLI, "plan", "--users", f"{users:.4f}", "--requests-per-user-per-minute",
            str(args.requests_per_user_per_minute), "--prompt-len", str(args.input_len), "--output-len",
            str(args.output_len), "--ttft-slo-ms", str(args.ttft_slo_ms), "--itl-slo-ms", str(args.itl_slo_ms),
-           "--bench-result", *map(str, sweep), "--kv-memory-per-replica", "1GiB", "--output-json", str(out)]
+           "--bench-result", *map(str, sweep), "--kv-memory-per-replica", "1GiB", "--max-model-len", "256",
+           "--output-json", str(out)]
     print("$", " ".join(cmd[2:]), flush=True)
     text = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return {"text": text, **json.loads(out.read_text())}

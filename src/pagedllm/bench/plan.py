@@ -71,6 +71,7 @@ class Memory:
     kv_bytes_per_token: int
     kv_memory_per_replica: int  # bytes a replica can give its KV cache
     block_size: int = 16
+    max_model_len: int | None = None  # the server's --max-model-len: its KV cache must hold one such sequence
 
 
 @dataclass
@@ -201,6 +202,17 @@ def plan(workload: Workload, curve: Curve, memory: Memory, max_replicas: int = 1
     why.append(f"Little's law: L = {lam:.3f} req/s x S({b_load:.1f}) = {little:.1f} concurrent of {slots} slots "
                f"= {_pct(little, slots)}")
     kv_bytes = m * per_seq
+    num_blocks = m * blocks_per_seq
+    if memory.max_model_len is not None:
+        if blocks_per_seq * memory.block_size > math.ceil(memory.max_model_len / memory.block_size) * memory.block_size:
+            raise PlanError(f"a sequence of up to {blocks_per_seq * memory.block_size} tokens (prompt + output) is "
+                            f"longer than --max-model-len {memory.max_model_len}.")
+        floor_blocks = math.ceil(memory.max_model_len / memory.block_size)
+        if floor_blocks > num_blocks:  # the engine refuses a pool smaller than one --max-model-len sequence
+            num_blocks = floor_blocks
+            kv_bytes = floor_blocks * memory.block_size * memory.kv_bytes_per_token
+            why.append(f"--kv-cache-memory-bytes raised to {kv_bytes} B: the pool must hold one sequence of "
+                       f"--max-model-len {memory.max_model_len} ({floor_blocks} blocks)")
     bounds = {
         "itl_slo": {"max_batch": b_itl, "p99_itl_ms_at_max_num_seqs": curve.at("p99_itl_ms", m),
                     "slo_ms": workload.itl_slo_ms,
@@ -217,7 +229,7 @@ def plan(workload: Workload, curve: Curve, memory: Memory, max_replicas: int = 1
                         "service_time_s": curve.service_time_s(b_load, workload.output_len),
                         "headroom": 1 - little / slots},
     }
-    result = Plan(replicas=replicas, max_num_seqs=m, kv_cache_memory_bytes=kv_bytes, num_blocks=m * blocks_per_seq,
+    result = Plan(replicas=replicas, max_num_seqs=m, kv_cache_memory_bytes=kv_bytes, num_blocks=num_blocks,
                   binding={"max_num_seqs": m_binding, "replicas": r_binding}, bounds=bounds, reasoning=why)
     result.warnings = _warnings(workload, curve, m)
     return result

@@ -44,6 +44,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                        help="Memory one replica can give its KV cache (`4GiB`, bytes), after weights and "
                             "activations; default 4 GiB, `pagedllm serve`'s CPU default.")
     group.add_argument("--block-size", type=int, default=16, help="KV block size in tokens, as --block-size.")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="The servers' --max-model-len: the KV cache is made to hold one such sequence, as the "
+                            "engine requires (default: not considered; pass the model's context length).")
     group = parser.add_argument_group("output")
     group.add_argument("--output-json", default=None, help="Also write the plan as JSON to this file.")
     group.add_argument("--simulate", action="store_true",
@@ -63,7 +66,8 @@ def cmd(args: argparse.Namespace) -> int:
         kv_note = "given"
         if args.kv_bytes_per_token is None:
             args.kv_bytes_per_token, kv_note = model_kv_bytes_per_token(args.model, args.kv_cache_dtype, args.dtype)
-        result = plan(workload, curve, Memory(args.kv_bytes_per_token, args.kv_memory_per_replica, args.block_size))
+        result = plan(workload, curve, Memory(args.kv_bytes_per_token, args.kv_memory_per_replica, args.block_size,
+                                                        args.max_model_len))
     except (PlanError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
