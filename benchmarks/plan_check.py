@@ -35,6 +35,13 @@ def loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
+def wait_for_quiet(max_load: float, max_wait_s: float = 120) -> None:
+    """Wait (up to max_wait_s) until the 1-minute load average is under max_load: other users share the cores."""
+    deadline = time.time() + max_wait_s
+    while float(loadavg().split()[0]) >= max_load and time.time() < deadline:
+        time.sleep(5)
+
+
 def start_server(port: int, replicas: int, extra: list[str]) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": str(replicas), "PAGEDLLM_DP_ROUTER": "round_robin"}
     cmd = [*CLI, "serve", "--port", str(port), "--data-parallel-size", str(replicas), "--max-model-len", "256",
@@ -65,6 +72,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def bench(args, out_dir: Path, name: str, extra: list[str]) -> dict:
+    wait_for_quiet(args.max_load)
     cmd = [*CLI, "bench", "serve", "--port", str(args.port), "--dataset-name", "random", "--input-len",
            str(args.input_len), "--output-len", str(args.output_len), "--temperature", "0", "--disable-tqdm",
            "--save-result", "--result-dir", str(out_dir), "--result-filename", f"{name}.json", *extra]
@@ -98,6 +106,8 @@ def main() -> int:
     parser.add_argument("--check-prompts", type=int, default=120)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out-dir", default="/tmp/plan_check")
+    parser.add_argument("--max-load", type=float, default=3.5,
+                        help="before each bench run, wait (up to 2 minutes) for the 1-minute load under this")
     parser.add_argument("--skip-sweep", action="store_true", help="reuse --out-dir's sweep files")
     args = parser.parse_args()
     out_dir = Path(args.out_dir)

@@ -79,8 +79,10 @@ def test_memory_binds_max_num_seqs_and_sizes_the_kv_cache():
     assert result.bounds["memory"]["headroom"] == pytest.approx(1 / (5 * per_seq + 1))
     floor = plan(_workload(itl=500), CURVE, Memory(1000, 10**9, max_model_len=4096))  # one 4096-token sequence
     assert floor.num_blocks == 256 and floor.kv_cache_memory_bytes == 4096 * 1000
-    with pytest.raises(PlanError, match="longer than --max-model-len 100"):
+    with pytest.raises(PlanError, match="160 tokens \\(prompt \\+ output\\) is longer than --max-model-len 100"):
         plan(_workload(itl=500), CURVE, Memory(1000, 10**9, max_model_len=100))
+    with pytest.raises(PlanError, match="--max-model-len 4096 tokens needs 4096000 bytes"):
+        plan(_workload(itl=500), CURVE, Memory(1000, 10**6, max_model_len=4096))
     ranged = plan(_workload(itl=500, len_range_ratio=0.5), CURVE, Memory(1000, 10**9))  # sized for 240 tokens
     assert ranged.bounds["memory"]["kv_bytes_per_sequence"] == 15 * 16 * 1000
 

@@ -135,6 +135,19 @@ def seq_kv_bytes(workload: Workload, memory: Memory) -> tuple[int, int]:
     return blocks * memory.block_size * memory.kv_bytes_per_token, blocks
 
 
+def _check_max_model_len(workload: Workload, memory: Memory) -> None:
+    if memory.max_model_len is None:
+        return
+    longest = math.ceil((workload.prompt_len + workload.output_len) * (1 + workload.len_range_ratio))
+    if longest > memory.max_model_len:
+        raise PlanError(f"a sequence of up to {longest} tokens (prompt + output) is longer than --max-model-len "
+                        f"{memory.max_model_len}.")
+    floor_bytes = math.ceil(memory.max_model_len / memory.block_size) * memory.block_size * memory.kv_bytes_per_token
+    if floor_bytes > memory.kv_memory_per_replica:
+        raise PlanError(f"one sequence of --max-model-len {memory.max_model_len} tokens needs {floor_bytes} bytes of "
+                        f"KV cache, more than the {memory.kv_memory_per_replica} bytes a replica has.")
+
+
 def _slo_batch(curve: Curve, workload: Workload) -> tuple[int, int]:
     """(the largest batch meeting the ITL SLO, the largest meeting the TTFT SLO before queueing); PlanError when
     no batch does."""
@@ -161,6 +174,7 @@ def plan(workload: Workload, curve: Curve, memory: Memory, max_replicas: int = 1
     why.append(f"ITL SLO: the largest batch with measured p99 ITL <= {workload.itl_slo_ms:g} ms is {b_itl} "
                f"(measured up to {curve.max_batch}); with p99 TTFT <= {workload.ttft_slo_ms:g} ms: {b_ttft}")
     per_seq, blocks_per_seq = seq_kv_bytes(workload, memory)
+    _check_max_model_len(workload, memory)
     b_mem = memory.kv_memory_per_replica // per_seq
     if b_mem < 1:
         raise PlanError(f"one sequence of up to {blocks_per_seq * memory.block_size} tokens needs {per_seq} bytes "
@@ -179,6 +193,7 @@ def plan(workload: Workload, curve: Curve, memory: Memory, max_replicas: int = 1
                f"replicas > {lam:.3f} / {capacity:.3f} = {lam / capacity:.2f}: {r_tp}")
     ttft_full = curve.at("p99_ttft_ms", m)
     replicas = r_tp
+
     def service(b: int) -> float:
         return curve.service_time_s(b, workload.output_len)
 
@@ -204,9 +219,6 @@ def plan(workload: Workload, curve: Curve, memory: Memory, max_replicas: int = 1
     kv_bytes = m * per_seq
     num_blocks = m * blocks_per_seq
     if memory.max_model_len is not None:
-        if blocks_per_seq * memory.block_size > math.ceil(memory.max_model_len / memory.block_size) * memory.block_size:
-            raise PlanError(f"a sequence of up to {blocks_per_seq * memory.block_size} tokens (prompt + output) is "
-                            f"longer than --max-model-len {memory.max_model_len}.")
         floor_blocks = math.ceil(memory.max_model_len / memory.block_size)
         if floor_blocks > num_blocks:  # the engine refuses a pool smaller than one --max-model-len sequence
             num_blocks = floor_blocks
