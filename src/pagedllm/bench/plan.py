@@ -5,8 +5,10 @@ Method (printed by the command too):
 1. Arrival rate: lambda = users x requests per user per minute / 60 (requests per second).
 2. The measured curve (bench/plan_curve.py): p99 and mean TTFT and ITL against batch size, from `bench serve`
    results at several --max-concurrency values (one file is accepted: its figures stand for every smaller batch).
-3. ITL SLO bound: the largest batch whose measured p99 ITL meets the ITL SLO (and whose p99 TTFT, before any
-   queueing, meets the TTFT SLO), never above the largest measured concurrency.
+3. ITL SLO bound: the largest batch whose p99 ITL meets the ITL SLO (and whose p99 TTFT, before any queueing,
+   meets the TTFT SLO), never above the largest measured concurrency. The p99 ITL is the measured one or, if
+   more, the mean ITL plus one request's prefill (mean TTFT - mean ITL at the smallest batch): under Poisson
+   arrivals more than 1% of decode steps also prefill a new request, which a closed-loop sweep under-counts.
 4. Memory bound: KV per sequence = (prompt + output, at the longest the length distribution allows) rounded up
    to whole blocks x KV bytes per token; the sequences that fit in the KV memory a replica has.
 5. --max-num-seqs m = the smaller of the two; --kv-cache-memory-bytes = m x KV per sequence.
@@ -151,15 +153,17 @@ def _check_max_model_len(workload: Workload, memory: Memory) -> None:
 def _slo_batch(curve: Curve, workload: Workload) -> tuple[int, int]:
     """(the largest batch meeting the ITL SLO, the largest meeting the TTFT SLO before queueing); PlanError when
     no batch does."""
-    def largest(name: str, slo: float, what: str) -> int:
-        ok = [b for b in range(1, curve.max_batch + 1) if curve.at(name, b) <= slo]
+    def largest(figure: Callable[[int], float], slo: float, what: str, how: str) -> int:
+        ok = [b for b in range(1, curve.max_batch + 1) if figure(b) <= slo]
         if not ok:
             where = ("batch 1" if curve.min_batch == 1
                      else f"the smallest measured concurrency {curve.min_batch} (measure smaller ones)")
-            raise PlanError(f"{what} SLO {slo:g} ms is below the measured p99 {what} at {where}, "
-                            f"{curve.at(name, 1):.1f} ms: no batch size meets it on this hardware.")
+            raise PlanError(f"{what} SLO {slo:g} ms is below the p99 {what} at {where}, {figure(1):.1f} ms "
+                            f"({how}): no batch size meets it on this hardware.")
         return max(ok)
-    return (largest("p99_itl_ms", workload.itl_slo_ms, "ITL"), largest("p99_ttft_ms", workload.ttft_slo_ms, "TTFT"))
+    return (largest(lambda b: curve.p99_itl_open_ms(b, workload.prompt_len), workload.itl_slo_ms, "ITL",
+                    "measured, or mean ITL + one prefill"),
+            largest(lambda b: curve.at("p99_ttft_ms", b), workload.ttft_slo_ms, "TTFT", "measured"))
 
 
 def plan(workload: Workload, curve: Curve, memory: Memory, max_replicas: int = 10_000) -> Plan:
@@ -171,7 +175,8 @@ def plan(workload: Workload, curve: Curve, memory: Memory, max_replicas: int = 1
     why: list[str] = [f"lambda = {workload.users:g} users x {workload.requests_per_user_per_minute:g} "
                       f"requests/user/minute / 60 = {lam:.3f} req/s"]
     b_itl, b_ttft = _slo_batch(curve, workload)
-    why.append(f"ITL SLO: the largest batch with measured p99 ITL <= {workload.itl_slo_ms:g} ms is {b_itl} "
+    why.append(f"ITL SLO: the largest batch whose p99 ITL (measured, or mean ITL + one prefill of "
+               f"{curve.prefill_ms(workload.prompt_len):.1f} ms) <= {workload.itl_slo_ms:g} ms is {b_itl} "
                f"(measured up to {curve.max_batch}); with p99 TTFT <= {workload.ttft_slo_ms:g} ms: {b_ttft}")
     per_seq, blocks_per_seq = seq_kv_bytes(workload, memory)
     _check_max_model_len(workload, memory)
@@ -226,9 +231,9 @@ def plan(workload: Workload, curve: Curve, memory: Memory, max_replicas: int = 1
             why.append(f"--kv-cache-memory-bytes raised to {kv_bytes} B: the pool must hold one sequence of "
                        f"--max-model-len {memory.max_model_len} ({floor_blocks} blocks)")
     bounds = {
-        "itl_slo": {"max_batch": b_itl, "p99_itl_ms_at_max_num_seqs": curve.at("p99_itl_ms", m),
+        "itl_slo": {"max_batch": b_itl, "p99_itl_ms_at_max_num_seqs": curve.p99_itl_open_ms(m, workload.prompt_len),
                     "slo_ms": workload.itl_slo_ms,
-                    "headroom": 1 - curve.at("p99_itl_ms", m) / workload.itl_slo_ms},
+                    "headroom": 1 - curve.p99_itl_open_ms(m, workload.prompt_len) / workload.itl_slo_ms},
         "ttft_slo": {"max_batch": b_ttft, "p99_ttft_ms_predicted": ttft_full + wait, "p99_wait_ms": wait,
                      "slo_ms": workload.ttft_slo_ms, "headroom": 1 - (ttft_full + wait) / workload.ttft_slo_ms},
         "memory": {"max_batch": b_mem, "kv_bytes_per_sequence": per_seq, "kv_bytes_needed": kv_bytes,

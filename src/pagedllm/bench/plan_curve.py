@@ -124,6 +124,19 @@ class Curve:
                 return vs[i - 1] + frac * (vs[i] - vs[i - 1])
         return vs[-1]
 
+    def prefill_ms(self, prompt_len: float) -> float:
+        """What one request's prefill adds to the step it joins: mean TTFT - mean ITL at the smallest measured
+        batch, scaled from the results' mean prompt length to `prompt_len`."""
+        c0 = self.min_batch
+        return max(self.at("mean_ttft_ms", c0) - self.at("mean_itl_ms", c0), 0.0) * prompt_len / max(
+            self.mean_input_len, 1.0)
+
+    def p99_itl_open_ms(self, batch: float, prompt_len: float) -> float:
+        """p99 ITL under open-loop (Poisson) traffic: the measured p99, or a decode step at this batch that also
+        prefills one arriving request (mean ITL + prefill), whichever is more. A closed-loop sweep admits one
+        request as one leaves; Poisson arrivals put a prefill into more than 1% of the steps at any useful load."""
+        return max(self.at("p99_itl_ms", batch), self.at("mean_itl_ms", batch) + self.prefill_ms(prompt_len))
+
     def service_time_s(self, batch: float, output_len: float) -> float:
         """Seconds one request holds a slot at this batch size: mean TTFT + (output_len - 1) x mean ITL."""
         return (self.at("mean_ttft_ms", batch) + max(output_len - 1, 0) * self.at("mean_itl_ms", batch)) / 1000

@@ -49,9 +49,6 @@ class CurveStepModel:
 
     def __init__(self, curve: Curve):
         self.curve = curve
-        c0 = curve.min_batch
-        self._prefill = max(curve.at("mean_ttft_ms", c0) - curve.at("mean_itl_ms", c0), 0.0) / 1000
-        self._prompt = max(curve.mean_input_len, 1.0)
         cs = curve.concurrencies
         vs = curve.values["mean_itl_ms"]
         self._slope = (vs[-1] - vs[-2]) / (cs[-1] - cs[-2]) / 1000 if len(cs) > 1 else 0.0
@@ -63,7 +60,7 @@ class CurveStepModel:
         return self.curve.at("mean_itl_ms", top) / 1000 + self._slope * (batch - top)
 
     def prefill_s(self, prompt_len: int) -> float:
-        return self._prefill * prompt_len / self._prompt
+        return self.curve.prefill_ms(prompt_len) / 1000
 
 
 @dataclass
