@@ -14,7 +14,8 @@
 
     PYTHONPATH=src python benchmarks/plan_check.py --ttft-slo-ms 6000 --itl-slo-ms 200
 
-The machine is shared: the script prints the load average before and after each run.
+The machine is shared: before each bench run the script waits (up to 2 minutes) for the 1-minute load average to
+drop under --max-load, and prints the load average before and after each run. Results: --out-dir/check.json.
 """
 
 from __future__ import annotations
