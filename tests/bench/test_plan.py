@@ -14,6 +14,7 @@ import pytest
 
 from pagedllm.bench.plan import Memory, Workload, p99_wait_s, plan, wait_probability
 from pagedllm.bench.plan_curve import BenchPoint, Curve, PlanError, point_from_result
+from pagedllm.bench.plan_itl import p99_itl_poisson_ms, prefill_count_distribution
 from pagedllm.bench.plan_sim import LinearStepModel, as_bench_result, meets, simulate
 from pagedllm.entrypoints.cli.main import main
 
@@ -54,14 +55,32 @@ def test_arrival_rate_and_littles_law():
     assert little["headroom"] == pytest.approx(1 - little["concurrent"] / (result.replicas * result.max_num_seqs))
 
 
-def test_itl_slo_binds_max_num_seqs():
-    # a prefill adds mean TTFT - mean ITL at batch 1 = 40 ms: at batch 8 mean ITL 30 + 40 = 70 ms (measured p99: 60)
-    result = plan(_workload(itl=70), CURVE, BIG)
-    assert result.max_num_seqs == 8 and result.binding["max_num_seqs"] == "itl_slo"
-    assert result.bounds["itl_slo"]["headroom"] == pytest.approx(0)
+def test_itl_slo_binds_max_num_seqs_at_the_replicas_arrival_rate():
+    # a prefill adds mean TTFT - mean ITL at batch 1 = 40 ms; how many join a step depends on lambda / replicas
+    result = plan(_workload(itl=70), CURVE, BIG)  # 10 req/s
+    m, rate = result.max_num_seqs, 10 / result.replicas
+    assert result.binding["max_num_seqs"] == "itl_slo"
+    assert CURVE.p99_itl_open_ms(m, PROMPT, rate) <= 70 < CURVE.p99_itl_open_ms(m + 1, PROMPT, rate)
+    assert result.bounds["itl_slo"]["replica_arrival_rate"] == pytest.approx(rate)
+    # at a trickle fewer prefills share a step: a larger batch meets the same SLO
+    assert plan(_workload(users=0.01, itl=70), CURVE, BIG).max_num_seqs > m
     # the measured p99 binds where it is the larger: a curve whose batch-1 TTFT has no prefill to add
     no_prefill = Curve([_point(1, 20, 10, mean_ttft=10), _point(16, 100, 50, mean_ttft=10)])
     assert plan(_workload(itl=60), no_prefill, BIG).max_num_seqs == 8  # p99 ITL(8) = 20 + 80 x 7 / 15 < 60
+
+
+@pytest.mark.parametrize("rate, prefills_at_p99", [(1, 1), (2, 1), (4, 2), (6, 3)])
+def test_p99_itl_counts_the_prefills_poisson_arrivals_put_in_a_step(rate, prefills_at_p99):
+    """The analytic tail (bench/plan_itl.py, a Markov chain) against the event simulation (bench/plan_sim.py,
+    which admits every waiting request at a step's start): a machine whose decode step is 40 ms at any batch and
+    whose prefill is 64 ms; the old heuristic (mean ITL + one prefill, 104 ms) under-counts from 4 req/s."""
+    machine = LinearStepModel(base_s=0.040, per_seq_s=0.0, prefill_per_token_s=0.0005)
+    sim = simulate(machine, replicas=1, max_num_seqs=1000, prompt_len=PROMPT, output_len=OUTPUT, arrival_rate=rate,
+                   num_requests=2000, seed=1)
+    assert p99_itl_poisson_ms(rate, 40, 64) == pytest.approx(40 + 64 * prefills_at_p99)
+    assert sim["p99_itl_ms"] == pytest.approx(40 + 64 * prefills_at_p99)
+    assert sum(prefill_count_distribution(rate, 0.040, 0.064)) == pytest.approx(1)
+    assert p99_itl_poisson_ms(0, 40, 64) == 40 and p99_itl_poisson_ms(1 / 0.064, 40, 64) == math.inf
 
 
 def test_measured_range_binds_when_every_batch_meets_the_slo():
@@ -118,7 +137,7 @@ def test_wait_probability_matches_mm1_and_limits():
 
 
 @pytest.mark.parametrize("workload, memory, message", [
-    (_workload(itl=10), BIG, "ITL SLO 10 ms is below the p99 ITL at batch 1, 50.0 ms \\(measured, or mean ITL"),
+    (_workload(itl=10), BIG, "ITL SLO 10 ms is below the p99 ITL at batch 1, 20.0 ms \\(measured, or mean ITL"),
     (_workload(ttft=50), BIG, "TTFT SLO 50 ms is below the p99 TTFT at batch 1, 100.0 ms \\(measured\\)"),
     (_workload(), Memory(1000, 1000), "one sequence of up to 160 tokens needs 160000 bytes"),
     (_workload(users=0), BIG, "--users must be positive"),

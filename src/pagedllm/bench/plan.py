@@ -7,20 +7,22 @@ Method (printed by the command too):
    results at several --max-concurrency values (one file is accepted: its figures stand for every smaller batch).
 3. ITL SLO bound: the largest batch whose p99 ITL meets the ITL SLO (and whose p99 TTFT, before any queueing,
    meets the TTFT SLO), never above the largest measured concurrency. The p99 ITL is the measured one or, if
-   more, the mean ITL plus one request's prefill (mean TTFT - mean ITL at the smallest batch): under Poisson
-   arrivals more than 1% of decode steps also prefill a new request, which a closed-loop sweep under-counts.
+   more, the p99 under Poisson arrivals at a replica's rate lambda / replicas (bench/plan_itl.py): mean ITL +
+   k99 prefills, k99 the 99th percentile of the prefills joining a step (a Markov chain: Poisson arrivals over
+   the previous step, whose length grows with its own prefills); one prefill = mean TTFT - mean ITL at the
+   smallest batch. So the ITL bound depends on the replicas: fewer replicas, more prefills per step.
 4. Memory bound: KV per sequence = (prompt + output, at the longest the length distribution allows) rounded up
    to whole blocks x KV bytes per token; the sequences that fit in the KV memory a replica has.
 5. --max-num-seqs m = the smaller of the two; --kv-cache-memory-bytes = m x KV per sequence.
 6. Service time of one request at batch b: S(b) = mean TTFT(b) + (output_len - 1) x mean ITL(b).
-7. Throughput bound: a replica with all m slots busy serves at most m / S(m) requests per second; replicas
-   >= lambda / that (strictly more, so queues stay finite).
+7. Replicas: the fewest R (from 1 up) for which, at lambda / R per replica, steps 3-5 give a batch m, a full
+   replica keeps up (throughput bound: m / S(m) > lambda / R) and the queueing bound (8) holds.
 8. Queueing (TTFT) bound: each replica, fed lambda / replicas by a round-robin router, is a birth-death queue
    whose completion rate with n requests is min(n, m) / S(min(n, m)) (Poisson arrivals, exponential service);
    it gives the chance a request waits for a slot and the p99 of that wait, which Allen and Cunneen's factor
    (1 + CV^2) / 2 corrects to the service times' spread (CV^2 from --len-range-ratio; 0 for fixed lengths);
-   replicas grow until the measured p99 TTFT(m) + the p99 wait <= the TTFT SLO. The model errs towards one
-   replica more (`--simulate` shows by how much); the throughput bound below it is the sharp one.
+   it holds when the measured p99 TTFT(m) + the p99 wait <= the TTFT SLO. The model errs towards one replica
+   more (`--simulate` shows by how much); the throughput bound is the sharp one.
 9. Little's law: the concurrent requests L = lambda x S(b), with b = L / replicas solved by fixed point; its
    headroom is the share of the replicas x m slots left free.
 
@@ -150,20 +152,57 @@ def _check_max_model_len(workload: Workload, memory: Memory) -> None:
                         f"KV cache, more than the {memory.kv_memory_per_replica} bytes a replica has.")
 
 
-def _slo_batch(curve: Curve, workload: Workload) -> tuple[int, int]:
-    """(the largest batch meeting the ITL SLO, the largest meeting the TTFT SLO before queueing); PlanError when
-    no batch does."""
-    def largest(figure: Callable[[int], float], slo: float, what: str, how: str) -> int:
-        ok = [b for b in range(1, curve.max_batch + 1) if figure(b) <= slo]
-        if not ok:
-            where = ("batch 1" if curve.min_batch == 1
-                     else f"the smallest measured concurrency {curve.min_batch} (measure smaller ones)")
-            raise PlanError(f"{what} SLO {slo:g} ms is below the p99 {what} at {where}, {figure(1):.1f} ms "
-                            f"({how}): no batch size meets it on this hardware.")
-        return max(ok)
-    return (largest(lambda b: curve.p99_itl_open_ms(b, workload.prompt_len), workload.itl_slo_ms, "ITL",
-                    "measured, or mean ITL + one prefill"),
-            largest(lambda b: curve.at("p99_ttft_ms", b), workload.ttft_slo_ms, "TTFT", "measured"))
+def _largest(curve: Curve, figure: Callable[[int], float], slo: float) -> int:
+    """The largest batch (<= the largest measured) whose figure meets the SLO; 0 when none does. Figures grow
+    with the batch, so it searches from the top."""
+    for b in range(curve.max_batch, 0, -1):
+        if figure(b) <= slo:
+            return b
+    return 0
+
+
+def _impossible(curve: Curve, what: str, slo: float, value: float, how: str) -> PlanError:
+    where = ("batch 1" if curve.min_batch == 1
+             else f"the smallest measured concurrency {curve.min_batch} (measure smaller ones)")
+    return PlanError(f"{what} SLO {slo:g} ms is below the p99 {what} at {where}, {value:.1f} ms ({how}): no batch "
+                     f"size meets it on this hardware.")
+
+
+def _fit(workload: Workload, curve: Curve, b_mem: int, max_replicas: int) -> dict[str, Any]:
+    """The fewest replicas R whose per-replica rate lambda / R leaves a batch m meeting the ITL SLO (bench/
+    plan_itl.py), a full replica keeping up, and the queueing bound on TTFT holding (method steps 3-8)."""
+    lam, prompt, out = workload.arrival_rate, workload.prompt_len, workload.output_len
+    b_ttft = _largest(curve, lambda b: curve.at("p99_ttft_ms", b), workload.ttft_slo_ms)
+    if not b_ttft:
+        raise _impossible(curve, "TTFT", workload.ttft_slo_ms, curve.at("p99_ttft_ms", 1), "measured")
+    if not _largest(curve, lambda b: curve.p99_itl_open_ms(b, prompt, 0.0), workload.itl_slo_ms):
+        raise _impossible(curve, "ITL", workload.itl_slo_ms, curve.p99_itl_open_ms(1, prompt, 0.0),
+                          "measured, or mean ITL + the prefills of a step at its p99, at a trickle of arrivals")
+
+    def service(b: int) -> float:
+        return curve.service_time_s(b, out)
+
+    top = min(b_ttft, b_mem, curve.max_batch)
+    best = max(b / service(b) for b in range(1, top + 1))  # no replica serves more than this
+    replicas = math.floor(lam / best) + 1
+    failed = "throughput"  # why replicas - 1 did not do
+    while replicas <= max_replicas:
+        rate = lam / replicas
+        b_itl = _largest(curve, lambda b, r=rate: curve.p99_itl_open_ms(b, prompt, r), workload.itl_slo_ms)
+        m = min(b_itl, b_ttft, b_mem)
+        if m < 1:
+            failed = "itl_slo"
+        elif rate >= m / service(m):
+            failed = "throughput"
+        else:
+            cv2 = service_cv2(workload, curve, m)
+            wait = 1000 * p99_wait_s(rate, service, m, cv2)
+            if curve.at("p99_ttft_ms", m) + wait <= workload.ttft_slo_ms:
+                return {"replicas": replicas, "m": m, "b_itl": b_itl, "b_ttft": b_ttft, "wait": wait, "cv2": cv2,
+                        "r_binding": failed}
+            failed = "ttft_queueing"
+        replicas += 1
+    raise PlanError(f"more than {max_replicas} replicas would be needed to meet the SLOs.")
 
 
 def plan(workload: Workload, curve: Curve, memory: Memory, max_replicas: int = 10_000) -> Plan:
@@ -174,45 +213,37 @@ def plan(workload: Workload, curve: Curve, memory: Memory, max_replicas: int = 1
     lam = workload.arrival_rate
     why: list[str] = [f"lambda = {workload.users:g} users x {workload.requests_per_user_per_minute:g} "
                       f"requests/user/minute / 60 = {lam:.3f} req/s"]
-    b_itl, b_ttft = _slo_batch(curve, workload)
-    why.append(f"ITL SLO: the largest batch whose p99 ITL (measured, or mean ITL + one prefill of "
-               f"{curve.prefill_ms(workload.prompt_len):.1f} ms) <= {workload.itl_slo_ms:g} ms is {b_itl} "
-               f"(measured up to {curve.max_batch}); with p99 TTFT <= {workload.ttft_slo_ms:g} ms: {b_ttft}")
     per_seq, blocks_per_seq = seq_kv_bytes(workload, memory)
     _check_max_model_len(workload, memory)
     b_mem = memory.kv_memory_per_replica // per_seq
     if b_mem < 1:
         raise PlanError(f"one sequence of up to {blocks_per_seq * memory.block_size} tokens needs {per_seq} bytes "
                         f"of KV cache, more than the {memory.kv_memory_per_replica} bytes a replica has.")
+    fit = _fit(workload, curve, b_mem, max_replicas)
+    replicas, m, b_itl, b_ttft, wait, cv2 = (fit[k] for k in ("replicas", "m", "b_itl", "b_ttft", "wait", "cv2"))
+    rate = lam / replicas
+    p99_itl = curve.p99_itl_open_ms(m, workload.prompt_len, rate)
+    why.append(f"ITL SLO at {rate:.3f} req/s per replica: the largest batch whose p99 ITL (measured, or mean ITL + "
+               f"the prefills (of {curve.prefill_ms(workload.prompt_len):.1f} ms each) that join a step at its "
+               f"p99) <= {workload.itl_slo_ms:g} ms is {b_itl} (measured up to {curve.max_batch}); with p99 TTFT "
+               f"<= {workload.ttft_slo_ms:g} ms: {b_ttft}")
     why.append(f"memory: KV per sequence = {blocks_per_seq} blocks x {memory.block_size} tokens x "
                f"{memory.kv_bytes_per_token} B/token = {per_seq} B; {memory.kv_memory_per_replica} B fit {b_mem}")
-    m = min(b_itl, b_ttft, b_mem)
     m_binding = ("memory" if m == b_mem else "measured_range" if m == curve.max_batch
                  else "itl_slo" if m == b_itl else "ttft_slo")
     why.append(f"--max-num-seqs = min({b_itl}, {b_ttft}, {b_mem}) = {m} (bound by {m_binding})")
-
     s_full = curve.service_time_s(m, workload.output_len)
     capacity = m / s_full
     r_tp = math.floor(lam / capacity) + 1
     why.append(f"throughput: S({m}) = {s_full:.3f} s, so a full replica serves {capacity:.3f} req/s; "
                f"replicas > {lam:.3f} / {capacity:.3f} = {lam / capacity:.2f}: {r_tp}")
     ttft_full = curve.at("p99_ttft_ms", m)
-    replicas = r_tp
-
-    def service(b: int) -> float:
-        return curve.service_time_s(b, workload.output_len)
-
-    cv2 = service_cv2(workload, curve, m)
-    while ttft_full + 1000 * p99_wait_s(lam / replicas, service, m, cv2) > workload.ttft_slo_ms:
-        replicas += 1
-        if replicas > max_replicas:
-            raise PlanError(f"more than {max_replicas} replicas would be needed to meet the TTFT SLO.")
-    wait = 1000 * p99_wait_s(lam / replicas, service, m, cv2)
     why.append(f"queueing: p99 TTFT = {ttft_full:.1f} ms measured at batch {m} + {wait:.1f} ms p99 wait for a slot "
-               f"(birth-death queue, {m} slots, {lam / replicas:.3f} req/s each, service CV^2 {cv2:.2f}) with "
-               f"{replicas} replicas"
-               + ("" if replicas == r_tp else f" (the throughput bound's {r_tp} would wait longer)"))
-    r_binding = "throughput" if replicas == r_tp else "ttft_queueing"
+               f"(birth-death queue, {m} slots, {rate:.3f} req/s each, service CV^2 {cv2:.2f}) with "
+               f"{replicas} replicas")
+    r_binding = fit["r_binding"]
+    why.append(f"replicas: {replicas}, the fewest that meet every bound; {replicas - 1} fail the {r_binding} bound"
+               if replicas > 1 else "replicas: 1")
 
     b_load = 1.0
     for _ in range(100):  # L/R = (lambda/R) x S(L/R), capped at m
@@ -231,9 +262,8 @@ def plan(workload: Workload, curve: Curve, memory: Memory, max_replicas: int = 1
             why.append(f"--kv-cache-memory-bytes raised to {kv_bytes} B: the pool must hold one sequence of "
                        f"--max-model-len {memory.max_model_len} ({floor_blocks} blocks)")
     bounds = {
-        "itl_slo": {"max_batch": b_itl, "p99_itl_ms_at_max_num_seqs": curve.p99_itl_open_ms(m, workload.prompt_len),
-                    "slo_ms": workload.itl_slo_ms,
-                    "headroom": 1 - curve.p99_itl_open_ms(m, workload.prompt_len) / workload.itl_slo_ms},
+        "itl_slo": {"max_batch": b_itl, "p99_itl_ms_at_max_num_seqs": p99_itl, "slo_ms": workload.itl_slo_ms,
+                    "replica_arrival_rate": rate, "headroom": 1 - p99_itl / workload.itl_slo_ms},
         "ttft_slo": {"max_batch": b_ttft, "p99_ttft_ms_predicted": ttft_full + wait, "p99_wait_ms": wait,
                      "slo_ms": workload.ttft_slo_ms, "headroom": 1 - (ttft_full + wait) / workload.ttft_slo_ms},
         "memory": {"max_batch": b_mem, "kv_bytes_per_sequence": per_seq, "kv_bytes_needed": kv_bytes,

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedllm.bench.plan_itl import p99_itl_poisson_ms
+
 # The result keys the planner reads (vLLM's names, written by bench/report.py). p99 needs the default
 # --metric-percentiles 99 and --percentile-metrics with ttft and itl.
 _REQUIRED = ("request_throughput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "p99_itl_ms",
@@ -131,11 +133,12 @@ class Curve:
         return max(self.at("mean_ttft_ms", c0) - self.at("mean_itl_ms", c0), 0.0) * prompt_len / max(
             self.mean_input_len, 1.0)
 
-    def p99_itl_open_ms(self, batch: float, prompt_len: float) -> float:
-        """p99 ITL under open-loop (Poisson) traffic: the measured p99, or a decode step at this batch that also
-        prefills one arriving request (mean ITL + prefill), whichever is more. A closed-loop sweep admits one
-        request as one leaves; Poisson arrivals put a prefill into more than 1% of the steps at any useful load."""
-        return max(self.at("p99_itl_ms", batch), self.at("mean_itl_ms", batch) + self.prefill_ms(prompt_len))
+    def p99_itl_open_ms(self, batch: float, prompt_len: float, rate_per_s: float) -> float:
+        """p99 ITL under open-loop (Poisson) traffic at a replica's arrival rate: the measured p99, or a decode
+        step at this batch plus the prefills that join it at its 99th percentile (bench/plan_itl.py), whichever
+        is more. A closed-loop sweep admits one request as one leaves, so it under-counts steps with several."""
+        return max(self.at("p99_itl_ms", batch),
+                   p99_itl_poisson_ms(rate_per_s, self.at("mean_itl_ms", batch), self.prefill_ms(prompt_len)))
 
     def service_time_s(self, batch: float, output_len: float) -> float:
         """Seconds one request holds a slot at this batch size: mean TTFT + (output_len - 1) x mean ITL."""
