@@ -6,7 +6,10 @@ them to the replicas. Each replica runs engine steps back to back while it has w
 waiting requests (first come, first served) up to --max-num-seqs; the step takes the step model's decode time
 for the running batch plus a prefill cost per newly admitted request; at its end every admitted request has its
 first token (TTFT = end - arrival) and every other running one its next token (ITL = end - its last token).
-A request leaves after its output length of tokens. Pure Python; `random.Random(seed)`.
+A request leaves after its output length of tokens. Pure Python; `random.Random(seed)`. Every request waiting
+at a step's start is admitted (up to the free slots), so arrivals bunched by Poisson traffic, or released together
+by a queue as slots free, are prefilled in one step: the bursts that set the p99 ITL. The planner models them
+analytically (bench/plan_itl.py); this simulation, another code path, checks that model.
 
 Step models: `LinearStepModel` (decode = base + per_seq x batch, fixed prefill: a synthetic machine for tests)
 and `CurveStepModel` (decode = the measured mean ITL at the batch, prefill = measured mean TTFT - ITL at the
