@@ -38,10 +38,14 @@ def pytest_sessionfinish(session):
 
 @pytest.fixture(scope="module")
 def smollm2_server() -> RemoteServer:
-    """The embedded SmolLM2 served with a 1,024-token context, 32 sequences at once and a 320 MiB KV pool,
-    shared (shared_remote_server) by the structured-output and tool-call validity tests."""
-    return shared_remote_server(None, "--max-model-len", "1024", "--max-num-seqs", "32", "--kv-cache-memory",
-                                "320MiB")
+    """The embedded SmolLM2 with the shipped Hermes tool template (the template is for it), auto tool choice
+    read by the llama3_json parser, a 1,024-token context, 32 sequences at once and a 320 MiB KV pool: shared
+    (shared_remote_server) by the tool-calling tests (the parser flag, the shipped template) and the
+    structured-output and tool-call validity tests (whose response_format, `required` and named tool choices
+    constrain the output whatever the template, and never use the parser)."""
+    return shared_remote_server(None, "--chat-template", "tool_chat_template_hermes.jinja", "--max-model-len",
+                                "1024", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json",
+                                "--max-num-seqs", "32", "--kv-cache-memory", "320MiB")
 
 
 @pytest.fixture(scope="module")
