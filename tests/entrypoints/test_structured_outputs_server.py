@@ -10,7 +10,7 @@ import time
 
 import pytest
 from pydantic import BaseModel, Field
-from server_utils import MODEL_NAME, RemoteServer
+from server_utils import MODEL_NAME, TINY_API_KEY, RemoteServer
 
 pytestmark = pytest.mark.slow
 
@@ -24,16 +24,15 @@ class Person(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir):
-    server = RemoteServer(tiny_llama_dir, "--max-num-seqs", "8", "--structured-outputs-config",
-                          '{"backend": "guidance"}')
-    yield server
-    server.close()
+def server(tiny_api_server):
+    """--structured-outputs-config '{"backend": "guidance"}' and --max-num-seqs 8, on the server shared with the
+    OpenAI API tests (so behind an API key: `server.headers`)."""
+    return tiny_api_server
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return server.client()
+    return server.client(api_key=TINY_API_KEY)
 
 
 def test_parse_with_a_pydantic_model(client):
@@ -95,15 +94,16 @@ def test_structured_outputs_on_completions_and_streaming(client):
     ({"response_format": {"type": "structural_tag"}}, "response_format"),
 ])
 def test_bad_input_is_a_400_naming_the_field(server, body, param):
-    response = server.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES,
-                                                         "max_tokens": 5, **body})
+    response = server.post("/v1/chat/completions", headers=server.headers,
+                           json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 5, **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.text
 
 
 def test_unknown_fields_are_ignored(server):
-    response = server.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2,
-                                                    "guided_json": {"type": "object"}})
+    response = server.post("/v1/completions", headers=server.headers,
+                           json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2,
+                                 "guided_json": {"type": "object"}})
     assert response.status_code == 200, response.text
 
 
@@ -138,15 +138,16 @@ def test_the_bodies_that_crashed_the_server_are_400s_naming_the_limit(server):
         ({"structured_outputs": {"grammar": rules}}, "structured_outputs.grammar", "rule-reference depth"),
     ]
     for body, param, limit in cases:
-        response = server.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES,
-                                                             "max_tokens": 5, **body})
+        response = server.post("/v1/chat/completions", headers=server.headers,
+                               json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 5, **body})
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert (error["param"], error["type"]) == (param, "invalid_request_error"), error
         assert limit in error["message"] and "limit of" in error["message"], error
     assert server.proc.poll() is None and set(engine) <= set(server.child_pids())  # none died, none restarted
-    response = server.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 5,
-                                                         "structured_outputs": {"choice": ["yes", "no"]}})
+    response = server.post("/v1/chat/completions", headers=server.headers,
+                           json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 5,
+                                 "structured_outputs": {"choice": ["yes", "no"]}})
     assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] in ("yes", "no")
 
 
@@ -157,7 +158,7 @@ def test_big_choices_never_starve_small_ones(server):
     import concurrent.futures
 
     def post(choices: list[str]) -> tuple[int, dict]:
-        response = server.post("/v1/chat/completions", timeout=120.0, json={
+        response = server.post("/v1/chat/completions", headers=server.headers, timeout=120.0, json={
             "model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 8, "structured_outputs": {"choice": choices}})
         return response.status_code, response.json()
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 from json_checks import free_whitespace, is_json_prefix, undeclared_keys
-from server_utils import MODEL_NAME, RemoteServer
+from server_utils import MODEL_NAME
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from structured_outputs_validity import SCHEMAS as BENCHMARK_SCHEMAS  # noqa: E402
@@ -69,10 +69,8 @@ MAX_TOKENS = 120
 
 
 @pytest.fixture(scope="module")
-def client():
-    server = RemoteServer(None, "--max-model-len", "1024", "--max-num-seqs", "32", "--kv-cache-memory", "320MiB")
-    yield server.client(timeout=600)
-    server.close()
+def client(smollm2_server):
+    return smollm2_server.client(timeout=600)
 
 
 def _request(client, name: str, temperature: float, strict: bool):

@@ -43,14 +43,12 @@ def server(tiny_llama_dir):
 
 
 @pytest.fixture(scope="module")
-def hermes_client():
-    """SmolLM2 (the embedded default), which the shipped template is for: the tools' instructions alone would
-    overflow the tiny model's context. Its --tool-call-parser is llama3_json: not the template's format, but one
-    more server only to show the flag picks the parser would cost CI ~25 s."""
-    server = RemoteServer(None, "--chat-template", "tool_chat_template_hermes.jinja", "--max-model-len", "1024",
-                          "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
-    yield server.client()
-    server.close()
+def hermes_client(smollm2_server):
+    """SmolLM2 (the embedded default) with the shipped template, which is for it: the tools' instructions alone
+    would overflow the tiny model's context. Its --tool-call-parser is llama3_json: not the template's format, but
+    one more server only to show the flag picks the parser would cost CI ~25 s. (The server is shared with the
+    validity tests: conftest.smollm2_server.)"""
+    return smollm2_server.client()
 
 
 @pytest.fixture(scope="module")

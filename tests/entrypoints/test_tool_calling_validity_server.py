@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 from json_checks import is_json_prefix, undeclared_keys
-from server_utils import MODEL_NAME, RemoteServer
+from server_utils import MODEL_NAME
 
 pytestmark = pytest.mark.slow
 
@@ -42,10 +42,8 @@ MAX_TOKENS = 160
 
 
 @pytest.fixture(scope="module")
-def server():
-    server = RemoteServer(None, "--max-model-len", "1024", "--max-num-seqs", "32", "--kv-cache-memory", "320MiB")
-    yield server
-    server.close()
+def server(smollm2_server):
+    return smollm2_server
 
 
 def _body(index: int, mode: str, parallel: bool, temperature: float) -> dict:

@@ -11,18 +11,17 @@ says which one served what.
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 from server_utils import MODEL_NAME, RemoteServer, free_port
+
+from server_process import router_client
 
 _BESIDE = Path(sys.executable).with_name("vllm-router")
 ROUTER = str(_BESIDE) if _BESIDE.exists() else shutil.which("vllm-router")
@@ -50,31 +49,12 @@ def backends(tiny_llama_dir):
             server.close()
 
 
-@contextlib.contextmanager
 def router(policy: str, servers: list[RemoteServer], *extra: str):
     """vllm-router on a free port in front of `servers`; yields an openai client pointed at it."""
     port = free_port()
-    proc = subprocess.Popen([ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-                             "--worker-urls", *(s.url for s in servers), "--prometheus-port", str(free_port()),
-                             "--log-level", "warning", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode(errors="replace")[-3000:]
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "vllm-router did not become healthy"
-            time.sleep(0.1)
-        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    return router_client([ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+                          "--worker-urls", *(s.url for s in servers), "--prometheus-port", str(free_port()),
+                          "--log-level", "warning", *extra], port)
 
 
 def _served(servers: list[RemoteServer]) -> list[float]:

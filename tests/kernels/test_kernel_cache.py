@@ -33,11 +33,32 @@ def _planted_library(folder: Path, name: str) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def compiled_objects(tmp_path_factory) -> dict[str, bytes]:
+    """Source path -> its object file's bytes, filled by the first real compile of the module: every test here
+    builds the library again (3 builds, ~6 s each on 2 cores), and what they check is which library gets
+    loaded, installed and trusted, not the compiler, so each build after the first links the same objects."""
+    return {}
+
+
 @pytest.fixture
-def load(monkeypatch, caplog):
+def load(monkeypatch, caplog, compiled_objects):
     """load(cache_root) -> whether `_library()` loaded a library, as a fresh process would (the library is
-    loaded once per process: the cache is cleared before and after)."""
+    loaded once per process: the cache is cleared before and after). Builds are real (objects linked into a
+    fresh library, its hash recorded, installed), the objects compiled once (`compiled_objects`)."""
     monkeypatch.setenv("PAGEDLLM_NATIVE_KERNELS", "1")
+    compile_all = cpu_kernels._compile_all
+
+    def compile_once(commands: list[list[str]], timeout_s: float = 120.0) -> None:
+        # each command is [cc, *flags, "-c", "-o", object, source]
+        if any(cmd[-1] not in compiled_objects for cmd in commands):
+            compile_all(commands, timeout_s)
+            compiled_objects.update({cmd[-1]: Path(cmd[-2]).read_bytes() for cmd in commands})
+        else:
+            for cmd in commands:
+                Path(cmd[-2]).write_bytes(compiled_objects[cmd[-1]])
+
+    monkeypatch.setattr(cpu_kernels, "_compile_all", compile_once)
 
     def run(cache_root: Path) -> bool:
         monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(cache_root))

@@ -16,7 +16,6 @@ holds a block."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import signal
@@ -29,7 +28,7 @@ import httpx
 import openai
 import pytest
 
-from server_process import MODEL_NAME, free_port, serve_command, serve_env, wait_healthy
+from server_process import MODEL_NAME, free_port, router_client, serve_command, serve_env, wait_healthy
 
 _BESIDE = Path(sys.executable).with_name("vllm-router")
 ROUTER = str(_BESIDE) if _BESIDE.exists() else shutil.which("vllm-router")
@@ -90,40 +89,16 @@ def pair(tiny_llama_dir):
             server.close()
 
 
-@contextlib.contextmanager
-def front(argv: list[str], port: int):
-    """A router process listening on `port`; yields an openai client pointed at it."""
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode(errors="replace")[-3000:]
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, f"{argv[0]} did not become healthy"
-            time.sleep(0.1)
-        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def vllm_router(producer: Server, consumer: Server):
     port = free_port()
-    return front([ROUTER, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
+    return router_client([ROUTER, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
                   "--prefill", producer.url, "--decode", consumer.url, "--policy", "round_robin",
                   "--prometheus-port", str(free_port()), "--log-level", "warning"], port)
 
 
 def proxy(producer: Server, consumer: Server):
     port = free_port()
-    return front([sys.executable, str(PROXY), "--port", str(port), "--prefill", producer.url,
+    return router_client([sys.executable, str(PROXY), "--port", str(port), "--prefill", producer.url,
                   "--decode", consumer.url], port)
 
 

@@ -33,14 +33,12 @@ def test_chat_templates_render_in_a_sandbox(tiny_llama_dir):
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_tokenizer_matches_transformers():
-    from transformers import AutoTokenizer
-
+def test_smollm2_gguf_tokenizer_matches_transformers(smollm2_hf_tokenizer):
     from pagedllm.models.loader import resolve_model
 
     resolved = resolve_model(None)
     ours = get_tokenizer(resolved)
-    ref = AutoTokenizer.from_pretrained(resolved.folder, gguf_file=resolved.path.name)
+    ref = smollm2_hf_tokenizer
     for text in TEXTS:
         assert ours(text).input_ids == ref(text).input_ids, text
     assert ours.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) == \
