@@ -151,7 +151,8 @@ class EngineCore(SleepMode):
                            max_logprobs=self.config.model_config.max_logprobs,
                            logprobs_are_logits=self.config.model_config.logprobs_mode.endswith("logits"),
                            grammar_compile_timeout_s=so_config.compile_timeout_s,
-                           priority_scheduling=self.config.scheduler_config.scheduling_policy == "priority",
+                           priority_scheduling=self.config.scheduler_config.scheduling_policy in ("priority", "slo"),
+                           slo_scheduling=self.config.scheduler_config.scheduling_policy == "slo",
                            json_disable_any_whitespace=so_config.disable_any_whitespace,
                            json_disable_additional_properties=so_config.disable_additional_properties,
                            runner_type=self.runner_type, pooler=self.pooler, **self._lora_limits())
@@ -212,7 +213,14 @@ class EngineCore(SleepMode):
     def step(self) -> EngineCoreOutputs:
         """Schedule, execute and update once. With nothing to run, returns outputs with stats only.
 
-        With pipeline parallelism, step_with_batch_queue instead: one call submits a step or applies the oldest."""
+        With pipeline parallelism, step_with_batch_queue instead: one call submits a step or applies the oldest.
+        The errors of requests --scheduling-policy slo shed while scheduling go out first."""
+        outputs = self._step()
+        if self.scheduler.shed_outputs:
+            outputs.outputs[:0], self.scheduler.shed_outputs = self.scheduler.shed_outputs, []
+        return outputs
+
+    def _step(self) -> EngineCoreOutputs:
         if self.paused:  # asleep: nothing runs (sleep_mode.py)
             return EngineCoreOutputs(scheduler_stats=self.make_stats(), timestamp=time.time())
         if self.batch_queue_size > 1:
@@ -227,6 +235,8 @@ class EngineCore(SleepMode):
             seconds = time.perf_counter() - start
             if scheduler_output.num_scheduled_tokens:
                 self.step_seconds = seconds if not self.step_seconds else 0.8 * self.step_seconds + 0.2 * seconds
+                if self.scheduler.slo:  # the throughput its prefill estimates use (core/slo_queue.py)
+                    self.scheduler.waiting.observe_step(scheduler_output.total_num_scheduled_tokens, seconds)
             if self.scheduler.verify_cost is not None:  # the speculation guard's measure of a draft's cost
                 self.scheduler.verify_cost.observe(scheduler_output.num_scheduled_tokens,
                                                    scheduler_output.scheduled_spec_decode_tokens, seconds)
