@@ -28,13 +28,10 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.messages import SLO_UNATTAINABLE, EngineCoreOutput, FinishReason
-
-if TYPE_CHECKING:
-    from pagedllm.core.scheduler import Scheduler
 
 THROUGHPUT_EMA_WEIGHT = 0.2
 """Weight of the latest step in the tokens/s estimate."""
@@ -171,9 +168,10 @@ class SLORequestQueue:
         return best
 
 
-def shed_unattainable(scheduler: Scheduler) -> None:
+def shed_unattainable(scheduler: Any) -> None:
     """Finish (freeing everything) each waiting request that can no longer meet its TTFT deadline; their error
-    outputs go to scheduler.shed_outputs, which EngineCore.step sends."""
+    outputs go to scheduler.shed_outputs, which EngineCore.step sends. `scheduler`: core/scheduler.py's Scheduler
+    (not imported: it imports this module)."""
     queue = scheduler.waiting
     for request, reason in queue.unattainable():
         scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
