@@ -180,3 +180,18 @@ def test_fields_are_refused_without_the_slo_policy_and_checked_with_it():
         with pytest.raises(InvalidRequestError, match=name) as e:
             slo.process("r", [1, 2], SamplingParams(max_tokens=2, **{name: 0.0}))
         assert e.value.param == name
+
+
+def test_prefill_estimate_fits_step_time_to_tokens():
+    """Decode steps (4 tokens, 40 ms) and prefill steps (64 tokens, 100 ms): a + b x tokens with a = 36 ms and
+    b = 1 ms a token, not the 4-token steps' 10 ms a token."""
+    clock = Clock(0.0)
+    scheduler = slo_scheduler(clock, block_size=4)
+    queue = scheduler.waiting
+    (request,) = create_requests(1, num_tokens=100, block_size=4)
+    assert queue.prefill_estimate_s(request) == 0.0 and queue.tokens_per_s is None
+    for _ in range(20):
+        queue.observe_step(4, 0.040)
+        queue.observe_step(64, 0.100)
+    assert abs(queue.prefill_estimate_s(request) - 0.136) < 1e-6
+    assert abs(queue.tokens_per_s - 1000) < 1e-3

@@ -9,9 +9,10 @@ queue's order, re-evaluated as time passes (a request's rank changes while it wa
   2. the others by aged priority (`priority` minus one level per quarter of the bound waited), then by slack
      (deadline - now - estimated prefill time; no deadline: infinite slack, after every request with one), then
      arrival.
-The prefill estimate is the request's uncomputed tokens over the engine's measured throughput (an EMA of tokens/s
-over recent steps, fed by EngineCore.step); prefix-cache hits are not known before the lookup, so it is an upper
-bound. Until a step has been measured there is no estimate (0 s) and nothing is shed.
+The prefill estimate is a + b x (the request's uncomputed tokens), a step's time fitted as a + b x tokens over recent
+steps (EMAs of the moments, fed by EngineCore.step): a plain tokens/s average would price a prompt's tokens at the
+cost of decode steps, mostly fixed overhead. Prefix-cache hits are not known before the lookup, so it is an upper
+bound there. Until a step has been measured there is no estimate (0 s) and nothing is shed.
 
 Shedding: a waiting request that has produced no token yet and whose TTFT deadline cannot be met even if it were
 scheduled now (now + prefill estimate > deadline) is finished with an error (HTTP 503, code slo_unattainable)
@@ -33,8 +34,8 @@ from typing import Any
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.messages import SLO_UNATTAINABLE, EngineCoreOutput, FinishReason
 
-THROUGHPUT_EMA_WEIGHT = 0.2
-"""Weight of the latest step in the tokens/s estimate."""
+THROUGHPUT_EMA_WEIGHT = 0.1
+"""Weight of the latest step in the step-time fit."""
 AGING_LEVELS = 4
 """A waiting request's priority improves by one level per 1/AGING_LEVELS of --slo-max-wait-s waited."""
 _SHEDDABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.WAITING_FOR_FSM)
@@ -51,27 +52,51 @@ class SLORequestQueue:
     def __init__(self, max_wait_s: float, clock: Callable[[], float] = time.time):
         self.max_wait_s = max_wait_s
         self.clock = clock
-        self.tokens_per_s: float | None = None
-        """The engine's measured throughput (EMA over steps); None until a step is measured."""
+        self._moments: tuple[float, float, float, float] | None = None
+        """EMAs over recent steps of (tokens, seconds, tokens^2, tokens x seconds): the step-time fit."""
         self._requests: list[Request] = []
         self._ordered_at: float | None = None  # when _requests was last sorted (None: not in order)
 
     # ---- the measure the estimates use ----
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A step computed num_tokens tokens in `seconds`."""
+        """A step computed num_tokens tokens in `seconds` (EngineCore.step's measure)."""
         if num_tokens <= 0 or seconds <= 0:
             return
-        rate = num_tokens / seconds
-        self.tokens_per_s = rate if self.tokens_per_s is None else (
-            (1 - THROUGHPUT_EMA_WEIGHT) * self.tokens_per_s + THROUGHPUT_EMA_WEIGHT * rate)
+        sample = (float(num_tokens), seconds, float(num_tokens) ** 2, num_tokens * seconds)
+        if self._moments is None:
+            self._moments = sample
+        else:
+            w = THROUGHPUT_EMA_WEIGHT
+            self._moments = tuple((1 - w) * m + w * x for m, x in zip(self._moments, sample, strict=True))
         self._ordered_at = None  # the slacks changed
 
+    def _step_model(self) -> tuple[float, float] | None:
+        """(seconds per step, seconds per token): a step's time fitted as a + b x tokens over recent steps (a
+        decode step of a few tokens costs mostly its fixed part, a prefill its tokens); one step size seen so far:
+        b = mean seconds / mean tokens, a = 0. None before any step."""
+        if self._moments is None:
+            return None
+        mx, my, mxx, mxy = self._moments
+        var = mxx - mx * mx
+        if var > 1e-6 * (mx * mx + 1):
+            slope = (mxy - mx * my) / var
+            if slope > 0:
+                return max(my - slope * mx, 0.0), slope
+        return 0.0, my / mx
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """The engine's measured prefill throughput (the fitted marginal cost of a token); None before a step."""
+        model = self._step_model()
+        return None if model is None else 1 / model[1]
+
     def prefill_estimate_s(self, request: Request) -> float:
-        """Seconds to compute the request's tokens not yet computed (0 without a measure)."""
-        if not self.tokens_per_s:
+        """Seconds to compute the request's tokens not yet computed, in one step (0 without a measure)."""
+        model = self._step_model()
+        if model is None:
             return 0.0
-        return max(request.num_tokens - request.num_computed_tokens, 0) / self.tokens_per_s
+        return model[0] + model[1] * max(request.num_tokens - request.num_computed_tokens, 0)
 
     @staticmethod
     def deadline(request: Request) -> float | None:
@@ -133,7 +158,7 @@ class SLORequestQueue:
 
     def unattainable(self) -> list[tuple[Request, str]]:
         """Waiting requests that cannot meet their TTFT deadline even if scheduled now, each with the reason."""
-        if not self.tokens_per_s:
+        if self._moments is None:
             return []
         now = self.clock()
         shed = []
