@@ -124,6 +124,13 @@ async def capacity(url: str, model: str, args) -> dict:
             "tpot": statistics.median(r["tpot"] for r in done), "e2e": statistics.median(r["end"] for r in done)}
 
 
+async def warm_up(url: str, model: str, args) -> None:
+    rng = random.Random(7)
+    async with httpx.AsyncClient(timeout=None) as client:
+        await asyncio.gather(*(send(client, url, model, make_prompt(rng, args.input_len), 4, None)
+                               for _ in range(args.max_num_seqs)))
+
+
 def workload(seed: int, rate: float, args, slos: dict) -> list[tuple[float, str, list[int]]]:
     """(arrival offset, class, prompt): Poisson arrivals at `rate` for args.duration seconds."""
     rng = random.Random(seed)
@@ -198,6 +205,10 @@ def main() -> None:
     parser.add_argument("--ports", type=int, nargs=2, default=[8311, 8312])
     parser.add_argument("--serve-args", default="--max-model-len 512 --kv-cache-memory 256MiB")
     parser.add_argument("--out", default=None, help="also write every row to this JSON file")
+    parser.add_argument("--capacity", type=float, default=None,
+                        help="skip the measure: requests/s, with --base-e2e and --base-tpot (seconds)")
+    parser.add_argument("--base-e2e", type=float, default=None)
+    parser.add_argument("--base-tpot", type=float, default=None)
     args = parser.parse_args()
     urls = {policy: f"http://127.0.0.1:{port}" for policy, port in zip(("fcfs", "slo"), args.ports, strict=True)}
     procs = {policy: start_server(port, policy, args) for policy, port in zip(("fcfs", "slo"), args.ports,
@@ -207,13 +218,16 @@ def main() -> None:
         for policy, proc in procs.items():
             wait_healthy(urls[policy], proc)
         model = httpx.get(urls["fcfs"] + "/v1/models", timeout=10).json()["data"][0]["id"]
-        cap = asyncio.run(capacity(urls["fcfs"], model, args))
+        if args.capacity is None:
+            cap = asyncio.run(capacity(urls["fcfs"], model, args))
+        else:
+            cap = {"rate": args.capacity, "e2e": args.base_e2e, "tpot": args.base_tpot, "ttft": None}
         slos = {TIGHT: {"ttft_slo_ms": 2000 * cap["e2e"], "tpot_slo_ms": 2000 * cap["tpot"]},
                 LOOSE: {"ttft_slo_ms": 6000 * cap["e2e"], "tpot_slo_ms": 4000 * cap["tpot"]}}
         print(json.dumps({"capacity": cap, "slos": slos, "loadavg": os.getloadavg()[0]}), flush=True)
         rate = args.overload * cap["rate"]
         for policy in ("fcfs", "slo"):  # warm-up: the slo server measures its steps
-            asyncio.run(capacity(urls[policy], model, argparse.Namespace(**{**vars(args), "capacity_s": 2.0})))
+            asyncio.run(warm_up(urls[policy], model, args))
         for run in range(args.runs):
             items = workload(1000 + run, rate, args, slos)
             order = ("fcfs", "slo") if run % 2 == 0 else ("slo", "fcfs")

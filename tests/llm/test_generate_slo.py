@@ -1,6 +1,6 @@
 """--scheduling-policy slo end to end (offline LLM, the tiny model): when nothing is shed, greedy outputs are the
-same tokens as under fcfs, with prefix caching, chunked prefill, preemption, n > 1, cache salts and n-gram
-speculative decoding; every block is free at the end."""
+same tokens as under fcfs, with prefix caching, chunked prefill, preemption, n > 1, cache salts, n-gram
+speculative decoding and async scheduling; every block is free at the end."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def _with_slo(params: SamplingParams, i: int) -> SamplingParams:
     dict(max_num_batched_tokens=32, num_gpu_blocks_override=12),  # chunks of <= 32 tokens; 12 blocks: preemptions
     dict(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                              "prompt_lookup_max": 3}),
-], ids=["chunked-preempted", "ngram"])
+    dict(async_scheduling=True),  # steps in flight: the step-time fit is measured on the batch-queue path
+], ids=["chunked-preempted", "ngram", "async"])
 def test_slo_outputs_equal_fcfs_when_nothing_is_shed(tiny_llama_dir, extra):
     common = dict(dtype="float32", max_model_len=128, block_size=16, **extra)
     common.setdefault("num_gpu_blocks_override", 64)
@@ -44,8 +45,9 @@ def test_slo_outputs_equal_fcfs_when_nothing_is_shed(tiny_llama_dir, extra):
     assert _tokens(outputs) == fcfs
     scheduler = llm.llm_engine.engine_core.scheduler
     assert scheduler.num_slo_shed == 0 and scheduler.kv_cache_manager.prefix_cache_hits > 0
+    assert scheduler.waiting.tokens_per_s is not None  # the engine measured its steps: estimates and shedding work
     if "max_num_batched_tokens" in extra:
         assert scheduler.num_preemptions > 0
-    else:
+    elif "speculative_config" in extra:
         assert scheduler.spec_decoding_totals.num_draft_tokens > 0
     assert scheduler.num_free_blocks == scheduler.num_total_blocks and not scheduler.requests

@@ -105,6 +105,8 @@ class EngineCore(SleepMode):
             self.batch_queue: deque[tuple[StepFuture, SchedulerOutput]] = deque()
             """Submitted steps not yet applied, oldest first (pipeline parallelism or async scheduling only)."""
             self.max_batch_queue_depth = 0
+            self._submitted_at: dict[int, float] = {}  # step_id -> perf_counter at submission (batch queue)
+            self._last_result_at = 0.0
             """The most steps in flight at once so far (tests and diagnostics)."""
             self.step_seconds = 0.0
             """A moving average of the model's time per step (the mask wait's budget is a fraction of it)."""
@@ -297,6 +299,7 @@ class EngineCore(SleepMode):
                 except Exception:
                     return self._step_failed(scheduler_output)
                 queue.append((future, scheduler_output))
+                self._submitted_at[scheduler_output.step_id] = time.perf_counter()
                 self.max_batch_queue_depth = max(self.max_batch_queue_depth, len(queue))
                 submitted = bool(scheduler_output.num_scheduled_tokens)
             else:  # nothing ran: the next step tells the workers what finished meanwhile
@@ -312,7 +315,17 @@ class EngineCore(SleepMode):
             raise
         except Exception:
             return self._step_failed(scheduler_output)
+        self._observe_pipelined_step(scheduler_output)
         return self._apply(scheduler_output, runner_output)
+
+    def _observe_pipelined_step(self, scheduler_output: SchedulerOutput) -> None:
+        """--scheduling-policy slo's step-time measure with steps in flight: from the later of the step's submission
+        and the previous step's result to its own result (the pipeline's time per step)."""
+        now, submitted = time.perf_counter(), self._submitted_at.pop(scheduler_output.step_id, None)
+        if self.scheduler.slo and submitted is not None and scheduler_output.total_num_scheduled_tokens:
+            self.scheduler.waiting.observe_step(scheduler_output.total_num_scheduled_tokens,
+                                                now - max(submitted, self._last_result_at))
+        self._last_result_at = now
 
     def publish_kv_events(self) -> None:
         """Hand the KV-cache events recorded since the last call to the publisher, as one batch (if any)."""
