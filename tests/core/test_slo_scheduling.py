@@ -151,7 +151,7 @@ def test_victim_has_most_slack_and_a_request_that_streamed_is_never_shed():
     for _ in range(5):
         step(scheduler)  # 13 tokens each, 12 computed: the pool is full
     clock.now = 0.5
-    scheduler.waiting.observe_step(1, 10.0)  # a very slow engine: a's TTFT deadline is long out of reach
+    scheduler.waiting.observe_step(4, 40.0)  # a very slow engine: a's TTFT deadline is long out of reach
     out, _ = step(scheduler)
     assert out.preempted_req_ids == {"0"} and a.status == RequestStatus.PREEMPTED
     assert a.num_output_tokens == 5 and scheduler.shed_outputs == []  # it streamed tokens: kept, not shed
@@ -182,16 +182,17 @@ def test_fields_are_refused_without_the_slo_policy_and_checked_with_it():
         assert e.value.param == name
 
 
-def test_prefill_estimate_fits_step_time_to_tokens():
-    """Decode steps (4 tokens, 40 ms) and prefill steps (64 tokens, 100 ms): a + b x tokens with a = 36 ms and
-    b = 1 ms a token, not the 4-token steps' 10 ms a token."""
+def test_prefill_estimate_counts_prefill_steps_only():
+    """Decode steps (4 requests, a token each, 200 ms on a loaded machine) do not price a prompt's tokens; prefill
+    steps (64 tokens of one request in 100 ms) do: 1.5625 ms a token."""
     clock = Clock(0.0)
     scheduler = slo_scheduler(clock, block_size=4)
     queue = scheduler.waiting
     (request,) = create_requests(1, num_tokens=100, block_size=4)
-    assert queue.prefill_estimate_s(request) == 0.0 and queue.tokens_per_s is None
+    queue.observe_step(4, 0.200, num_reqs=4)
+    assert queue.prefill_estimate_s(request) == 0.0 and queue.tokens_per_s is None and not queue.unattainable()
     for _ in range(20):
-        queue.observe_step(4, 0.040)
-        queue.observe_step(64, 0.100)
-    assert abs(queue.prefill_estimate_s(request) - 0.136) < 1e-6
-    assert abs(queue.tokens_per_s - 1000) < 1e-3
+        queue.observe_step(4, 0.200, num_reqs=4)
+        queue.observe_step(64, 0.100, num_reqs=1)
+    assert abs(queue.prefill_estimate_s(request) - 0.15625) < 1e-9
+    assert abs(queue.tokens_per_s - 640) < 1e-6

@@ -9,10 +9,13 @@ queue's order, re-evaluated as time passes (a request's rank changes while it wa
   2. the others by aged priority (`priority` minus one level per quarter of the bound waited), then by slack
      (deadline - now - estimated prefill time; no deadline: infinite slack, after every request with one), then
      arrival.
-The prefill estimate is a + b x (the request's uncomputed tokens), a step's time fitted as a + b x tokens over recent
-steps (EMAs of the moments, fed by EngineCore.step): a plain tokens/s average would price a prompt's tokens at the
-cost of decode steps, mostly fixed overhead. Prefix-cache hits are not known before the lookup, so it is an upper
-bound there. Until a step has been measured there is no estimate (0 s) and nothing is shed.
+The prefill estimate is the request's uncomputed tokens times the engine's measured seconds per token, an EMA over
+recent steps that are mostly prefill (EngineCore feeds every step; decode steps, mostly fixed overhead, would price
+a prompt's tokens many times too high and shed requests that could still make it: a fit of a + b x tokens over all
+steps did that on a loaded machine, where a decode step's time is noise). It errs low rather than high (a step's
+fixed cost is spread over its tokens; prefix-cache hits are not known before the lookup, which makes it high there):
+shedding is for requests that cannot make it. Until a prefill step has been measured there is no estimate (0 s)
+and nothing is shed.
 
 Shedding: a waiting request that has produced no token yet and whose TTFT deadline cannot be met even if it were
 scheduled now (now + prefill estimate > deadline) is finished with an error (HTTP 503, code slo_unattainable)
@@ -35,7 +38,9 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.messages import SLO_UNATTAINABLE, EngineCoreOutput, FinishReason
 
 THROUGHPUT_EMA_WEIGHT = 0.1
-"""Weight of the latest step in the step-time fit."""
+"""Weight of the latest prefill step in the seconds-per-token estimate."""
+PREFILL_TOKENS_PER_REQ = 4
+"""A step counts for the prefill estimate when it computes at least this many tokens per request."""
 AGING_LEVELS = 4
 """A waiting request's priority improves by one level per 1/AGING_LEVELS of --slo-max-wait-s waited."""
 _SHEDDABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.WAITING_FOR_FSM)
@@ -52,51 +57,35 @@ class SLORequestQueue:
     def __init__(self, max_wait_s: float, clock: Callable[[], float] = time.time):
         self.max_wait_s = max_wait_s
         self.clock = clock
-        self._moments: tuple[float, float, float, float] | None = None
-        """EMAs over recent steps of (tokens, seconds, tokens^2, tokens x seconds): the step-time fit."""
+        self._seconds_per_token: float | None = None
+        """EMA over recent prefill steps of their seconds per token (None: none measured yet)."""
         self._requests: list[Request] = []
         self._ordered_at: float | None = None  # when _requests was last sorted (None: not in order)
 
     # ---- the measure the estimates use ----
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A step computed num_tokens tokens in `seconds` (EngineCore.step's measure)."""
-        if num_tokens <= 0 or seconds <= 0:
+    def observe_step(self, num_tokens: int, seconds: float, num_reqs: int = 1) -> None:
+        """A step computed num_tokens tokens of num_reqs requests in `seconds` (EngineCore's measure). Only steps
+        that are mostly prefill (at least PREFILL_TOKENS_PER_REQ tokens a request) count: a decode step's time is
+        mostly fixed overhead, and would price a prompt's tokens many times too high."""
+        if num_tokens < PREFILL_TOKENS_PER_REQ * max(num_reqs, 1) or seconds <= 0:
             return
-        sample = (float(num_tokens), seconds, float(num_tokens) ** 2, num_tokens * seconds)
-        if self._moments is None:
-            self._moments = sample
-        else:
-            w = THROUGHPUT_EMA_WEIGHT
-            self._moments = tuple((1 - w) * m + w * x for m, x in zip(self._moments, sample, strict=True))
+        sample = seconds / num_tokens
+        w = THROUGHPUT_EMA_WEIGHT
+        self._seconds_per_token = sample if self._seconds_per_token is None else (
+            (1 - w) * self._seconds_per_token + w * sample)
         self._ordered_at = None  # the slacks changed
-
-    def _step_model(self) -> tuple[float, float] | None:
-        """(seconds per step, seconds per token): a step's time fitted as a + b x tokens over recent steps (a
-        decode step of a few tokens costs mostly its fixed part, a prefill its tokens); one step size seen so far:
-        b = mean seconds / mean tokens, a = 0. None before any step."""
-        if self._moments is None:
-            return None
-        mx, my, mxx, mxy = self._moments
-        var = mxx - mx * mx
-        if var > 1e-6 * (mx * mx + 1):
-            slope = (mxy - mx * my) / var
-            if slope > 0:
-                return max(my - slope * mx, 0.0), slope
-        return 0.0, my / mx
 
     @property
     def tokens_per_s(self) -> float | None:
-        """The engine's measured prefill throughput (the fitted marginal cost of a token); None before a step."""
-        model = self._step_model()
-        return None if model is None else 1 / model[1]
+        """The engine's measured prefill throughput; None before a prefill step."""
+        return None if self._seconds_per_token is None else 1 / self._seconds_per_token
 
     def prefill_estimate_s(self, request: Request) -> float:
-        """Seconds to compute the request's tokens not yet computed, in one step (0 without a measure)."""
-        model = self._step_model()
-        if model is None:
+        """Seconds to compute the request's tokens not yet computed (0 without a measure)."""
+        if self._seconds_per_token is None:
             return 0.0
-        return model[0] + model[1] * max(request.num_tokens - request.num_computed_tokens, 0)
+        return self._seconds_per_token * max(request.num_tokens - request.num_computed_tokens, 0)
 
     @staticmethod
     def deadline(request: Request) -> float | None:
@@ -158,7 +147,7 @@ class SLORequestQueue:
 
     def unattainable(self) -> list[tuple[Request, str]]:
         """Waiting requests that cannot meet their TTFT deadline even if scheduled now, each with the reason."""
-        if self._moments is None:
+        if self._seconds_per_token is None:
             return []
         now = self.clock()
         shed = []

@@ -238,7 +238,8 @@ class EngineCore(SleepMode):
             if scheduler_output.num_scheduled_tokens:
                 self.step_seconds = seconds if not self.step_seconds else 0.8 * self.step_seconds + 0.2 * seconds
                 if self.scheduler.slo:  # the throughput its prefill estimates use (core/slo_queue.py)
-                    self.scheduler.waiting.observe_step(scheduler_output.total_num_scheduled_tokens, seconds)
+                    self.scheduler.waiting.observe_step(scheduler_output.total_num_scheduled_tokens, seconds,
+                                                        len(scheduler_output.num_scheduled_tokens))
             if self.scheduler.verify_cost is not None:  # the speculation guard's measure of a draft's cost
                 self.scheduler.verify_cost.observe(scheduler_output.num_scheduled_tokens,
                                                    scheduler_output.scheduled_spec_decode_tokens, seconds)
@@ -324,7 +325,8 @@ class EngineCore(SleepMode):
         now, submitted = time.perf_counter(), self._submitted_at.pop(scheduler_output.step_id, None)
         if self.scheduler.slo and submitted is not None and scheduler_output.total_num_scheduled_tokens:
             self.scheduler.waiting.observe_step(scheduler_output.total_num_scheduled_tokens,
-                                                now - max(submitted, self._last_result_at))
+                                                now - max(submitted, self._last_result_at),
+                                                len(scheduler_output.num_scheduled_tokens))
         self._last_result_at = now
 
     def publish_kv_events(self) -> None:
