@@ -83,6 +83,19 @@ def test_priority_first_then_aging_then_the_bound():
     assert scheduler.waiting.peek() is older
 
 
+def test_pop_takes_what_peek_returned_even_if_the_clock_moved_ranks():
+    clock = Clock(0.0)
+    scheduler = slo_scheduler(clock, block_size=4, slo_max_wait_s=8.0)
+    old, new = create_requests(2, num_tokens=4, block_size=4, priorities=[3, 0], arrival_times=[0.0, 1.0])
+    scheduler.add_request(old)
+    scheduler.add_request(new)
+    clock.now = 7.99
+    assert scheduler.waiting.peek() is new
+    clock.now = 8.0  # old is overdue now: the next peek would rank it first
+    assert scheduler.waiting.pop() is new  # but pop takes what was peeked (the scheduler allocated it)
+    assert list(scheduler.waiting) == [old]
+
+
 def test_low_priority_admitted_within_the_bound_under_a_stream_of_high_priority():
     """One running slot; a high-priority request with a deadline arrives every step, each step takes 0.5 s: the
     low-priority request without a deadline still starts once it has waited slo_max_wait_s."""

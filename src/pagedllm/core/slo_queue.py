@@ -128,7 +128,11 @@ class SLORequestQueue:
         return self._ordered()[0]
 
     def pop(self) -> Request:
-        return self._ordered().pop(0)
+        """The request peek() returned (the order is not re-evaluated between the two: the scheduler admits what
+        it peeked, and the clock may have moved a rank meanwhile)."""
+        if self._ordered_at is None:
+            self._ordered()
+        return self._requests.pop(0)
 
     def remove(self, request: Request) -> None:
         for i, r in enumerate(self._requests):
