@@ -212,6 +212,8 @@ def main() -> None:
     parser.add_argument("--capacity", type=float, default=None,
                         help="skip the measure: requests/s, with --base-e2e and --base-tpot (seconds)")
     parser.add_argument("--base-e2e", type=float, default=None)
+    parser.add_argument("--recapacity-s", type=float, default=0.0,
+                        help="measure the capacity again for this many seconds before each run (0: once)")
     parser.add_argument("--base-tpot", type=float, default=None)
     args = parser.parse_args()
     urls = {policy: f"http://127.0.0.1:{port}" for policy, port in zip(("fcfs", "slo"), args.ports, strict=True)}
@@ -233,6 +235,11 @@ def main() -> None:
         for policy in ("fcfs", "slo"):  # warm-up: the slo server measures its steps
             asyncio.run(warm_up(urls[policy], model, args))
         for run in range(args.runs):
+            if args.recapacity_s > 0:  # the shared machine's speed drifts: 3x of what it sustains now
+                now_cap = asyncio.run(capacity(urls["fcfs"], model,
+                                               argparse.Namespace(**{**vars(args), "capacity_s": args.recapacity_s})))
+                rate = args.overload * now_cap["rate"]
+                print(json.dumps({"run": run, "capacity_now": now_cap, "loadavg": os.getloadavg()[0]}), flush=True)
             items = workload(1000 + run, rate, args, slos)
             order = ("fcfs", "slo") if run % 2 == 0 else ("slo", "fcfs")
             for policy in order:
