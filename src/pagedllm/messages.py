@@ -87,6 +87,8 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     prefix_cache_hits_delta: int = 0
     """Of those, tokens found cached."""
     num_preemptions_delta: int = 0
+    num_slo_shed_delta: int = 0
+    """--scheduling-policy slo: requests shed (refused early: their TTFT deadline was out of reach)."""
     spec_decoding_stats: SpecDecodingStats | None = None
     """Speculative decoding counters since the last snapshot; None when speculation is off."""
     grammar_compiles_delta: int = 0
@@ -179,6 +181,10 @@ class LogprobsEntry(msgspec.Struct, array_like=True):
     rank: int
 
 
+SLO_UNATTAINABLE = "slo_unattainable"
+"""EngineCoreOutput.error_code of a request shed because it can no longer meet its ttft_slo_ms (HTTP 503)."""
+
+
 class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
@@ -196,6 +202,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
     """A pooling request's result (float32 values), sent with its finish."""
     kv_transfer_params: dict[str, Any] | None = None
     """Sent with its finish by a KV connector's request_finished (a producer: where the consumer pulls from)."""
+    error_code: str | None = None
+    """With `error`, what kind (None: the engine failed; SLO_UNATTAINABLE: --scheduling-policy slo shed it)."""
 
     @property
     def finished(self) -> bool:
@@ -232,6 +240,9 @@ class ModelLimits:
     priority_scheduling: bool = False
     """--scheduling-policy priority: a request's `priority` orders the queue; with fcfs a priority other than 0 is
     refused (vLLM's check)."""
+    slo_scheduling: bool = False
+    """--scheduling-policy slo: a request may set ttft_slo_ms / tpot_slo_ms (and priority); other policies refuse
+    them (vLLM has no such fields, so they are never silently ignored)."""
     json_disable_any_whitespace: bool = True
     json_disable_additional_properties: bool = True
     """Structured outputs: the server's JSON options (StructuredOutputsConfig's disable_any_whitespace and

@@ -44,6 +44,8 @@ class RequestOutput:
     """arrival_time, first_scheduled_time, first_token_time, last_token_time (wall-clock seconds)."""
     error: str | None = None
     """Set when the engine failed this request (finish_reason "error"): a message safe to show."""
+    error_code: str | None = None
+    """What kind of error (messages.EngineCoreOutput.error_code): None, or "slo_unattainable" (shed)."""
     kv_transfer_params: dict[str, Any] | None = None
     """vLLM's: what the KV connector returned when the request finished (a P/D producer: where to pull from)."""
 

@@ -8,6 +8,8 @@ import msgspec
 
 # Caps that bound the work one request can ask for. The server exposes them as flags.
 MAX_LOGPROBS = 20
+MAX_SLO_MS = 86_400_000.0
+"""The longest ttft_slo_ms / tpot_slo_ms: a day."""
 
 GREEDY_TEMPERATURE = 1e-5
 """A temperature below this samples greedily (argmax); the sampler applies the same threshold per row."""
@@ -62,6 +64,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logit_bias: dict[int, float] | None = None
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    ttft_slo_ms: float | None = None
+    """pagedllm's (--scheduling-policy slo only): the time-to-first-token deadline, in milliseconds after arrival.
+    The scheduler orders waiting requests by their slack to it and refuses one that can no longer meet it."""
+    tpot_slo_ms: float | None = None
+    """pagedllm's (--scheduling-policy slo only): the time per output token after the first, in milliseconds; with
+    ttft_slo_ms it sets the deadline of a preempted request's next token (the n-th is due at TTFT + n x TPOT)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -108,6 +116,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             _check(self.seed + self.n - 1 < 2**64, "seed",
                    f"seed {self.seed} is too large for n={self.n}: choice i samples with seed + i, and "
                    f"{self.seed + self.n - 1} does not fit in 64 bits (at most {2**64 - self.n} with this n).")
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(_finite(value) and 0 < value <= MAX_SLO_MS, name,
+                       f"{name} must be in (0, {MAX_SLO_MS}] milliseconds, got {value}.")
         if vocab_size is not None:
             for tid in self.stop_token_ids:
                 _check(0 <= tid < vocab_size, "stop_token_ids", f"stop token id {tid} is outside the vocabulary.")

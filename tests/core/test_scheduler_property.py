@@ -7,6 +7,7 @@ only from SchedulerOutput diffs) match the scheduler's, every request finishes i
 once all are finished or aborted, every block is free with ref_cnt 0 (DESIGN invariant 1).
 """
 
+import itertools
 import random
 
 import pytest
@@ -31,7 +32,7 @@ configs = st.fixed_dictionaries({
     "max_num_batched_tokens": st.integers(4, 64),
     "enable_chunked_prefill": st.booleans(),
     "long_prefill_token_threshold": st.sampled_from([0, 0, 5]),
-    "scheduling_policy": st.sampled_from(["fcfs", "priority"]),
+    "scheduling_policy": st.sampled_from(["fcfs", "priority", "slo"]),
     "enable_prefix_caching": st.booleans(),
 })
 
@@ -60,6 +61,9 @@ class Driver:
         if not cfg["enable_chunked_prefill"]:
             cfg["max_num_batched_tokens"] = max(cfg["max_num_batched_tokens"], max_model_len)
         self.scheduler = create_scheduler(max_model_len=max_model_len, **cfg)
+        if cfg["scheduling_policy"] == "slo":  # a clock that moves 0.5 s a reading: ranks age, reproducibly
+            ticks = itertools.count()
+            self.scheduler.waiting.clock = lambda: 0.5 * next(ticks)
         self.cfg = cfg
         self.data = data
         self.mirror = RunnerMirror()

@@ -25,6 +25,7 @@ def create_scheduler(
     max_num_queued_reqs: int | None = None,
     max_prefill_attention_pairs: int | None = None,
     speculative_config: SpeculativeConfig | None = None,
+    slo_max_wait_s: float = 30.0,
 ) -> Scheduler:
     if max_model_len is None:
         max_model_len = min(max_num_batched_tokens, num_blocks * block_size)
@@ -35,6 +36,7 @@ def create_scheduler(
         long_prefill_token_threshold=long_prefill_token_threshold,
         scheduling_policy=scheduling_policy,  # type: ignore[arg-type]
         max_num_queued_reqs=max_num_queued_reqs,
+        slo_max_wait_s=slo_max_wait_s,
         **({} if max_prefill_attention_pairs is None else {"max_prefill_attention_pairs": max_prefill_attention_pairs}),
     )
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)

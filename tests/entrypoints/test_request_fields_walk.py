@@ -476,6 +476,9 @@ SHARED: dict[str, Entry] = {
         "Passed to the tokenizer's decode; a byte-level vocabulary never puts spaces between special tokens, so it "
         "changes nothing, as in vLLM's fast-tokenizer detokenizer."),
     "priority": refused("priority", priority=1),  # this server schedules fcfs (vLLM's check)
+    # pagedllm's, honoured under --scheduling-policy slo only (tests/entrypoints/test_slo_server.py)
+    "ttft_slo_ms": refused("ttft_slo_ms", ttft_slo_ms=1000),
+    "tpot_slo_ms": refused("tpot_slo_ms", tpot_slo_ms=50),
     "cache_salt": honoured(_cache_salt),
     "request_id": honoured(_request_id),
     "kv_transfer_params": honoured(_kv_transfer_params),

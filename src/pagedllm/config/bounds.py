@@ -73,6 +73,7 @@ SCHEDULER_BOUNDS = {
     "long_prefill_token_threshold": at_least(0, 1 << 24),
     "max_prefill_attention_pairs": at_least(0, 1 << 40),
     "max_num_queued_reqs": at_least(0, 1 << 24),
+    "slo_max_wait_s": positive(86400.0, "a request waits at most this long behind newer ones"),
 }
 LORA_BOUNDS = {
     "max_loras": at_least(1, 1 << 10, "each step applies every adapter's product separately"),

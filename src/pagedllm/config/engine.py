@@ -209,8 +209,16 @@ class SchedulerConfig:
     length L counts T x L. Attention grows with context, so deep into a long prompt a chunk is cut shorter
     and a step's duration stays bounded (the default: a full step of prompts up to 1,024 tokens; at 7,000
     tokens of context, chunks of ~300). 0: no cap. Needs chunked prefill."""
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    """fcfs: first come first served. priority: lower `priority` first, then arrival."""
+    scheduling_policy: Literal["fcfs", "priority", "slo"] = "fcfs"
+    """fcfs: first come first served. priority: lower `priority` first, then arrival. slo (a pagedllm extension of
+    vLLM's flag): waiting requests go by least slack to their `ttft_slo_ms` deadline (requests with a lower
+    `priority` first, the priority improving as they wait; requests without a deadline after those with one), none
+    waits past --slo-max-wait-s behind newer ones, and one that can no longer meet its TTFT deadline is refused
+    early (HTTP 503, code slo_unattainable) instead of served late (core/slo_queue.py)."""
+    slo_max_wait_s: float = 30.0
+    """--scheduling-policy slo (pagedllm's): the longest a waiting request is passed over for newer ones, whatever
+    its priority and slack; past it, it is admitted ahead of every request that arrived after it (no starvation).
+    Its priority also improves by one level every quarter of this while it waits."""
     max_num_queued_reqs: int | None = None
     """Most requests waiting, counted as vllm:num_requests_waiting counts them: one per choice per prompt (a
     request with n=16, or 16 prompts, counts 16). A request that would go beyond is rejected at once (HTTP 503,
@@ -227,8 +235,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self, SCHEDULER_BOUNDS)
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}.")
+        if self.scheduling_policy not in ("fcfs", "priority", "slo"):
+            raise ValueError(f"--scheduling-policy must be fcfs, priority or slo, got {self.scheduling_policy!r}.")
 
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")

@@ -50,6 +50,7 @@ HONOURED_FLAGS = (
 config dataclass field of the same name (config/arguments.py)."""
 
 HONOURED_NOTES = {
+    "--scheduling-policy": "fcfs and priority as vLLM; pagedllm adds slo (deadline slack, aging, early shedding)",
     "--help": "the parser's help",
     "--config": "a YAML file of flags, read as vLLM reads it (config/config_file.py)",
     "--model": "the same as the positional MODEL",
@@ -350,6 +351,7 @@ PAGEDLLM_ONLY_FLAGS = {
     "--max-stop": "request limits", "--max-stored-responses": "the Responses API's in-memory store",
     "--max-prefill-attention-pairs": "step-time bound for long prompts",
     "--ray-address": "the Ray cluster (vLLM reads RAY_ADDRESS only)",
+    "--slo-max-wait-s": "--scheduling-policy slo's starvation bound",
 }
 """pagedllm's own flags that vLLM's list does not have, and what each is for."""
 

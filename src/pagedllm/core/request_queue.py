@@ -1,4 +1,4 @@
-"""The waiting queue, in scheduling-policy order (fcfs, or priority then arrival)."""
+"""The waiting queue, in scheduling-policy order (fcfs, or priority then arrival; slo: core/slo_queue.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from pagedllm.core.request import Request
+from pagedllm.core.slo_queue import SLORequestQueue
 
 
 class FCFSRequestQueue:
@@ -76,10 +77,13 @@ class PriorityRequestQueue:
         return (entry[3] for entry in sorted(self._heap))
 
 
-def create_request_queue(policy: str) -> FCFSRequestQueue | PriorityRequestQueue:
-    """The waiting queue for a SchedulerConfig.scheduling_policy ("fcfs" or "priority")."""
+def create_request_queue(policy: str, slo_max_wait_s: float = 30.0
+                         ) -> FCFSRequestQueue | PriorityRequestQueue | SLORequestQueue:
+    """The waiting queue for a SchedulerConfig.scheduling_policy ("fcfs", "priority" or "slo": core/slo_queue.py)."""
     if policy == "fcfs":
         return FCFSRequestQueue()
     if policy == "priority":
         return PriorityRequestQueue()
-    raise ValueError(f"scheduling policy must be fcfs or priority, got {policy!r}.")
+    if policy == "slo":
+        return SLORequestQueue(slo_max_wait_s)
+    raise ValueError(f"scheduling policy must be fcfs, priority or slo, got {policy!r}.")

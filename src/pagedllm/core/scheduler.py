@@ -3,7 +3,7 @@
 Each request has num_computed_tokens and num_tokens (prompt + outputs so far); a step decides how many tokens each
 request advances. One step (see DESIGN section 4):
   1. running requests, in order, get min(needed, budget left); a failed allocation preempts the lowest-priority,
-     latest-arrived running request (recompute) and retries;
+     latest-arrived running request (recompute; --scheduling-policy slo: core/slo_queue.py) and retries;
   2. only if nothing was preempted, waiting requests in policy order, after a prefix-cache lookup;
   3. update_from_output appends sampled tokens, checks stops, frees finished requests and registers newly full
      blocks in the prefix cache.
@@ -32,6 +32,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.scheduler_introspection import SchedulerIntrospection
 from pagedllm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedllm.core.slo_queue import shed_unattainable
 from pagedllm.core.step_builder import StepBuilder
 from pagedllm.core.stop_check import append_and_check_stop, check_stop
 from pagedllm.messages import EngineCoreOutput, EngineCoreOutputs, RoutedTokenCounts
@@ -87,7 +88,11 @@ class Scheduler(SchedulerIntrospection):
             kv_cache_layout, num_blocks, self.block_size, cache_config.enable_prefix_caching, self.max_model_len,
             enable_kv_cache_events, self.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
-        self.waiting = create_request_queue(scheduler_config.scheduling_policy)
+        self.waiting = create_request_queue(scheduler_config.scheduling_policy, scheduler_config.slo_max_wait_s)
+        self.slo = scheduler_config.scheduling_policy == "slo"
+        self.shed_outputs: list[EngineCoreOutput] = []
+        """--scheduling-policy slo: the errors of requests shed since EngineCore.step last took them."""
+        self.num_slo_shed = 0
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         """Finished or aborted since the last schedule(); sent in the next SchedulerOutput."""
@@ -98,7 +103,7 @@ class Scheduler(SchedulerIntrospection):
         self.pipeline_parallel = pipeline_parallel
         self.num_steps = 0
         """schedule() calls so far: the next SchedulerOutput's step_id."""
-        self._last_stats = (0, 0, 0)  # (queries, hits, preemptions) at the last make_stats()
+        self._last_stats = (0, 0, 0, 0)  # (queries, hits, preemptions, slo sheds) at the last make_stats()
         self._last_connector_stats: dict[str, float] = {}  # the KV connector's get_stats() then
         self.speculative_config = speculative_config
         self.verify_cost = VerifyCost(speculative_config) if speculative_config else None
@@ -180,6 +185,8 @@ class Scheduler(SchedulerIntrospection):
         step.use_spec = spec is not None and (spec.disable_by_batch_size is None
                                               or len(self.running) < spec.disable_by_batch_size)
         self.num_waiting_for_mask = 0
+        if self.slo and self.waiting:
+            shed_unattainable(self)
         self._schedule_running(step)
         if not step.preempted_reqs:
             self._schedule_waiting(step)
@@ -268,6 +275,8 @@ class Scheduler(SchedulerIntrospection):
 
     def _select_victim(self) -> int:
         """Index in self.running of the lowest-priority, latest-arrived request (ties: the later position)."""
+        if self.slo:
+            return self.waiting.select_victim(self.running)
         priority = self.scheduler_config.scheduling_policy == "priority"
         key = (lambda r: (r.priority, r.arrival_time)) if priority else (lambda r: r.arrival_time)
         best, best_key = 0, key(self.running[0])

@@ -12,7 +12,7 @@ class SchedulerIntrospection:
     def make_stats(self) -> SchedulerStats:
         """A snapshot; the *_delta counters count since the previous call."""
         kv = self.kv_cache_manager
-        totals = (kv.prefix_cache_queries, kv.prefix_cache_hits, self.num_preemptions)
+        totals = (kv.prefix_cache_queries, kv.prefix_cache_hits, self.num_preemptions, self.num_slo_shed)
         deltas = [now - before for now, before in zip(totals, self._last_stats, strict=True)]
         self._last_stats = totals
         spec_stats, self._spec_stats = self._spec_stats, self._new_spec_stats()
@@ -26,6 +26,7 @@ class SchedulerIntrospection:
             prefix_cache_queries_delta=deltas[0],
             prefix_cache_hits_delta=deltas[1],
             num_preemptions_delta=deltas[2],
+            num_slo_shed_delta=deltas[3],
             spec_decoding_stats=spec_stats,
             expert_routed_tokens_delta=self.routed_tokens.take(),
             external_prefix_cache_queries_delta=ext_queries,

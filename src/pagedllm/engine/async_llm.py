@@ -57,7 +57,12 @@ logger = logging.getLogger(__name__)
 
 
 class RequestFailedError(RuntimeError):
-    """The engine finished a request with an error (finish_reason "error")."""
+    """The engine finished a request with an error (finish_reason "error"); `code`: its kind (None: a failure;
+    messages.SLO_UNATTAINABLE: shed by --scheduling-policy slo)."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 class RequestAbortedError(RuntimeError):
@@ -216,7 +221,7 @@ class AsyncLLM(UtilityCalls):
                     raise item
                 finished = item.finished
                 if item.error is not None:
-                    raise RequestFailedError(item.error)
+                    raise RequestFailedError(item.error, getattr(item, "error_code", None))
                 yield item
         finally:
             self.queues.pop(request_id, None)

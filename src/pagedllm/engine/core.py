@@ -105,6 +105,8 @@ class EngineCore(SleepMode):
             self.batch_queue: deque[tuple[StepFuture, SchedulerOutput]] = deque()
             """Submitted steps not yet applied, oldest first (pipeline parallelism or async scheduling only)."""
             self.max_batch_queue_depth = 0
+            self._submitted_at: dict[int, float] = {}  # step_id -> perf_counter at submission (batch queue)
+            self._last_result_at = 0.0
             """The most steps in flight at once so far (tests and diagnostics)."""
             self.step_seconds = 0.0
             """A moving average of the model's time per step (the mask wait's budget is a fraction of it)."""
@@ -151,7 +153,8 @@ class EngineCore(SleepMode):
                            max_logprobs=self.config.model_config.max_logprobs,
                            logprobs_are_logits=self.config.model_config.logprobs_mode.endswith("logits"),
                            grammar_compile_timeout_s=so_config.compile_timeout_s,
-                           priority_scheduling=self.config.scheduler_config.scheduling_policy == "priority",
+                           priority_scheduling=self.config.scheduler_config.scheduling_policy in ("priority", "slo"),
+                           slo_scheduling=self.config.scheduler_config.scheduling_policy == "slo",
                            json_disable_any_whitespace=so_config.disable_any_whitespace,
                            json_disable_additional_properties=so_config.disable_additional_properties,
                            runner_type=self.runner_type, pooler=self.pooler, **self._lora_limits())
@@ -212,7 +215,14 @@ class EngineCore(SleepMode):
     def step(self) -> EngineCoreOutputs:
         """Schedule, execute and update once. With nothing to run, returns outputs with stats only.
 
-        With pipeline parallelism, step_with_batch_queue instead: one call submits a step or applies the oldest."""
+        With pipeline parallelism, step_with_batch_queue instead: one call submits a step or applies the oldest.
+        The errors of requests --scheduling-policy slo shed while scheduling go out first."""
+        outputs = self._step()
+        if self.scheduler.shed_outputs:
+            outputs.outputs[:0], self.scheduler.shed_outputs = self.scheduler.shed_outputs, []
+        return outputs
+
+    def _step(self) -> EngineCoreOutputs:
         if self.paused:  # asleep: nothing runs (sleep_mode.py)
             return EngineCoreOutputs(scheduler_stats=self.make_stats(), timestamp=time.time())
         if self.batch_queue_size > 1:
@@ -227,6 +237,9 @@ class EngineCore(SleepMode):
             seconds = time.perf_counter() - start
             if scheduler_output.num_scheduled_tokens:
                 self.step_seconds = seconds if not self.step_seconds else 0.8 * self.step_seconds + 0.2 * seconds
+                if self.scheduler.slo:  # the throughput its prefill estimates use (core/slo_queue.py)
+                    self.scheduler.waiting.observe_step(scheduler_output.total_num_scheduled_tokens, seconds,
+                                                        len(scheduler_output.num_scheduled_tokens))
             if self.scheduler.verify_cost is not None:  # the speculation guard's measure of a draft's cost
                 self.scheduler.verify_cost.observe(scheduler_output.num_scheduled_tokens,
                                                    scheduler_output.scheduled_spec_decode_tokens, seconds)
@@ -287,6 +300,7 @@ class EngineCore(SleepMode):
                 except Exception:
                     return self._step_failed(scheduler_output)
                 queue.append((future, scheduler_output))
+                self._submitted_at[scheduler_output.step_id] = time.perf_counter()
                 self.max_batch_queue_depth = max(self.max_batch_queue_depth, len(queue))
                 submitted = bool(scheduler_output.num_scheduled_tokens)
             else:  # nothing ran: the next step tells the workers what finished meanwhile
@@ -302,7 +316,18 @@ class EngineCore(SleepMode):
             raise
         except Exception:
             return self._step_failed(scheduler_output)
+        self._observe_pipelined_step(scheduler_output)
         return self._apply(scheduler_output, runner_output)
+
+    def _observe_pipelined_step(self, scheduler_output: SchedulerOutput) -> None:
+        """--scheduling-policy slo's step-time measure with steps in flight: from the later of the step's submission
+        and the previous step's result to its own result (the pipeline's time per step)."""
+        now, submitted = time.perf_counter(), self._submitted_at.pop(scheduler_output.step_id, None)
+        if self.scheduler.slo and submitted is not None and scheduler_output.total_num_scheduled_tokens:
+            self.scheduler.waiting.observe_step(scheduler_output.total_num_scheduled_tokens,
+                                                now - max(submitted, self._last_result_at),
+                                                len(scheduler_output.num_scheduled_tokens))
+        self._last_result_at = now
 
     def publish_kv_events(self) -> None:
         """Hand the KV-cache events recorded since the last call to the publisher, as one batch (if any)."""

@@ -114,7 +114,7 @@ class EngineCoreProc:
         stats = outputs.scheduler_stats
         gauges = None if stats is None else replace(
             stats, prefix_cache_queries_delta=0, prefix_cache_hits_delta=0, num_preemptions_delta=0,
-            spec_decoding_stats=None, grammar_compiles_delta=0, grammar_compile_seconds_delta=0.0,
+            num_slo_shed_delta=0, spec_decoding_stats=None, grammar_compiles_delta=0, grammar_compile_seconds_delta=0.0,
             grammar_cache_hits_delta=0, expert_routed_tokens_delta=None, kv_connector_stats_delta=None,
             external_prefix_cache_queries_delta=0, external_prefix_cache_hits_delta=0)
         for client, client_outputs in enumerate(by_client):

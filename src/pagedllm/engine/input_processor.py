@@ -96,6 +96,11 @@ class InputProcessor:
         if priority != 0 and not limits.priority_scheduling:
             raise InvalidRequestError(f"Got priority {priority} but priority scheduling is not enabled (start the "
                                       "server with --scheduling-policy priority).", param="priority")
+        if not limits.slo_scheduling:
+            for name in ("ttft_slo_ms", "tpot_slo_ms"):
+                if getattr(params, name) is not None:
+                    raise InvalidRequestError(f"Got {name} but SLO scheduling is not enabled (start the server with "
+                                              "--scheduling-policy slo).", param=name)
         num_prompt = len(prompt_token_ids)
         if num_prompt >= limits.max_model_len:
             raise InvalidRequestError(

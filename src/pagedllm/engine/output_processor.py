@@ -77,6 +77,7 @@ class RequestState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    error_code: str | None = None
     is_pooling: bool = False
     """A pooling request: its one output is an EmbeddingRequestOutput with `pooled`."""
     pooled: list[float] | None = None
@@ -241,6 +242,7 @@ class OutputProcessor:
             state.finish_reason = str(out.finish_reason)
             state.stop_reason = out.stop_reason
             state.error = out.error
+            state.error_code = out.error_code
         return stopped_here
 
     def _convert(self, entry: LogprobsEntry) -> PositionLogprobs:
@@ -302,4 +304,5 @@ class OutputProcessor:
         return RequestOutput(request_id=request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
                              outputs=outputs, finished=finished, prompt_logprobs=prompt_logprobs,
                              num_cached_tokens=state.num_cached_tokens, metrics=metrics, error=state.error,
+                             error_code=state.error_code,
                              kv_transfer_params=kv_transfer_params if finished else None)

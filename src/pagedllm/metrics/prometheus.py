@@ -126,6 +126,7 @@ class PrometheusStatLogger:
             series.prefix_cache_queries.inc(scheduler_stats.prefix_cache_queries_delta)
             series.prefix_cache_hits.inc(scheduler_stats.prefix_cache_hits_delta)
             series.num_preemptions.inc(scheduler_stats.num_preemptions_delta)
+            series.slo_shed_requests.inc(scheduler_stats.num_slo_shed_delta)
             if scheduler_stats.spec_decoding_stats is not None:
                 self._record_spec_decode(scheduler_stats.spec_decoding_stats, engine)
             if scheduler_stats.expert_routed_tokens_delta is not None:
@@ -224,6 +225,8 @@ class _Families:
             "vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache "
             "sharing, in terms of number of cached tokens.")
         self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.slo_shed_requests = counter("pagedllm:slo_shed_requests", "Requests refused early by "
+                                         "--scheduling-policy slo: their ttft_slo_ms deadline was out of reach.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.request_success = Counter("vllm:request_success", "Count of finished requests by finish reason.",

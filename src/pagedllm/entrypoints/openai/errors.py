@@ -18,6 +18,7 @@ from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.engine.input_processor import InvalidRequestError
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, random_uuid
 from pagedllm.log_escape import escape_control
+from pagedllm.messages import SLO_UNATTAINABLE
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,8 @@ def to_api_error(e: BaseException, value_error_is_bad_request: bool = True) -> A
     if isinstance(e, RequestAbortedError):
         return unavailable(str(e), "aborted", retry_after_s=1)
     if isinstance(e, RequestFailedError):
+        if e.code == SLO_UNATTAINABLE:  # overload, not a fault: 503 like a full queue (the client may retry later)
+            return unavailable(str(e), SLO_UNATTAINABLE)
         return internal(str(e))
     if isinstance(e, UnicodeError):
         return bad_request("The request contains text that is not valid Unicode (a lone surrogate?).")

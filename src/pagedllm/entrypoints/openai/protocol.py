@@ -136,6 +136,11 @@ class SamplingFields(StructuredOutputFields):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: Int = 0
+    ttft_slo_ms: Float | None = range_field(exclusive_minimum=0, description="pagedllm's, with --scheduling-policy "
+                                            "slo only: time-to-first-token deadline in ms after arrival; a request "
+                                            "that can no longer meet it is refused (503, slo_unattainable).")
+    tpot_slo_ms: Float | None = range_field(exclusive_minimum=0, description="pagedllm's, with --scheduling-policy "
+                                            "slo only: time per output token in ms (the deadline of later tokens).")
     cache_salt: str | None = Field(None, description=f"Prefix-cache isolation key (1 to {MAX_CACHE_SALT_LEN} "
                                    "characters).", json_schema_extra={"minLength": 1, "maxLength": MAX_CACHE_SALT_LEN})
     request_id: str | None = Field(None, json_schema_extra={"minLength": 1, "maxLength": MAX_REQUEST_ID_LEN})

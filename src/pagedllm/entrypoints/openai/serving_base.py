@@ -173,7 +173,8 @@ class OpenAIServing:
             max_tokens=max_tokens, min_tokens=request.min_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
-            include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=logit_bias, **kwargs)
+            include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=logit_bias,
+            ttft_slo_ms=request.ttft_slo_ms, tpot_slo_ms=request.tpot_slo_ms, **kwargs)
 
     def add_requests(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
                      params: SamplingParams | list[SamplingParams], request: SamplingFields,
