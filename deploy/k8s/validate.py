@@ -13,7 +13,7 @@
    discovery even with --validate=false, so it cannot run without a cluster.)
 
 Exit status 1 on the first kind of failure; every problem is printed. tests/deploy/test_k8s_manifests.py runs 1
-(and 2 where the deploy extra is installed) and checks every flag, probe, port and metric name against the code.
+and 2 (the CRD models are in the test extra too) and checks every flag, probe, port and metric name against the code.
 """
 
 from __future__ import annotations
