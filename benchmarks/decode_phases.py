@@ -16,6 +16,11 @@ the core (on a crowded machine wall time measures the queue, not the code).
 Decode steps of a quantized model run as one native call (models/llama_native_step.py): "native decode step"
 then holds the decoder layers and the final norm, and the per-module phases stay empty. PAGEDLLM_NATIVE_STEP=0
 runs the modules instead (the before / after comparison).
+
+Last, the weight-streaming floor of a batch-1 step (issue 38): the bytes a decode step reads (every tensor of the
+default GGUF but the token embedding, which counts only when the LM head is tied to it) divided by the machine's
+measured read bandwidth (a torch sum over a 512 MiB buffer on torch's threads, median of 15), and each phase's
+ratio to it.
 """
 
 import collections
@@ -24,6 +29,7 @@ import sys
 import time
 
 import numpy as np
+import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.core import EngineCore
@@ -31,6 +37,7 @@ from pagedllm.layers.attention import PagedAttention
 from pagedllm.layers.linear import Linear
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from pagedllm.models.llama_native_step import LlamaNativeDecodeStep
+from pagedllm.models.resolve import resolve_model
 from pagedllm.worker.model_runner import ModelRunner
 
 PHASES = [
@@ -87,6 +94,36 @@ def main() -> None:
     for _, _, label in PHASES:
         values = [s[label] * 1e3 for s in steps]
         print(f"  {label:26s} {statistics.median(values):7.2f} {statistics.fmean(values):7.2f}")
+    print_floor(statistics.median(s["execute_model"] for s in steps) * 1e3)
+
+
+def weight_bytes_per_step() -> int:
+    """Bytes of weights a decode step reads: the default GGUF's tensors, the token embedding only if tied."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(resolve_model(None).path).tensors}
+    if "output.weight" in tensors:  # an LM head of its own: the embedding is a row lookup
+        tensors.pop("token_embd.weight")
+    return sum(tensors.values())
+
+
+def read_bandwidth(mib: int = 512, repeats: int = 15) -> float:
+    """Bytes per second a torch sum reads from a buffer far larger than the caches (torch's thread count)."""
+    buffer = torch.ones(mib << 18, dtype=torch.float32)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - t0)
+    return buffer.nbytes / statistics.median(times)
+
+
+def print_floor(execute_ms: float) -> None:
+    nbytes, bandwidth = weight_bytes_per_step(), read_bandwidth()
+    floor_ms = nbytes / bandwidth * 1e3
+    print(f"floor: {nbytes / 1e6:.1f} MB of weights per step / {bandwidth / 1e9:.1f} GB/s read bandwidth "
+          f"({torch.get_num_threads()} threads) = {floor_ms:.2f} ms; execute_model {execute_ms:.2f} ms = "
+          f"{execute_ms / floor_ms:.2f}x the floor")
 
 
 if __name__ == "__main__":
