@@ -105,9 +105,9 @@ class EngineCore(SleepMode):
             self.batch_queue: deque[tuple[StepFuture, SchedulerOutput]] = deque()
             """Submitted steps not yet applied, oldest first (pipeline parallelism or async scheduling only)."""
             self.max_batch_queue_depth = 0
+            """The most steps in flight at once so far (tests and diagnostics)."""
             self._submitted_at: dict[int, float] = {}  # step_id -> perf_counter at submission (batch queue)
             self._last_result_at = 0.0
-            """The most steps in flight at once so far (tests and diagnostics)."""
             self.step_seconds = 0.0
             """A moving average of the model's time per step (the mask wait's budget is a fraction of it)."""
             self.executor.initialize_kv_cache(self.num_blocks)
