@@ -1,6 +1,6 @@
 """Per-phase wall time of decode steps at batch B: B prompts of 256 random ids, 40 output tokens, greedy.
 
-    .venv/bin/python benchmarks/decode_phases.py [B] [output tokens, default 40] [wall|cpu]
+    .venv/bin/python benchmarks/decode_phases.py [B] [output tokens, default 40] [wall|cpu] [engine args as JSON]
 
 Wraps the model runner's phases and the layers' forward calls in timers, counts only steps where every running
 request decodes, and prints milliseconds per step for each phase, the median over steps (robust to a shared
@@ -24,6 +24,7 @@ ratio to it.
 """
 
 import collections
+import json
 import statistics
 import sys
 import time
@@ -85,7 +86,8 @@ def main() -> None:
         return engine_step(self)
 
     EngineCore.step = step
-    llm = LLM(max_model_len=2048, kv_cache_memory=512 << 20)
+    extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}  # engine args, e.g. {"activation_quantization": "int8"}
+    llm = LLM(max_model_len=2048, kv_cache_memory=512 << 20, **extra)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 40000, 256).tolist() for _ in range(batch)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
