@@ -35,7 +35,6 @@ if TYPE_CHECKING:  # for type checkers: the attributes module __getattr__ serves
     PAGEDLLM_CACHE_DIR: str | None
     PAGEDLLM_NATIVE_KERNELS: bool
     PAGEDLLM_NATIVE_STEP: bool
-    PAGEDLLM_AMX: bool
     PAGEDLLM_CPU_SHM_ALLREDUCE: bool
     PAGEDLLM_DP_ROUTER: str | None
     PAGEDLLM_API_PROFILE: str | None
@@ -123,8 +122,6 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[Callable[[], Any], str]] = {
     "PAGEDLLM_NATIVE_KERNELS": (_switch("PAGEDLLM_NATIVE_KERNELS", True), "0: no native CPU kernels (torch paths)."),
     "PAGEDLLM_NATIVE_STEP": (_switch("PAGEDLLM_NATIVE_STEP", True),
                              "0: never build the Llama native step (the module path runs every step)."),
-    "PAGEDLLM_AMX": (_switch("PAGEDLLM_AMX", True),
-                     "0: the 8-bit-activation linears never use AMX tiles (the AVX-512 VNNI path: the same bits)."),
     "PAGEDLLM_CPU_SHM_ALLREDUCE": (_switch("PAGEDLLM_CPU_SHM_ALLREDUCE", True),
                                    "0: tensor-parallel all-reduce over gloo only, not shared memory."),
     "PAGEDLLM_DP_ROUTER": (_str("PAGEDLLM_DP_ROUTER"), "The data-parallel routing policy (default prefix)."),

@@ -11,7 +11,6 @@ from gguf import GGMLQuantizationType as Q
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 
-from pagedllm import envs
 from pagedllm.kernels import quant_q8act as qa8
 from pagedllm.layers.int8_activation_weight import Int8ActivationWeight
 from pagedllm.models.gguf_unpack import unpack
@@ -141,22 +140,3 @@ def test_an_output_group_has_the_same_bits_in_the_wide_tile(qtype):
             assert torch.equal(a.matmul(x), torch.roll(b.matmul(x), -8, dims=1)), t
     finally:
         torch.set_num_threads(threads)
-
-
-@pytest.mark.skipif(not qa8.amx_ready(), reason="needs a CPU with AMX-INT8 (quant_q8act_amx_cpu.c)")
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_1, Q.Q8_0], ids=lambda t: t.name)
-def test_amx_tiles_give_the_vnni_paths_bits(qtype):
-    """From 16 rows on, whole pairs of 8-output groups run on AMX tiles: the same integer block sums and the same
-    fp32 op sequence, so the same bits as the AVX-512 / AVX2 tiles, for any row count (padding to 16 rows, slices
-    of 128) and with an odd group left over (n = 8 * 13 + 5: six pairs, then a group and a partial one)."""
-    n, k = 109, 1024
-    weight = packed(qtype, n, k, seed=6)
-    x = torch.randn(300, k, generator=torch.Generator().manual_seed(7))
-    try:
-        for m in (16, 17, 31, 129, 300):
-            qa8.enable_amx(True)
-            tiles = weight.matmul(x[:m])
-            qa8.enable_amx(False)
-            assert torch.equal(tiles, weight.matmul(x[:m])), m
-    finally:
-        qa8.enable_amx(envs.PAGEDLLM_AMX)

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("paged_attention_cpu.c", "kv_cache_cpu.c", "elementwise_cpu.c", "quant_linear_cpu.c",
-                         "quant_q8act_cpu.c", "quant_q8act_amx_cpu.c", "llama_decode_cpu.c", "ngram_cpu.c",
+                         "quant_q8act_cpu.c", "llama_decode_cpu.c", "ngram_cpu.c",
                          "suffix_cpu.c", "shm_all_reduce_cpu.c", "sampling_cpu.c")]
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the cache key
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]

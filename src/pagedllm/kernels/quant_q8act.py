@@ -8,7 +8,6 @@ import functools
 
 import torch
 
-from pagedllm import envs
 from pagedllm.kernels import cpu_kernels
 
 U4, U5, S8 = 0, 1, 2  # weight kinds: codes 0..15 with an offset, 0..31 with an offset, int8 without
@@ -25,29 +24,12 @@ def _kernel() -> ctypes.CDLL | None:
     lib.q8act_linear_f32.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, i64, ptr]
     lib.q8act_quantize_f32.restype = None
     lib.q8act_quantize_f32.argtypes = [ptr, i64, i64, ptr, ptr, ptr]
-    lib.q8act_amx_ready.restype = ctypes.c_int
-    lib.q8act_amx_enable.argtypes = [ctypes.c_int]
-    lib.q8act_amx_enable(int(envs.PAGEDLLM_AMX))
     return lib
 
 
 def available() -> bool:
     """Whether the kernel runs here (native kernels built, CPU with AVX2 and FMA)."""
     return _kernel() is not None
-
-
-def amx_ready() -> bool:
-    """Whether calls of 16 rows or more run on AMX tiles here (quant_q8act_amx_cpu.c: the same bits)."""
-    lib = _kernel()
-    return lib is not None and bool(lib.q8act_amx_ready())
-
-
-def enable_amx(on: bool) -> None:
-    """Let the kernel use the AMX tiles where the CPU has them (the default), or not: a before / after switch for
-    benchmarks and the tests' bitwise comparison."""
-    lib = _kernel()
-    if lib is not None:
-        lib.q8act_amx_enable(int(on))
 
 
 def q8act_linear(kind: int, wq: torch.Tensor, d: torch.Tensor, mn: torch.Tensor | None, out_features: int,

@@ -36,16 +36,6 @@ enum { W_U4 = 0, W_U5 = 1, W_S8 = 2 };
 #define MR 4        /* activation rows per tile (a tile is MR rows x 8 outputs) */
 #define M_CHUNK 64  /* activation rows kept hot in L2 while a thread walks its weight rows */
 #define CHUNKS_PER_THREAD 4
-#define AMX_MIN_ROWS 16  /* from here on the AMX tiles (quant_q8act_amx_cpu.c) take whole group pairs */
-
-/* quant_q8act_amx_cpu.c: the same sums on AMX tiles (q8act_amx_ready() is 0 where the CPU or kernel lacks them) */
-int q8act_amx_ready(void);
-void q8act_amx_configure(void);
-void q8act_amx_release(void);
-void q8act_amx_scales(const float *da, const float *sa, int64_t rows, int64_t nb, float *scales);
-void q8act_amx_groups(int wtype, const uint8_t *wq, const float *d, const float *mn, int64_t N, int64_t K,
-                      const int8_t *qa, const float *scales, int64_t rows, float *out, int64_t first, int64_t last,
-                      uint8_t *bt);
 
 /* Keeps v in a register here: without it gcc reassociates a tile's integer sums (exact, so it may), computes
  * every product of a block first and spills them to the stack (half the speed). */
@@ -351,15 +341,11 @@ int q8act_linear_f32(int wtype, const uint8_t *wq, const float *d, const float *
                      const float *x, int64_t M, float *out) {
     const int64_t nb = K / QK, num_groups = (N + 7) / 8;
     const int64_t bytes = wtype == W_S8 ? 256 : wtype == W_U5 ? 160 : 128;  /* per group and block */
-    const int amx = M >= AMX_MIN_ROWS && q8act_amx_ready();
-    const int64_t rows = amx ? (M + 15) / 16 * 16 : M;  /* AMX: zero rows up to a multiple of 16 */
-    int8_t *qa = aligned_alloc(64, (size_t)((rows * K + 63) / 64 * 64));
+    int8_t *qa = aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
     float *da = malloc(sizeof(float) * (size_t)(M * nb)), *sa = malloc(sizeof(float) * (size_t)(M * nb));
-    float *scales = amx ? malloc(sizeof(float) * (size_t)(2 * rows * nb)) : NULL;  /* AMX: da, sa by 16 rows */
     const int need_ia = WIDE && wtype == W_S8;  /* S8 in the wide tiles: each row's block sums of qa */
     int32_t *ia = need_ia ? malloc(sizeof(int32_t) * (size_t)(M * nb)) : NULL;
-    if (qa == NULL || da == NULL || sa == NULL || (need_ia && ia == NULL) || (amx && scales == NULL)) {
-        free(scales);
+    if (qa == NULL || da == NULL || sa == NULL || (need_ia && ia == NULL)) {
         free(qa);
         free(da);
         free(sa);
@@ -367,30 +353,17 @@ int q8act_linear_f32(int wtype, const uint8_t *wq, const float *d, const float *
         return -1;
     }
     quantize_rows(x, M, K, qa, da, sa, ia);
-    if (amx) {
-        memset(qa + M * K, 0, (size_t)((rows - M) * K));
-        q8act_amx_scales(da, sa, M, nb, scales);
-    }
-    const int64_t full_groups = N / 8;  /* groups with 8 real outputs */
 #pragma omp parallel num_threads(M * N * K >= (1 << 18) ? omp_get_max_threads() : 1)
     {
-        /* a group pair's codes as B tiles, then its block sums of 16 rows (quant_q8act_amx_cpu.c) */
-        uint8_t *bt = amx ? aligned_alloc(64, (size_t)(nb * (512 + 1024))) : NULL;
-        if (bt != NULL) q8act_amx_configure();
         const int64_t nth = omp_get_num_threads();
         int64_t chunk = (num_groups + nth * CHUNKS_PER_THREAD - 1) / (nth * CHUNKS_PER_THREAD);
         if (WIDE) chunk = (chunk + 3) / 4 * 4;  /* chunks of whole group quads, whatever the threads */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t first = 0; first < num_groups; first += chunk) {
             const int64_t last = first + chunk < num_groups ? first + chunk : num_groups;
-            int64_t start = first;  /* the groups before it went through the AMX tiles */
-            if (bt != NULL && first < full_groups) {
-                start = first + ((last < full_groups ? last : full_groups) - first) / 2 * 2;
-                q8act_amx_groups(wtype, wq, d, mn, N, K, qa, scales, M, out, first, start, bt);
-            }
             for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
                 const int64_t m1 = m0 + M_CHUNK < M ? m0 + M_CHUNK : M;
-                for (int64_t g = start; g < last; g++) {
+                for (int64_t g = first; g < last; g++) {
                     const int64_t n0 = g * 8, valid = N - n0 < 8 ? N - n0 : 8;
 #if WIDE
                     /* four full groups (32 outputs), or two (16), or one in tile() below */
@@ -418,12 +391,7 @@ int q8act_linear_f32(int wtype, const uint8_t *wq, const float *d, const float *
                 }
             }
         }
-        if (bt != NULL) {
-            q8act_amx_release();
-            free(bt);
-        }
     }
-    free(scales);
     free(qa);
     free(da);
     free(sa);
