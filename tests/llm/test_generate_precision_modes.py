@@ -88,3 +88,20 @@ def test_batching_never_changes_greedy_output_within_a_precision_mode(request, n
 def test_unknown_kv_cache_dtype_is_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match="kv-cache-dtype"):
         _llm(tiny_llama_dir, kv_cache_dtype="fp8_inc")
+
+
+def test_int8_activations_default_to_a_bf16_kv_cache(tiny_llama_gguf_quantized, tiny_llama_dir):
+    """--activation-quantization int8 resolves --kv-cache-dtype auto to bfloat16 (the fast mode's default, measured
+    in benchmarks/RESULTS.md); an explicit dtype, float32 included, is kept; without the fast mode auto is the
+    model dtype; a float32 cache under a bf16 model is refused."""
+    pools = {}
+    for name, options in {"fast": {"activation_quantization": "int8"},
+                          "fast-fp32-kv": {"activation_quantization": "int8", "kv_cache_dtype": "float32"},
+                          "lossless": {}}.items():
+        engine = _llm(tiny_llama_gguf_quantized, kv_cache_memory=3 << 20, **options).llm_engine.engine_core
+        pools[name] = (engine.runner.kv_caches[0].dtype, engine.cache_config_info()["cache_dtype"])
+        engine.shutdown()
+    assert pools == {"fast": (torch.bfloat16, "bfloat16"), "fast-fp32-kv": (torch.float32, "float32"),
+                     "lossless": (torch.float32, "auto")}
+    with pytest.raises(ValueError, match="float32 needs a float32 model"):
+        _llm(tiny_llama_dir, dtype="bfloat16", kv_cache_dtype="float32")

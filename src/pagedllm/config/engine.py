@@ -151,11 +151,13 @@ class CacheConfig:
     """Fraction of GPU memory for weights, activations and KV cache (CUDA only)."""
     num_gpu_blocks_override: int | None = None
     """Use exactly this many KV blocks, whatever the memory budget (for tests and experiments)."""
-    kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
-    """KV cache storage dtype. auto: the model dtype. bfloat16 holds 2x and fp8 4x the tokens of a float32 cache in
-    the same memory; fp8 means fp8_e4m3 (OCP E4M3FN, largest value 448), fp8_e5m2 has more range and less
-    precision. Values are rounded to nearest and saturated, with scale 1.0 unless --calculate-kv-scales; attention
-    computes in the model dtype."""
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    """KV cache storage dtype. auto: the model dtype, except with --activation-quantization int8, whose auto is
+    bfloat16 (that mode is lossy already; a decode step reads half the KV bytes: offline 1.07-1.16x as fast, drift within
+    its own, benchmarks/RESULTS.md); float32 (pagedllm's, not a vLLM choice): a float32 cache in any mode.
+    bfloat16 holds 2x and fp8 4x the tokens of a float32 cache in the same memory; fp8 means fp8_e4m3 (OCP E4M3FN,
+    largest value 448), fp8_e5m2 has more range and less precision. Values are rounded to nearest and saturated,
+    with scale 1.0 unless --calculate-kv-scales; attention computes in the model dtype."""
     calculate_kv_scales: bool | None = None
     """fp8 KV cache: per-layer K and V scales (vLLM's k_scale = amax(K) / 200, v_scale = amax(V) / 100, as powers of
     two) calculated once at load from a fixed calibration text, not from live requests, and K rounded with error
@@ -379,6 +381,8 @@ class EngineConfig:
             if self.parallel_config.pipeline_parallel_size > 1:
                 raise ValueError("--async-scheduling is not supported with pipeline parallelism (as with vLLM's V1 "
                                  "model runner): its batch queue already keeps a step in flight per stage.")
+        if self.model_config.activation_quantization == "int8" and self.cache_config.kv_cache_dtype == "auto":
+            self.cache_config.kv_cache_dtype = "bfloat16"  # the fast mode's KV default (CacheConfig.kv_cache_dtype)
         self.kv_transfer_config = offloading_transfer_config(
             self.cache_config.kv_offloading_size, self.cache_config.kv_offloading_backend, self.kv_transfer_config)
         if self.kv_transfer_config is not None:

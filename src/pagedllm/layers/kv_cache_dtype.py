@@ -28,7 +28,7 @@ import math
 
 import torch
 
-KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}
 
 
@@ -41,6 +41,9 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
         raise ValueError(f"--kv-cache-dtype {name!r} is not supported; choose one of auto, "
                          f"{', '.join(KV_CACHE_DTYPES)}.")
     dtype = KV_CACHE_DTYPES[name]
+    if dtype == torch.float32 and model_dtype != torch.float32:
+        raise ValueError(f"--kv-cache-dtype float32 needs a float32 model (--dtype float32); this one runs in "
+                         f"{str(model_dtype).removeprefix('torch.')}.")
     try:  # the conversions the cache write and the attention do, on this device
         probe = torch.tensor([1.0, -0.5], device=device)
         back = to_cache_dtype(probe, dtype).to(model_dtype)
