@@ -86,7 +86,7 @@ def main() -> None:
         return engine_step(self)
 
     EngineCore.step = step
-    extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}  # engine args, e.g. {"activation_quantization": "int8"}
+    extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}  # engine args: {"activation_quantization": "int8"}
     llm = LLM(max_model_len=2048, kv_cache_memory=512 << 20, **extra)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 40000, 256).tolist() for _ in range(batch)]

@@ -153,8 +153,8 @@ class CacheConfig:
     """Use exactly this many KV blocks, whatever the memory budget (for tests and experiments)."""
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     """KV cache storage dtype. auto: the model dtype, except with --activation-quantization int8, whose auto is
-    bfloat16 (that mode is lossy already; a decode step reads half the KV bytes: offline 1.07-1.16x as fast, drift within
-    its own, benchmarks/RESULTS.md); float32 (pagedllm's, not a vLLM choice): a float32 cache in any mode.
+    bfloat16 (that mode is lossy already; a decode step reads half the KV bytes: offline 1.07-1.16x as fast, drift
+    within its own, benchmarks/RESULTS.md); float32 (pagedllm's, not a vLLM choice): a float32 cache in any mode.
     bfloat16 holds 2x and fp8 4x the tokens of a float32 cache in the same memory; fp8 means fp8_e4m3 (OCP E4M3FN,
     largest value 448), fp8_e5m2 has more range and less precision. Values are rounded to nearest and saturated,
     with scale 1.0 unless --calculate-kv-scales; attention computes in the model dtype."""

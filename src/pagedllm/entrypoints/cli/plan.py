@@ -38,7 +38,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                        help="KV cache bytes one token takes in a replica; default: from --model's config.")
     group.add_argument("--model", default=None,
                        help="The served model (default: pagedllm's default model), read for its KV bytes per token.")
-    group.add_argument("--kv-cache-dtype", default="auto", help="As `pagedllm serve --kv-cache-dtype`.")
+    group.add_argument("--kv-cache-dtype", default="auto",
+                       help="As `pagedllm serve --kv-cache-dtype` (a server with --activation-quantization int8 stores "
+                            "bfloat16 for auto: give bfloat16 here for one).")
     group.add_argument("--dtype", default="auto", help="As `pagedllm serve --dtype`.")
     group.add_argument("--kv-memory-per-replica", type=parse_bytes, default=4 << 30,
                        help="Memory one replica can give its KV cache (`4GiB`, bytes), after weights and "
