@@ -105,3 +105,22 @@ def test_int8_activations_default_to_a_bf16_kv_cache(tiny_llama_gguf_quantized, 
                      "lossless": (torch.float32, "auto")}
     with pytest.raises(ValueError, match="float32 needs a float32 model"):
         _llm(tiny_llama_dir, dtype="bfloat16", kv_cache_dtype="float32")
+
+
+def test_int8_activations_with_a_bf16_kv_cache_under_speculation_and_cache_salts(tiny_llama_gguf_quantized):
+    """The fast mode with its bf16 cache beside n-gram speculation and cache salts: the same greedy tokens as the
+    fast mode alone for every salt, drafts proposed and accepted, every block free at the end."""
+    fast = _llm(tiny_llama_gguf_quantized, num_gpu_blocks_override=256, activation_quantization="int8")
+    spec = _llm(tiny_llama_gguf_quantized, num_gpu_blocks_override=256, activation_quantization="int8",
+                speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    rng = random.Random(7)
+    vocab = fast.llm_engine.engine_core.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(3, 7))] * rng.randrange(3, 8) for _ in range(8)]
+    assert spec.llm_engine.engine_core.runner.kv_caches[0].dtype == torch.bfloat16
+    expected = [_tokens(fast.generate([p], GREEDY_12, use_tqdm=False))[0] for p in prompts]
+    salted = [{"prompt_token_ids": p, "cache_salt": salt} for p in prompts for salt in ("a", "b")]
+    assert _tokens(spec.generate(salted, GREEDY_12, use_tqdm=False)) == [t for t in expected for _ in range(2)]
+    totals = spec.llm_engine.engine_core.scheduler.spec_decoding_totals
+    assert totals.num_drafts > 0 and totals.num_accepted_tokens > 0
+    scheduler = spec.llm_engine.engine_core.scheduler
+    assert scheduler.num_free_blocks == scheduler.num_total_blocks
